@@ -1,0 +1,1 @@
+//! Propeller broker.

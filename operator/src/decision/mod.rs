@@ -1,0 +1,7 @@
+//! The pure decision core. Every module here is a function of (object, observations, now):
+//! no I/O, no clock reads, no global state. Drivers (Kubernetes, standalone) execute what
+//! these functions decide, so every rule is testable without a server.
+
+pub mod dag;
+pub mod names;
+pub mod scheduler;

@@ -1,0 +1,47 @@
+//! `propeller`: MQTT broker and operator for WebAssembly workloads.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+/// Propeller: orchestrates WebAssembly workloads on Kubernetes and edge devices.
+#[derive(Parser, Debug)]
+#[command(name = "propeller", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print the five CustomResourceDefinitions as one multi-document YAML stream.
+    Crd {
+        /// Write one file per CRD into this directory instead (as kept in `configs/crd/`).
+        #[arg(long)]
+        out_dir: Option<std::path::PathBuf>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd { out_dir: None } => {
+            let yaml = propeller_operator::crd::crds_yaml().context("rendering CRDs")?;
+            std::io::stdout()
+                .write_all(yaml.as_bytes())
+                .context("writing CRDs to stdout")?;
+        }
+        Command::Crd { out_dir: Some(dir) } => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            for crd in propeller_operator::crd::all_crds() {
+                let path = dir.join(propeller_operator::crd::crd_file_name(&crd));
+                let yaml = propeller_operator::crd::crd_yaml(&crd).context("rendering CRD")?;
+                std::fs::write(&path, yaml)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,205 @@
+//! The CRDs kept in `configs/crd/` are exactly what the types generate, and the schemas are
+//! bounded so that a real API server's CEL cost estimator accepts the rules.
+
+use propeller_operator::crd::{all_crds, crd_file_name, crd_yaml};
+use propeller_operator::validation::Admission;
+use serde_json::Value;
+
+#[test]
+fn configs_crd_matches_the_types() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/crd");
+    for crd in all_crds() {
+        let path = dir.join(crd_file_name(&crd));
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!("{}: {e}; run `cargo run -p propeller-operator --bin propeller -- crd --out-dir configs/crd`", path.display())
+        });
+        assert!(
+            on_disk == crd_yaml(&crd).unwrap(),
+            "{} drifted from the types; regenerate with `cargo run -p propeller-operator --bin propeller -- crd --out-dir configs/crd`",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn crds_have_the_upstream_names_and_subresources() {
+    let crds = all_crds();
+    let names: Vec<_> = crds
+        .iter()
+        .map(|c| c.metadata.name.clone().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "proplets.propeller.propeller.absmach.eu",
+            "tasks.propeller.propeller.absmach.eu",
+            "propellerjobs.propeller.propeller.absmach.eu",
+            "federatedjobs.propeller.propeller.absmach.eu",
+            "trainingrounds.propeller.propeller.absmach.eu",
+        ]
+    );
+    for crd in &crds {
+        assert_eq!(crd.spec.scope, "Namespaced");
+        let v = &crd.spec.versions[0];
+        assert_eq!(v.name, "v1");
+        assert!(v.served && v.storage);
+        assert!(v.subresources.as_ref().unwrap().status.is_some());
+    }
+    assert_eq!(
+        crds[2].spec.names.short_names,
+        Some(vec!["pjob".to_string()])
+    );
+    let columns = |i: usize| -> Vec<(String, String)> {
+        crds[i].spec.versions[0]
+            .additional_printer_columns
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|c| (c.name.clone(), c.json_path.clone()))
+            .collect()
+    };
+    assert_eq!(
+        columns(0).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+        [
+            "Type",
+            "Phase",
+            "Ready",
+            "Tasks",
+            "Replicas",
+            "Last Seen",
+            "Age"
+        ]
+    );
+    assert_eq!(
+        columns(1).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+        [
+            "Phase",
+            "Mode",
+            "Proplet",
+            "Start Time",
+            "Finish Time",
+            "Preferred Type",
+            "Age"
+        ]
+    );
+    assert_eq!(
+        columns(2).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+        ["Phase", "Mode", "Tasks", "Completed", "Failed", "Age"]
+    );
+    assert_eq!(
+        columns(3).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+        ["Phase", "Current Round", "Completed Rounds", "Age"]
+    );
+    assert_eq!(
+        columns(4),
+        [
+            ("Phase".to_string(), ".status.phase".to_string()),
+            ("Job".to_string(), ".spec.federatedJobRef.name".to_string()),
+            ("Updates".to_string(), ".status.updatesReceived".to_string()),
+            (
+                "Required".to_string(),
+                ".status.updatesRequired".to_string()
+            ),
+            ("Age".to_string(), ".metadata.creationTimestamp".to_string()),
+        ]
+    );
+}
+
+/// Walks a schema and reports every string, list and map without an upper bound.
+fn unbounded(schema: &Value, path: &str, out: &mut Vec<String>) {
+    let ty = schema.get("type").and_then(Value::as_str);
+    let bounded_string = schema.get("maxLength").is_some()
+        || schema.get("enum").is_some()
+        || schema.get("format").and_then(Value::as_str) == Some("date-time");
+    match ty {
+        Some("string") if !bounded_string => out.push(path.to_string()),
+        Some("array") if schema.get("maxItems").is_none() => out.push(path.to_string()),
+        Some("object")
+            if schema.get("additionalProperties").is_some()
+                && schema.get("maxProperties").is_none() =>
+        {
+            out.push(path.to_string())
+        }
+        _ => {}
+    }
+    if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+        for (k, v) in props {
+            unbounded(v, &format!("{path}.{k}"), out);
+        }
+    }
+    if let Some(items) = schema.get("items") {
+        unbounded(items, &format!("{path}[]"), out);
+    }
+    if let Some(add) = schema.get("additionalProperties").filter(|a| a.is_object()) {
+        unbounded(add, &format!("{path}{{}}"), out);
+    }
+}
+
+#[test]
+fn every_string_list_and_map_in_a_spec_with_cel_rules_is_bounded() {
+    let admission = Admission::new();
+    let mut missing = Vec::new();
+    for kind in [
+        "Proplet",
+        "Task",
+        "PropellerJob",
+        "FederatedJob",
+        "TrainingRound",
+    ] {
+        let schema = admission.schema(kind).unwrap();
+        unbounded(
+            &schema["properties"]["spec"],
+            &format!("{kind}.spec"),
+            &mut missing,
+        );
+    }
+    // Fields of embedded Kubernetes types (SecretKeySelector, LocalObjectReference) are
+    // generated by k8s-openapi; they are tiny strings outside any CEL comprehension.
+    missing.retain(|p| {
+        !p.ends_with("SecretRef.key")
+            && !p.ends_with("SecretRef.name")
+            && !p.ends_with("federatedJobRef.name")
+    });
+    assert!(missing.is_empty(), "unbounded schema nodes: {missing:#?}");
+}
+
+#[test]
+fn every_cel_rule_compiles_and_passes_the_cost_estimate() {
+    use kube::core::cel::{analyze_rule, cel::Program, compile_schema, ScopeContext};
+    let admission = Admission::new();
+    let mut warnings = Vec::new();
+    let mut rules = 0;
+    for kind in [
+        "Proplet",
+        "Task",
+        "PropellerJob",
+        "FederatedJob",
+        "TrainingRound",
+    ] {
+        let mut stack = vec![admission.schema(kind).unwrap().clone()];
+        while let Some(node) = stack.pop() {
+            if let Some(list) = node
+                .get("x-kubernetes-validations")
+                .and_then(Value::as_array)
+            {
+                let local = compile_schema(&node);
+                for rule in list {
+                    let text = rule["rule"].as_str().unwrap();
+                    rules += 1;
+                    assert!(Program::compile(text).is_ok(), "{text} does not compile");
+                    for w in analyze_rule(text, &local, ScopeContext::CrdValidation) {
+                        warnings.push(format!("{kind}: {text}: {}", w.message));
+                    }
+                }
+            }
+            if let Some(props) = node.get("properties").and_then(Value::as_object) {
+                stack.extend(props.values().cloned());
+            }
+            if let Some(items) = node.get("items") {
+                stack.push(items.clone());
+            }
+        }
+    }
+    assert!(rules >= 12, "expected at least 12 CEL rules, found {rules}");
+    assert!(warnings.is_empty(), "{warnings:#?}");
+}
