@@ -2,6 +2,10 @@
 //! no I/O, no clock reads, no global state. Drivers (Kubernetes, standalone) execute what
 //! these functions decide, so every rule is testable without a server.
 
+pub mod aggregation;
+pub mod conditions;
 pub mod dag;
+pub mod liveness;
 pub mod names;
 pub mod scheduler;
+pub mod task_phase;
