@@ -51,7 +51,9 @@ pub struct PropletSpec {
 }
 
 /// The two kinds of proplet.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum PropletType {
     /// A Deployment in this cluster, created and owned by the operator.
@@ -285,7 +287,20 @@ impl ConnectionConfig {
 }
 
 /// Lifecycle phase of a proplet.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default, JsonSchema)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    PartialOrd,
+    Ord,
+    JsonSchema,
+)]
 pub enum PropletPhase {
     /// No heartbeat yet, or the Deployment is not ready yet.
     #[default]
@@ -294,6 +309,25 @@ pub enum PropletPhase {
     Running,
     /// Heartbeats stopped or the device said goodbye.
     Offline,
+}
+
+impl std::fmt::Display for PropletPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PropletPhase::Initializing => "Initializing",
+            PropletPhase::Running => "Running",
+            PropletPhase::Offline => "Offline",
+        })
+    }
+}
+
+impl std::fmt::Display for PropletType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PropletType::K8s => "k8s",
+            PropletType::External => "external",
+        })
+    }
 }
 
 /// Observed state of a Proplet.

@@ -297,6 +297,17 @@ impl TaskPhase {
         )
     }
 
+    /// `Some(true)` for success (completed), `Some(false)` for failure (failed, skipped,
+    /// interrupted), `None` while unfinished. A skipped dependency counts as a failure, which
+    /// is what makes skips cascade down a DAG.
+    pub fn outcome(self) -> Option<bool> {
+        match self {
+            TaskPhase::Completed => Some(true),
+            TaskPhase::Failed | TaskPhase::Skipped | TaskPhase::Interrupted => Some(false),
+            TaskPhase::Pending | TaskPhase::Scheduled | TaskPhase::Running => None,
+        }
+    }
+
     /// Lower-case name as stored.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -8,71 +8,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+pub use crate::crd::task::{RunIf, TaskPhase};
+
 /// A dependency graph: task name → the names it depends on (`spec.dependsOn`).
 ///
 /// Entries naming tasks that are not keys of the map are ignored by the graph algorithms
 /// (a missing dependency is a reason to wait, not a cycle; see [`missing_dependencies`]).
 pub type Graph = BTreeMap<String, Vec<String>>;
-
-/// The phase of a dependency Task, as far as the DAG rules care.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DepPhase {
-    /// Created, not dispatched yet.
-    Pending,
-    /// Assigned to a proplet, not started yet.
-    Scheduled,
-    /// Running on a proplet.
-    Running,
-    /// Finished successfully.
-    Completed,
-    /// Finished with an error.
-    Failed,
-    /// Not run because its own `runIf` condition was not met.
-    Skipped,
-    /// Stopped before finishing.
-    Interrupted,
-}
-
-impl DepPhase {
-    /// Whether the dependency has finished, one way or another.
-    pub fn is_terminal(self) -> bool {
-        self.outcome().is_some()
-    }
-
-    /// `Some(true)` for success (completed), `Some(false)` for failure (failed, skipped,
-    /// interrupted), `None` while not terminal. A skipped dependency counts as a failure, which
-    /// is what makes skips cascade down the graph.
-    pub fn outcome(self) -> Option<bool> {
-        match self {
-            DepPhase::Completed => Some(true),
-            DepPhase::Failed | DepPhase::Skipped | DepPhase::Interrupted => Some(false),
-            DepPhase::Pending | DepPhase::Scheduled | DepPhase::Running => None,
-        }
-    }
-
-    /// The lowercase wire spelling, for messages.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DepPhase::Pending => "pending",
-            DepPhase::Scheduled => "scheduled",
-            DepPhase::Running => "running",
-            DepPhase::Completed => "completed",
-            DepPhase::Failed => "failed",
-            DepPhase::Skipped => "skipped",
-            DepPhase::Interrupted => "interrupted",
-        }
-    }
-}
-
-/// `spec.runIf`: run when all dependencies succeeded (default) or when at least one failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum RunIf {
-    /// Run only if every dependency completed. An empty `runIf` means this.
-    #[default]
-    Success,
-    /// Run only if at least one dependency failed, was skipped or was interrupted.
-    Failure,
-}
 
 /// What a pending Task should do about its dependencies.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,7 +48,7 @@ const MAX_NAMES_IN_REASON: usize = 5;
 /// A Task without dependencies is always ready, whatever its `runIf`.
 pub fn evaluate<F>(depends_on: &[String], run_if: RunIf, phase_of: F) -> Readiness
 where
-    F: Fn(&str) -> Option<DepPhase>,
+    F: Fn(&str) -> Option<TaskPhase>,
 {
     let mut seen = BTreeSet::new();
     let mut missing = Vec::new();
@@ -355,14 +297,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const ALL_PHASES: [DepPhase; 7] = [
-        DepPhase::Pending,
-        DepPhase::Scheduled,
-        DepPhase::Running,
-        DepPhase::Completed,
-        DepPhase::Failed,
-        DepPhase::Skipped,
-        DepPhase::Interrupted,
+    const ALL_PHASES: [TaskPhase; 7] = [
+        TaskPhase::Pending,
+        TaskPhase::Scheduled,
+        TaskPhase::Running,
+        TaskPhase::Completed,
+        TaskPhase::Failed,
+        TaskPhase::Skipped,
+        TaskPhase::Interrupted,
     ];
 
     fn names(v: &[&str]) -> Vec<String> {
@@ -376,8 +318,8 @@ mod tests {
             .collect()
     }
 
-    fn eval(deps: &[&str], run_if: RunIf, phases: &[(&str, DepPhase)]) -> Readiness {
-        let map: BTreeMap<String, DepPhase> =
+    fn eval(deps: &[&str], run_if: RunIf, phases: &[(&str, TaskPhase)]) -> Readiness {
+        let map: BTreeMap<String, TaskPhase> =
             phases.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect();
         evaluate(&names(deps), run_if, |n| map.get(n).copied())
     }
@@ -388,7 +330,7 @@ mod tests {
             for run_if in [RunIf::Success, RunIf::Failure] {
                 let got = eval(&["a"], run_if, &[("a", phase)]);
                 match (phase, run_if) {
-                    (DepPhase::Pending | DepPhase::Scheduled | DepPhase::Running, _) => {
+                    (TaskPhase::Pending | TaskPhase::Scheduled | TaskPhase::Running, _) => {
                         assert_eq!(
                             got,
                             Readiness::Wait {
@@ -398,8 +340,8 @@ mod tests {
                             "{phase:?} {run_if:?}"
                         );
                     }
-                    (DepPhase::Completed, RunIf::Success) => assert_eq!(got, Readiness::Ready),
-                    (DepPhase::Completed, RunIf::Failure) => assert_eq!(
+                    (TaskPhase::Completed, RunIf::Success) => assert_eq!(got, Readiness::Ready),
+                    (TaskPhase::Completed, RunIf::Failure) => assert_eq!(
                         got,
                         Readiness::Skip {
                             reason: "runIf is failure but every dependency completed".into()
@@ -428,7 +370,7 @@ mod tests {
 
     #[test]
     fn mixed_dependencies() {
-        use DepPhase::*;
+        use TaskPhase::*;
         let ok_and_failed = [("a", Completed), ("b", Failed)];
         assert!(matches!(
             eval(&["a", "b"], RunIf::Success, &ok_and_failed),
@@ -458,7 +400,7 @@ mod tests {
 
     #[test]
     fn missing_dependencies_wait() {
-        use DepPhase::*;
+        use TaskPhase::*;
         assert_eq!(
             eval(
                 &["x", "a", "y", "b", "x"],
@@ -481,7 +423,7 @@ mod tests {
     #[test]
     fn skip_reason_is_bounded() {
         let deps: Vec<String> = (0..20).map(|i| format!("t{i:02}")).collect();
-        let got = evaluate(&deps, RunIf::Success, |_| Some(DepPhase::Failed));
+        let got = evaluate(&deps, RunIf::Success, |_| Some(TaskPhase::Failed));
         assert_eq!(
             got,
             Readiness::Skip {
@@ -495,8 +437,8 @@ mod tests {
     #[test]
     fn skip_cascades_down_a_three_level_chain() {
         // a fails; b (runIf success) depends on a; c on b; d on c with runIf failure.
-        let mut phases: BTreeMap<String, DepPhase> = BTreeMap::new();
-        phases.insert("a".into(), DepPhase::Failed);
+        let mut phases: BTreeMap<String, TaskPhase> = BTreeMap::new();
+        phases.insert("a".into(), TaskPhase::Failed);
         let chain = [
             ("b", "a", RunIf::Success),
             ("c", "b", RunIf::Success),
@@ -506,9 +448,9 @@ mod tests {
         for (task, dep, run_if) in chain {
             let r = evaluate(&names(&[dep]), run_if, |n| phases.get(n).copied());
             let phase = match &r {
-                Readiness::Skip { .. } => DepPhase::Skipped,
-                Readiness::Ready => DepPhase::Completed, // pretend it ran fine
-                Readiness::Wait { .. } => DepPhase::Pending,
+                Readiness::Skip { .. } => TaskPhase::Skipped,
+                Readiness::Ready => TaskPhase::Completed, // pretend it ran fine
+                Readiness::Wait { .. } => TaskPhase::Pending,
             };
             phases.insert(task.into(), phase);
             outcomes.push((task, phase));
@@ -516,9 +458,9 @@ mod tests {
         assert_eq!(
             outcomes,
             vec![
-                ("b", DepPhase::Skipped),
-                ("c", DepPhase::Skipped),
-                ("d", DepPhase::Completed),
+                ("b", TaskPhase::Skipped),
+                ("c", TaskPhase::Skipped),
+                ("d", TaskPhase::Completed),
             ]
         );
     }

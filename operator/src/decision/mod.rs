@@ -4,8 +4,10 @@
 
 pub mod aggregation;
 pub mod conditions;
+pub mod cron;
 pub mod dag;
 pub mod liveness;
 pub mod names;
+pub mod propeller_job;
 pub mod scheduler;
 pub mod task_phase;

@@ -21,64 +21,14 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// Lifecycle phase of a Proplet (`status.phase`). Only `Running` proplets receive tasks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PropletPhase {
-    /// Created; no heartbeat yet, or the Deployment is not ready.
-    Initializing,
-    /// Heartbeats arrive (external) or the Deployment is ready (k8s).
-    Running,
-    /// Heartbeats stopped.
-    Offline,
-}
+pub use crate::crd::proplet::{PropletPhase, PropletType};
+pub use crate::crd::task::PreferredPropletType as PreferredType;
 
-impl fmt::Display for PropletPhase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PropletPhase::Initializing => "Initializing",
-            PropletPhase::Running => "Running",
-            PropletPhase::Offline => "Offline",
-        })
-    }
-}
-
-/// Where a proplet runs (`spec.type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PropletType {
-    /// A Deployment managed by the operator.
-    K8s,
-    /// A device or process outside the cluster.
-    External,
-}
-
-impl fmt::Display for PropletType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PropletType::K8s => "k8s",
-            PropletType::External => "external",
-        })
-    }
-}
-
-/// `spec.preferredPropletType` of a Task; `Any` (the default) does not filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum PreferredType {
-    /// Accept both kinds.
-    #[default]
-    Any,
-    /// Only k8s proplets.
-    K8s,
-    /// Only external proplets.
-    External,
-}
-
-impl PreferredType {
-    fn accepts(self, t: PropletType) -> bool {
-        match self {
-            PreferredType::Any => true,
-            PreferredType::K8s => t == PropletType::K8s,
-            PreferredType::External => t == PropletType::External,
-        }
+fn accepts(preferred: PreferredType, t: PropletType) -> bool {
+    match preferred {
+        PreferredType::Any => true,
+        PreferredType::K8s => t == PropletType::K8s,
+        PreferredType::External => t == PropletType::External,
     }
 }
 
@@ -272,7 +222,7 @@ pub fn exclusion(proplet: &CandidateProplet, selector: &SelectorView) -> Option<
             });
         }
     }
-    if !selector.preferred_type.accepts(proplet.proplet_type) {
+    if !accepts(selector.preferred_type, proplet.proplet_type) {
         let wanted = match selector.preferred_type {
             PreferredType::External => PropletType::External,
             PreferredType::K8s | PreferredType::Any => PropletType::K8s,

@@ -1,0 +1,1903 @@
+//! Cron schedules for recurring Tasks (`spec.schedule`, `spec.timezone`, `spec.isRecurring`).
+//!
+//! The upstream Go operator parsed schedules with robfig/cron v3's standard parser, so the
+//! accepted syntax is kept compatible with it (and a little more permissive where noted):
+//!
+//! * exactly five fields: minute (0-59), hour (0-23), day-of-month (1-31), month (1-12 or
+//!   `JAN`-`DEC`), day-of-week (0-7 or `SUN`-`SAT`, both 0 and 7 mean Sunday); seconds are
+//!   always 0;
+//! * `*`, lists `a,b`, ranges `a-b`, steps `*/n`, `a-b/n` and `a/n` (= `a` through the field's
+//!   maximum, step `n`); names are case-insensitive; `?` is accepted as `*` in day-of-month and
+//!   day-of-week only;
+//! * an optional leading `CRON_TZ=<zone> ` or `TZ=<zone> ` prefix overrides the time zone
+//!   given by the caller (`spec.timezone`);
+//! * descriptors (`@hourly`, `@every 5m`, ...) are rejected with an error suggesting the
+//!   equivalent five-field expression.
+//!
+//! Deliberate differences from robfig: day-of-week accepts 7 (robfig stops at 6; `*` and `a/n`
+//! still stop at 6, so `*/2` and `1/3` mean the same as in robfig); `*-5` and `?` outside the
+//! day fields are errors instead of being silently read as `*`.
+//!
+//! Day matching follows Vixie cron / robfig: when both day-of-month and day-of-week are
+//! restricted, a day matches if EITHER matches (`0 0 13 * FRI` fires on every 13th and every
+//! Friday). A field counts as unrestricted when one of its list entries is `*` or `?` without
+//! a step greater than 1 (so `*/1` is unrestricted, `*/2` and `1-31` are restricted, as in
+//! robfig).
+//!
+//! # Time zones and daylight-saving changes
+//!
+//! Fields are matched against the wall-clock time in the schedule's zone (the `CRON_TZ`
+//! override, else the caller's zone). Where the wall clock jumps, the behaviour depends on
+//! whether the schedule fires every hour (its hour set is all of 0-23, e.g. `*`, `*/1`,
+//! `0-23`) — an *interval* schedule — or names specific hours — a *wall-clock* schedule.
+//! This mirrors cronie, which treats wildcard-time jobs and fixed-time jobs differently:
+//!
+//! * **Wall-clock schedules** (`30 2 * * *`, `0 */2 * * *`, `*/15 1-3 * * *`): every matching
+//!   wall-clock minute fires exactly once.
+//!   - Spring-forward gap: a matching time that does not exist that day (02:30 in
+//!     America/New_York on 2026-03-08) fires once at the first instant after the gap (03:00
+//!     local, precisely the instant the clocks change). Several skipped times and a real
+//!     activation at that instant collapse into a single activation — nothing fires twice.
+//!   - Fall-back overlap: a matching time that occurs twice fires only at its first (earlier,
+//!     daylight-time) occurrence.
+//! * **Interval schedules** (`*/15 * * * *`, `0 * * * *`, `30 * * 1 MON`): they follow
+//!   elapsed time and fire at every instant whose local wall-clock time matches.
+//!   - Fall-back overlap: the repeated hour fires in BOTH passes (`*/15 * * * *` fires at
+//!     01:00, 01:15, 01:30, 01:45 EDT and again at 01:00 ... 01:45 EST), keeping the cadence
+//!     in real time.
+//!   - Spring-forward gap: the missing wall-clock times simply do not occur and are not
+//!     moved (`30 * * * *` goes from 01:30 EST straight to 03:30 EDT, one real hour later).
+//!
+//! In zones whose historical offsets had seconds (local mean time before ~1970), a gap's end
+//! may not fall on a whole local minute; the activation then moves to the next whole local
+//! minute so every activation has local seconds 0.
+//!
+//! # Search
+//!
+//! [`CronSchedule::next_after`] skips whole months, days and hours that cannot match (bit-mask
+//! lookups, no minute-by-minute scanning) and gives up after [`SEARCH_HORIZON_YEARS`] years
+//! of local calendar time (`0 0 30 2 *` never fires). The zone's offset is probed hourly over
+//! the 26 hours after the start instant, so an upcoming clock set back is seen and its
+//! second-pass wall-clock times (which lie *before* the start's wall-clock time) are searched
+//! too. It reads no clock and keeps no state.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{
+    DateTime, Datelike, MappedLocalTime, Months, NaiveDate, NaiveDateTime, Offset, TimeDelta,
+    TimeZone, Timelike, Utc,
+};
+use chrono_tz::{GapInfo, Tz, TZ_VARIANTS};
+
+/// How many years of local calendar time `next_after` examines before concluding that a
+/// schedule never fires. Eight years covers the longest gap between two February 29ths
+/// (2096 -> 2104), so every satisfiable schedule is found.
+pub const SEARCH_HORIZON_YEARS: u32 = 8;
+
+/// How far ahead (in hours) the zone's offsets are probed for a clock set back, so that
+/// the repeated wall-clock range of an upcoming fall-back is also searched.
+const FOLD_PROBE_HOURS: i64 = 26;
+
+/// Upper bound (minutes) when walking out of a gap whose end the zone data cannot report
+/// directly; real gaps are at most one day long.
+const GAP_SCAN_LIMIT_MINUTES: u32 = 48 * 60;
+
+const MONTH_NAMES: [&str; 12] = [
+    "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
+];
+const WEEKDAY_NAMES: [&str; 7] = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"];
+
+/// Names one of the five fields so parse errors can say where the problem is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CronField {
+    /// First field, 0-59.
+    Minute,
+    /// Second field, 0-23.
+    Hour,
+    /// Third field, 1-31.
+    DayOfMonth,
+    /// Fourth field, 1-12 or `JAN`-`DEC`.
+    Month,
+    /// Fifth field, 0-7 or `SUN`-`SAT` (0 and 7 are Sunday).
+    DayOfWeek,
+}
+
+impl CronField {
+    /// Smallest and largest value accepted in a list entry or explicit range.
+    fn bounds(self) -> (u32, u32) {
+        match self {
+            CronField::Minute => (0, 59),
+            CronField::Hour => (0, 23),
+            CronField::DayOfMonth => (1, 31),
+            CronField::Month => (1, 12),
+            CronField::DayOfWeek => (0, 7),
+        }
+    }
+
+    /// Upper end used by `*` and `a/n`; day-of-week stops at Saturday as in robfig.
+    fn open_max(self) -> u32 {
+        match self {
+            CronField::DayOfWeek => 6,
+            other => other.bounds().1,
+        }
+    }
+
+    /// Accepted names and the value of the first name.
+    fn names(self) -> (&'static [&'static str], u32) {
+        match self {
+            CronField::Month => (&MONTH_NAMES, 1),
+            CronField::DayOfWeek => (&WEEKDAY_NAMES, 0),
+            _ => (&[], 0),
+        }
+    }
+
+    fn allows_question_mark(self) -> bool {
+        matches!(self, CronField::DayOfMonth | CronField::DayOfWeek)
+    }
+
+    /// What a value in this field may look like, for error messages.
+    fn value_hint(self) -> &'static str {
+        match self {
+            CronField::Month => "a number or a month name (JAN-DEC)",
+            CronField::DayOfWeek => "a number or a weekday name (SUN-SAT)",
+            _ => "a number",
+        }
+    }
+}
+
+impl fmt::Display for CronField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CronField::Minute => "minute",
+            CronField::Hour => "hour",
+            CronField::DayOfMonth => "day-of-month",
+            CronField::Month => "month",
+            CronField::DayOfWeek => "day-of-week",
+        })
+    }
+}
+
+/// Why a schedule or time zone was rejected. Messages are meant to be shown to users as-is
+/// (status conditions, Events): they name the field and the offending text. Every schedule
+/// error starts with `invalid cron expression`, the upstream webhook's wording.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum CronError {
+    /// The expression is empty or only whitespace.
+    #[error(
+        "invalid cron expression: the schedule is empty; expected 5 fields \
+         (minute hour day-of-month month day-of-week)"
+    )]
+    Empty,
+    /// The expression does not have exactly five fields (seconds fields are not supported).
+    #[error(
+        "invalid cron expression: expected 5 fields (minute hour day-of-month month \
+         day-of-week), found {found} in `{expression}`"
+    )]
+    FieldCount {
+        /// Number of whitespace-separated fields after any time-zone prefix.
+        found: usize,
+        /// The expression as given (trimmed).
+        expression: String,
+    },
+    /// A descriptor such as `@hourly` or `@every 5m` was used.
+    #[error("invalid cron expression: descriptor `{descriptor}` is not supported; {advice}", advice = descriptor_advice(.descriptor))]
+    Descriptor {
+        /// The descriptor word, e.g. `@hourly`.
+        descriptor: String,
+    },
+    /// A number lies outside the field's range.
+    #[error(
+        "invalid cron expression: {field} field `{token}`: {value} is out of range {min}-{max}"
+    )]
+    OutOfRange {
+        /// Field containing the value.
+        field: CronField,
+        /// The list entry containing the value.
+        token: String,
+        /// The offending number as written.
+        value: String,
+        /// Smallest accepted value.
+        min: u32,
+        /// Largest accepted value.
+        max: u32,
+    },
+    /// A value is neither a number nor a name valid in this field.
+    #[error("invalid cron expression: {field} field `{token}`: `{value}` is not {hint}", hint = .field.value_hint())]
+    InvalidValue {
+        /// Field containing the value.
+        field: CronField,
+        /// The list entry containing the value.
+        token: String,
+        /// The offending text.
+        value: String,
+    },
+    /// The part after `/` is zero or not a whole number.
+    #[error(
+        "invalid cron expression: {field} field `{token}`: the step after `/` must be a \
+         positive whole number, got `{step}`"
+    )]
+    InvalidStep {
+        /// Field containing the step.
+        field: CronField,
+        /// The list entry containing the step.
+        token: String,
+        /// The step as written.
+        step: String,
+    },
+    /// A range runs backwards; cron ranges do not wrap around.
+    #[error(
+        "invalid cron expression: {field} field `{token}`: the range starts at {start} but \
+         ends at {end}; ranges do not wrap around, list both parts instead (e.g. \
+         `{start}-{max},{min}-{end}`)"
+    )]
+    ReversedRange {
+        /// Field containing the range.
+        field: CronField,
+        /// The list entry containing the range.
+        token: String,
+        /// Start value.
+        start: u32,
+        /// End value (smaller than `start`).
+        end: u32,
+        /// Smallest value of the field.
+        min: u32,
+        /// Largest value of the field for `*`.
+        max: u32,
+    },
+    /// A list entry has a structural problem (empty entry, repeated `/` or `-`, misplaced `*`
+    /// or `?`).
+    #[error("invalid cron expression: {field} field `{token}`: {reason}")]
+    Malformed {
+        /// Field containing the entry.
+        field: CronField,
+        /// The list entry (may be empty).
+        token: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The `CRON_TZ=`/`TZ=` prefix names a zone that does not exist.
+    #[error("invalid cron expression: unknown time zone `{name}` in the `{prefix}=` prefix{hint}", hint = suggestion_suffix(.suggestion))]
+    PrefixTimezone {
+        /// `CRON_TZ` or `TZ`.
+        prefix: &'static str,
+        /// The zone name as written.
+        name: String,
+        /// Correctly spelled zone when the name only differs in case.
+        suggestion: Option<String>,
+    },
+    /// The `CRON_TZ=`/`TZ=` prefix is not followed by a zone name.
+    #[error(
+        "invalid cron expression: the `{prefix}=` prefix names no time zone; write e.g. \
+         `{prefix}=Europe/Berlin 0 9 * * *`"
+    )]
+    EmptyPrefixTimezone {
+        /// `CRON_TZ` or `TZ`.
+        prefix: &'static str,
+    },
+    /// `spec.timezone` names a zone that does not exist.
+    #[error(
+        "unknown time zone `{name}`: expected an IANA name such as `Europe/Berlin` or `UTC`{hint}",
+        hint = suggestion_suffix(.suggestion)
+    )]
+    UnknownTimezone {
+        /// The zone name as given.
+        name: String,
+        /// Correctly spelled zone when the name only differs in case.
+        suggestion: Option<String>,
+    },
+}
+
+fn descriptor_advice(descriptor: &str) -> String {
+    let lower = descriptor.to_ascii_lowercase();
+    let equivalent = match lower.as_str() {
+        "@yearly" | "@annually" => Some("0 0 1 1 *"),
+        "@monthly" => Some("0 0 1 * *"),
+        "@weekly" => Some("0 0 * * 0"),
+        "@daily" | "@midnight" => Some("0 0 * * *"),
+        "@hourly" => Some("0 * * * *"),
+        _ => None,
+    };
+    match equivalent {
+        Some(fields) => format!("write the 5 fields instead: `{fields}`"),
+        None if lower == "@every" => "intervals are not supported; write the 5 fields instead \
+             (e.g. `*/5 * * * *` for every 5 minutes)"
+            .to_string(),
+        None => {
+            "write the 5 fields instead (minute hour day-of-month month day-of-week)".to_string()
+        }
+    }
+}
+
+fn suggestion_suffix(suggestion: &Option<String>) -> String {
+    match suggestion {
+        Some(name) => format!(" (did you mean `{name}`?)"),
+        None => String::new(),
+    }
+}
+
+/// Resolves `spec.timezone`. An empty (or all-whitespace) name means UTC, the upstream
+/// default; anything else must be an exact IANA name, and an error names the rejected value
+/// (suggesting the right spelling when only the case is wrong).
+pub fn parse_timezone(name: &str) -> Result<Tz, CronError> {
+    let trimmed = name.trim();
+    if trimmed.is_empty() {
+        return Ok(Tz::UTC);
+    }
+    lookup_zone(trimmed).map_err(|suggestion| CronError::UnknownTimezone {
+        name: name.to_string(),
+        suggestion,
+    })
+}
+
+/// Exact IANA lookup; on failure returns the case-insensitive match, if any, as a hint.
+fn lookup_zone(name: &str) -> Result<Tz, Option<String>> {
+    Tz::from_str(name).map_err(|_| {
+        TZ_VARIANTS
+            .iter()
+            .find(|tz| tz.name().eq_ignore_ascii_case(name))
+            .map(|tz| tz.name().to_string())
+    })
+}
+
+/// A parsed, validated 5-field cron expression. Parsing once and keeping this value lets
+/// reconcilers validate `spec.schedule` and compute `status.nextRun` from the same rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CronSchedule {
+    /// Bit `m` set when minute `m` matches.
+    minutes: u64,
+    /// Bit `h` set when hour `h` matches.
+    hours: u64,
+    /// Bit `d` (1-31) set when day-of-month `d` matches.
+    days_of_month: u64,
+    /// Bit `m` (1-12) set when month `m` matches.
+    months: u64,
+    /// Bit `w` (0-6, Sunday = 0) set when weekday `w` matches.
+    days_of_week: u64,
+    /// Day-of-month field was `*`/`?` (unrestricted) — selects the AND rule for days.
+    dom_unrestricted: bool,
+    /// Day-of-week field was `*`/`?` (unrestricted) — selects the AND rule for days.
+    dow_unrestricted: bool,
+    /// Zone from a `CRON_TZ=`/`TZ=` prefix; takes precedence over the caller's zone.
+    timezone: Option<Tz>,
+}
+
+impl FromStr for CronSchedule {
+    type Err = CronError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CronSchedule::parse(s)
+    }
+}
+
+impl CronSchedule {
+    /// Parses and validates a schedule; see the module documentation for the syntax. Errors
+    /// name the field and the offending list entry so users can fix `spec.schedule`.
+    pub fn parse(expr: &str) -> Result<CronSchedule, CronError> {
+        let trimmed = expr.trim();
+        if trimmed.is_empty() {
+            return Err(CronError::Empty);
+        }
+        let (timezone, rest) = split_timezone_prefix(trimmed)?;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if let Some(first) = fields.first() {
+            if first.starts_with('@') {
+                return Err(CronError::Descriptor {
+                    descriptor: (*first).to_string(),
+                });
+            }
+        }
+        let &[minute, hour, dom, month, dow] = fields.as_slice() else {
+            return Err(CronError::FieldCount {
+                found: fields.len(),
+                expression: trimmed.to_string(),
+            });
+        };
+        let minute = parse_field(minute, CronField::Minute)?;
+        let hour = parse_field(hour, CronField::Hour)?;
+        let dom = parse_field(dom, CronField::DayOfMonth)?;
+        let month = parse_field(month, CronField::Month)?;
+        let dow = parse_field(dow, CronField::DayOfWeek)?;
+        // Sunday may be written 0 or 7; keep it as bit 0 only.
+        let sunday_as_seven = 1u64 << 7;
+        let days_of_week = if dow.bits & sunday_as_seven != 0 {
+            (dow.bits & !sunday_as_seven) | 1
+        } else {
+            dow.bits
+        };
+        Ok(CronSchedule {
+            minutes: minute.bits,
+            hours: hour.bits,
+            days_of_month: dom.bits,
+            months: month.bits,
+            days_of_week,
+            dom_unrestricted: dom.unrestricted,
+            dow_unrestricted: dow.unrestricted,
+            timezone,
+        })
+    }
+
+    /// The zone named by a `CRON_TZ=`/`TZ=` prefix, which `next_after` uses instead of its
+    /// `tz` argument.
+    pub fn timezone_override(&self) -> Option<Tz> {
+        self.timezone
+    }
+
+    /// First activation strictly after `after`, evaluated in the schedule's CRON_TZ override
+    /// if present, else `tz`; this is what `status.nextRun` is set to.
+    ///
+    /// Daylight-saving changes are handled as the module documentation describes. Returns
+    /// `None` when nothing fires within [`SEARCH_HORIZON_YEARS`] years (e.g. `0 0 30 2 *`) or
+    /// when `after` is so close to the start or end of representable time that the search
+    /// would overflow.
+    pub fn next_after(&self, after: DateTime<Utc>, tz: Tz) -> Option<DateTime<Utc>> {
+        let tz = self.timezone.unwrap_or(tz);
+        let after_utc = after.naive_utc();
+        let offset_after = offset_seconds(tz, after_utc);
+        let local_after = after_utc.checked_add_signed(TimeDelta::try_seconds(offset_after)?)?;
+
+        // Probe the offsets of the next day: a clock set back there repeats wall-clock times
+        // that lie before `local_after`, and those (second-pass) instants are still in the
+        // future.
+        let mut min_offset = offset_after;
+        let mut max_offset = offset_after;
+        for hour in 1..=FOLD_PROBE_HOURS {
+            if let Some(probe) = after_utc.checked_add_signed(TimeDelta::try_hours(hour)?) {
+                let offset = offset_seconds(tz, probe);
+                min_offset = min_offset.min(offset);
+                max_offset = max_offset.max(offset);
+            }
+        }
+        let lookback = TimeDelta::try_seconds(offset_after - min_offset)?;
+        let mut cursor = truncate_to_minute(local_after.checked_sub_signed(lookback)?)?;
+        let limit = local_after
+            .date()
+            .checked_add_months(Months::new(12 * SEARCH_HORIZON_YEARS))
+            .unwrap_or(NaiveDate::MAX);
+
+        // Matching wall-clock times are visited in increasing local order. Their instants are
+        // increasing too except around a fall-back, so keep the earliest instant seen and stop
+        // once a candidate's earliest possible instant (local time minus the largest offset
+        // in play) cannot beat it.
+        let mut best: Option<(NaiveDateTime, TimeDelta)> = None;
+        while let Some(candidate) = self.next_local_match(cursor, limit) {
+            if let Some((best_instant, max_shift)) = best {
+                match candidate.checked_sub_signed(max_shift) {
+                    Some(earliest) if earliest < best_instant => {}
+                    _ => break,
+                }
+            }
+            for instant in self.fire_instants(candidate, tz).into_iter().flatten() {
+                let improves = best.is_none_or(|(best_instant, _)| instant < best_instant);
+                if instant > after_utc && improves {
+                    let shift = max_offset.max(offset_seconds(tz, instant));
+                    best = Some((instant, TimeDelta::try_seconds(shift)?));
+                }
+            }
+            match candidate.checked_add_signed(TimeDelta::try_minutes(1)?) {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+        best.map(|(instant, _)| instant.and_utc())
+    }
+
+    /// True when the schedule fires every hour, i.e. it is an interval schedule that follows
+    /// elapsed time across daylight-saving changes.
+    fn is_interval(&self) -> bool {
+        self.hours == (1u64 << 24) - 1
+    }
+
+    /// Whether a local wall-clock time (with seconds 0) matches all fields.
+    #[cfg(test)]
+    fn matches_local(&self, local: NaiveDateTime) -> bool {
+        local.second() == 0
+            && local.nanosecond() == 0
+            && has_bit(self.minutes, local.minute())
+            && has_bit(self.hours, local.hour())
+            && has_bit(self.months, local.month())
+            && self.day_matches(local.date())
+    }
+
+    /// Vixie/robfig rule: OR when both day fields are restricted, AND otherwise.
+    fn day_matches(&self, date: NaiveDate) -> bool {
+        let dom = has_bit(self.days_of_month, date.day());
+        let dow = has_bit(self.days_of_week, date.weekday().num_days_from_sunday());
+        if self.dom_unrestricted || self.dow_unrestricted {
+            dom && dow
+        } else {
+            dom || dow
+        }
+    }
+
+    /// First matching whole-minute wall-clock time at or after `from` (whose seconds are
+    /// ignored), on or before `limit`. Skips non-matching months, days and hours at once.
+    fn next_local_match(&self, from: NaiveDateTime, limit: NaiveDate) -> Option<NaiveDateTime> {
+        let mut date = from.date();
+        let mut hour = from.hour();
+        let mut minute = from.minute();
+        while date <= limit {
+            if !has_bit(self.months, date.month()) {
+                date = self.next_month_start(date)?;
+                hour = 0;
+                minute = 0;
+                continue;
+            }
+            if !self.day_matches(date) {
+                date = date.succ_opt()?;
+                hour = 0;
+                minute = 0;
+                continue;
+            }
+            let Some(matching_hour) = next_bit(self.hours, hour) else {
+                date = date.succ_opt()?;
+                hour = 0;
+                minute = 0;
+                continue;
+            };
+            if matching_hour != hour {
+                hour = matching_hour;
+                minute = 0;
+            }
+            match next_bit(self.minutes, minute) {
+                Some(matching_minute) => return date.and_hms_opt(hour, matching_minute, 0),
+                None => {
+                    hour += 1;
+                    minute = 0;
+                }
+            }
+        }
+        None
+    }
+
+    /// First day of the next month (after `date`'s month) that the month field allows.
+    fn next_month_start(&self, date: NaiveDate) -> Option<NaiveDate> {
+        match next_bit(self.months, date.month() + 1) {
+            Some(month) => NaiveDate::from_ymd_opt(date.year(), month, 1),
+            None => {
+                let first = next_bit(self.months, 1)?;
+                NaiveDate::from_ymd_opt(date.year().checked_add(1)?, first, 1)
+            }
+        }
+    }
+
+    /// UTC instants (as naive UTC) at which a matching wall-clock time fires, per the DST rules
+    /// in the module documentation.
+    fn fire_instants(&self, local: NaiveDateTime, tz: Tz) -> [Option<NaiveDateTime>; 2] {
+        match tz.offset_from_local_datetime(&local) {
+            MappedLocalTime::Single(offset) => [local.checked_sub_offset(offset.fix()), None],
+            MappedLocalTime::Ambiguous(first, second) => {
+                let a = local.checked_sub_offset(first.fix());
+                let b = local.checked_sub_offset(second.fix());
+                let (early, late) = match (a, b) {
+                    (Some(a), Some(b)) if b < a => (Some(b), Some(a)),
+                    _ => (a, b),
+                };
+                if self.is_interval() {
+                    [early, late]
+                } else {
+                    [early.or(late), None]
+                }
+            }
+            MappedLocalTime::None => {
+                if self.is_interval() {
+                    [None, None]
+                } else {
+                    [first_instant_after_gap(local, tz), None]
+                }
+            }
+        }
+    }
+}
+
+/// The instant at which a skipped wall-clock time is made up: the end of the gap, moved to
+/// the next whole local minute if the zone data puts it mid-minute.
+fn first_instant_after_gap(local: NaiveDateTime, tz: Tz) -> Option<NaiveDateTime> {
+    let mut probe = match GapInfo::new(&local, &tz).and_then(|gap| gap.end) {
+        Some(end) => {
+            let end_utc = end.naive_utc();
+            let end_local = end_utc.checked_add_offset(end.offset().fix())?;
+            if end_local.second() == 0 && end_local.nanosecond() == 0 {
+                return Some(end_utc);
+            }
+            truncate_to_minute(end_local)?.checked_add_signed(TimeDelta::try_minutes(1)?)?
+        }
+        None => truncate_to_minute(local)?.checked_add_signed(TimeDelta::try_minutes(1)?)?,
+    };
+    for _ in 0..GAP_SCAN_LIMIT_MINUTES {
+        if let Some(instant) = earliest_instant(probe, tz) {
+            return Some(instant);
+        }
+        probe = probe.checked_add_signed(TimeDelta::try_minutes(1)?)?;
+    }
+    None
+}
+
+/// Earliest UTC instant showing `local` on the zone's clocks, if that wall-clock time exists.
+fn earliest_instant(local: NaiveDateTime, tz: Tz) -> Option<NaiveDateTime> {
+    match tz.offset_from_local_datetime(&local) {
+        MappedLocalTime::Single(offset) => local.checked_sub_offset(offset.fix()),
+        MappedLocalTime::Ambiguous(first, second) => {
+            let a = local.checked_sub_offset(first.fix());
+            let b = local.checked_sub_offset(second.fix());
+            match (a, b) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        }
+        MappedLocalTime::None => None,
+    }
+}
+
+/// UTC offset of `tz` at the UTC instant `utc`, in seconds.
+fn offset_seconds(tz: Tz, utc: NaiveDateTime) -> i64 {
+    i64::from(tz.offset_from_utc_datetime(&utc).fix().local_minus_utc())
+}
+
+fn truncate_to_minute(t: NaiveDateTime) -> Option<NaiveDateTime> {
+    t.with_second(0)?.with_nanosecond(0)
+}
+
+fn has_bit(mask: u64, value: u32) -> bool {
+    value < 64 && (mask >> value) & 1 == 1
+}
+
+/// Smallest set bit at position `from` or above.
+fn next_bit(mask: u64, from: u32) -> Option<u32> {
+    if from >= 64 {
+        return None;
+    }
+    let shifted = mask >> from;
+    if shifted == 0 {
+        None
+    } else {
+        Some(from + shifted.trailing_zeros())
+    }
+}
+
+/// Splits a leading `CRON_TZ=<zone> ` / `TZ=<zone> ` prefix off the expression.
+fn split_timezone_prefix(expr: &str) -> Result<(Option<Tz>, &str), CronError> {
+    for prefix in ["CRON_TZ", "TZ"] {
+        let Some(rest) = expr
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('='))
+        else {
+            continue;
+        };
+        let (name, fields) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
+        if name.is_empty() {
+            return Err(CronError::EmptyPrefixTimezone { prefix });
+        }
+        let tz = lookup_zone(name).map_err(|suggestion| CronError::PrefixTimezone {
+            prefix,
+            name: name.to_string(),
+            suggestion,
+        })?;
+        return Ok((Some(tz), fields));
+    }
+    Ok((None, expr))
+}
+
+/// One parsed field: the set of matching values and whether it was written as `*`/`?`.
+struct ParsedField {
+    bits: u64,
+    unrestricted: bool,
+}
+
+fn parse_field(text: &str, field: CronField) -> Result<ParsedField, CronError> {
+    let mut parsed = ParsedField {
+        bits: 0,
+        unrestricted: false,
+    };
+    for entry in text.split(',') {
+        let (bits, unrestricted) = parse_entry(entry, field)?;
+        parsed.bits |= bits;
+        parsed.unrestricted |= unrestricted;
+    }
+    Ok(parsed)
+}
+
+/// Parses one list entry (`*`, `?`, `a`, `a-b`, each optionally followed by `/step`) into a bit
+/// set and whether it leaves the field unrestricted.
+fn parse_entry(entry: &str, field: CronField) -> Result<(u64, bool), CronError> {
+    let malformed = |reason: &'static str| CronError::Malformed {
+        field,
+        token: entry.to_string(),
+        reason,
+    };
+    if entry.is_empty() {
+        return Err(malformed("empty list entry (check for a stray comma)"));
+    }
+    let (range, step_text) = match entry.split_once('/') {
+        Some((range, step)) => (range, Some(step)),
+        None => (entry, None),
+    };
+    let step = match step_text {
+        None => 1,
+        Some(text) if text.contains('/') => return Err(malformed("more than one `/`")),
+        Some(text) => parse_step(text, entry, field)?,
+    };
+    let min = field.bounds().0;
+    let open_max = field.open_max();
+    let (start, end, wildcard) = if range == "*" || range == "?" {
+        if range == "?" && !field.allows_question_mark() {
+            return Err(malformed(
+                "`?` is only allowed in the day-of-month and day-of-week fields",
+            ));
+        }
+        (min, open_max, true)
+    } else if let Some((low, high)) = range.split_once('-') {
+        if high.contains('-') {
+            return Err(malformed("more than one `-` in a range"));
+        }
+        if matches!(low, "*" | "?") || matches!(high, "*" | "?") {
+            return Err(malformed(
+                "`*` and `?` cannot be part of a range; use them alone or write `a-b`",
+            ));
+        }
+        let low = parse_value(low, entry, field)?;
+        let high = parse_value(high, entry, field)?;
+        (low, high, false)
+    } else {
+        let value = parse_value(range, entry, field)?;
+        // `a/n` means `a` through the maximum, stepping by n.
+        let end = if step_text.is_some() {
+            open_max.max(value)
+        } else {
+            value
+        };
+        (value, end, false)
+    };
+    if start > end {
+        return Err(CronError::ReversedRange {
+            field,
+            token: entry.to_string(),
+            start,
+            end,
+            min,
+            max: open_max,
+        });
+    }
+    let mut bits = 0u64;
+    let mut value = Some(start);
+    while let Some(current) = value.filter(|v| *v <= end) {
+        bits |= 1u64 << current;
+        value = current.checked_add(step);
+    }
+    Ok((bits, wildcard && step == 1))
+}
+
+/// Parses a number or (in the month and day-of-week fields) a three-letter name, checking the
+/// field's range.
+fn parse_value(text: &str, entry: &str, field: CronField) -> Result<u32, CronError> {
+    if text.is_empty() {
+        return Err(CronError::Malformed {
+            field,
+            token: entry.to_string(),
+            reason: "a range is missing a value before or after `-`",
+        });
+    }
+    let (min, max) = field.bounds();
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        let out_of_range = || CronError::OutOfRange {
+            field,
+            token: entry.to_string(),
+            value: text.to_string(),
+            min,
+            max,
+        };
+        let value: u32 = text.parse().map_err(|_| out_of_range())?;
+        if value < min || value > max {
+            return Err(out_of_range());
+        }
+        return Ok(value);
+    }
+    let (names, first_value) = field.names();
+    names
+        .iter()
+        .zip(first_value..)
+        .find(|(name, _)| name.eq_ignore_ascii_case(text))
+        .map(|(_, value)| value)
+        .ok_or_else(|| CronError::InvalidValue {
+            field,
+            token: entry.to_string(),
+            value: text.to_string(),
+        })
+}
+
+fn parse_step(text: &str, entry: &str, field: CronField) -> Result<u32, CronError> {
+    let invalid = || CronError::InvalidStep {
+        field,
+        token: entry.to_string(),
+        step: text.to_string(),
+    };
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid());
+    }
+    match text.parse::<u32>() {
+        Ok(0) | Err(_) => Err(invalid()),
+        Ok(step) => Ok(step),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::{Duration, NaiveTime};
+    use proptest::prelude::*;
+
+    fn parse(expr: &str) -> CronSchedule {
+        CronSchedule::parse(expr).unwrap()
+    }
+
+    fn err(expr: &str) -> CronError {
+        CronSchedule::parse(expr).unwrap_err()
+    }
+
+    fn utc(text: &str) -> DateTime<Utc> {
+        text.parse().unwrap()
+    }
+
+    fn next(expr: &str, after: &str, tz: Tz) -> Option<DateTime<Utc>> {
+        parse(expr).next_after(utc(after), tz)
+    }
+
+    /// The successive activations after `after`.
+    fn series(expr: &str, after: &str, tz: Tz, count: usize) -> Vec<DateTime<Utc>> {
+        let schedule = parse(expr);
+        let mut out = Vec::new();
+        let mut cursor = utc(after);
+        for _ in 0..count {
+            cursor = schedule.next_after(cursor, tz).unwrap();
+            out.push(cursor);
+        }
+        out
+    }
+
+    fn utcs(texts: &[&str]) -> Vec<DateTime<Utc>> {
+        texts.iter().map(|t| utc(t)).collect()
+    }
+
+    fn local_of(instant: DateTime<Utc>, tz: Tz) -> NaiveDateTime {
+        instant.with_timezone(&tz).naive_local()
+    }
+
+    // ---------------------------------------------------------------- parse errors
+
+    #[test]
+    fn empty_expression_is_rejected() {
+        assert_eq!(err(""), CronError::Empty);
+        assert_eq!(err("   \t "), CronError::Empty);
+        assert!(err("").to_string().starts_with("invalid cron expression"));
+    }
+
+    #[test]
+    fn wrong_field_count_reports_how_many_were_found() {
+        assert_eq!(
+            err("* * * *"),
+            CronError::FieldCount {
+                found: 4,
+                expression: "* * * *".into()
+            }
+        );
+        let six = err("0 0 12 * * *");
+        assert_eq!(
+            six.to_string(),
+            "invalid cron expression: expected 5 fields (minute hour day-of-month month \
+             day-of-week), found 6 in `0 0 12 * * *`"
+        );
+        assert!(matches!(
+            err("CRON_TZ=UTC"),
+            CronError::FieldCount { found: 0, .. }
+        ));
+    }
+
+    #[test]
+    fn out_of_range_values_name_field_and_token() {
+        let e = err("60 * * * *");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: minute field `60`: 60 is out of range 0-59"
+        );
+        assert!(matches!(
+            err("0 24 * * *"),
+            CronError::OutOfRange { field: CronField::Hour, ref value, min: 0, max: 23, .. } if value == "24"
+        ));
+        assert!(matches!(
+            err("0 0 0 * *"),
+            CronError::OutOfRange {
+                field: CronField::DayOfMonth,
+                min: 1,
+                max: 31,
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("0 0 32 * *"),
+            CronError::OutOfRange {
+                field: CronField::DayOfMonth,
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("0 0 * 13 *"),
+            CronError::OutOfRange {
+                field: CronField::Month,
+                min: 1,
+                max: 12,
+                ..
+            }
+        ));
+        let e = err("0 0 * * 1-8");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: day-of-week field `1-8`: 8 is out of range 0-7"
+        );
+        // Numbers too large for any integer type are still a range error, not a panic.
+        let e = err("0 0 99999999999999999999 * *");
+        assert!(matches!(
+            e,
+            CronError::OutOfRange {
+                field: CronField::DayOfMonth,
+                ..
+            }
+        ));
+        assert!(e
+            .to_string()
+            .contains("99999999999999999999 is out of range 1-31"));
+    }
+
+    #[test]
+    fn bad_steps_are_rejected() {
+        let e = err("*/0 * * * *");
+        assert_eq!(
+            e,
+            CronError::InvalidStep {
+                field: CronField::Minute,
+                token: "*/0".into(),
+                step: "0".into()
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: minute field `*/0`: the step after `/` must be a \
+             positive whole number, got `0`"
+        );
+        assert!(
+            matches!(err("0 1-5/x * * *"), CronError::InvalidStep { field: CronField::Hour, ref step, .. } if step == "x")
+        );
+        assert!(matches!(err("*/ * * * *"), CronError::InvalidStep { .. }));
+        assert!(matches!(err("*/-1 * * * *"), CronError::InvalidStep { .. }));
+        assert!(matches!(
+            err("*/99999999999 * * * *"),
+            CronError::InvalidStep { .. }
+        ));
+        assert!(matches!(
+            err("*/5/2 * * * *"),
+            CronError::Malformed {
+                reason: "more than one `/`",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn bad_names_are_rejected_with_a_hint() {
+        let e = err("0 0 * JANUARY *");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: month field `JANUARY`: `JANUARY` is not a number or a \
+             month name (JAN-DEC)"
+        );
+        // Weekday names are not month names and vice versa.
+        assert!(matches!(
+            err("0 0 * MON *"),
+            CronError::InvalidValue {
+                field: CronField::Month,
+                ..
+            }
+        ));
+        let e = err("0 0 * * JAN");
+        assert!(e.to_string().contains(
+            "day-of-week field `JAN`: `JAN` is not a number or a weekday name (SUN-SAT)"
+        ));
+        let e = err("five * * * *");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: minute field `five`: `five` is not a number"
+        );
+        assert!(matches!(
+            err("-1 * * * *"),
+            CronError::Malformed {
+                field: CronField::Minute,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn reversed_ranges_are_rejected_with_a_wrap_suggestion() {
+        let e = err("0 22-2 * * *");
+        assert_eq!(
+            e,
+            CronError::ReversedRange {
+                field: CronField::Hour,
+                token: "22-2".into(),
+                start: 22,
+                end: 2,
+                min: 0,
+                max: 23
+            }
+        );
+        assert!(e.to_string().contains("`22-23,0-2`"), "{e}");
+        let e = err("0 0 * * FRI-MON");
+        assert!(e.to_string().contains("day-of-week field `FRI-MON`"), "{e}");
+        assert!(e.to_string().contains("`5-6,0-1`"), "{e}");
+    }
+
+    #[test]
+    fn descriptors_are_rejected_with_the_equivalent_fields() {
+        let e = err("@hourly");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: descriptor `@hourly` is not supported; write the 5 \
+             fields instead: `0 * * * *`"
+        );
+        assert!(err("@Daily").to_string().contains("`0 0 * * *`"));
+        assert!(err("@weekly").to_string().contains("`0 0 * * 0`"));
+        assert!(err("@annually").to_string().contains("`0 0 1 1 *`"));
+        let e = err("@every 5m");
+        assert_eq!(
+            e,
+            CronError::Descriptor {
+                descriptor: "@every".into()
+            }
+        );
+        assert!(e.to_string().contains("intervals are not supported"));
+        assert!(err("CRON_TZ=UTC @daily")
+            .to_string()
+            .contains("descriptor `@daily`"));
+        assert!(err("@reboot")
+            .to_string()
+            .contains("write the 5 fields instead"));
+    }
+
+    #[test]
+    fn malformed_entries_are_rejected() {
+        assert!(matches!(
+            err("1,,2 * * * *"),
+            CronError::Malformed { field: CronField::Minute, ref token, .. } if token.is_empty()
+        ));
+        assert!(matches!(
+            err("0 0 1, * *"),
+            CronError::Malformed {
+                field: CronField::DayOfMonth,
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("1-2-3 * * * *"),
+            CronError::Malformed {
+                reason: "more than one `-` in a range",
+                ..
+            }
+        ));
+        assert!(matches!(err("5- * * * *"), CronError::Malformed { .. }));
+        let e = err("*-5 * * * *");
+        assert!(e
+            .to_string()
+            .contains("minute field `*-5`: `*` and `?` cannot be part of a range"));
+        let e = err("? * * * *");
+        assert!(e
+            .to_string()
+            .contains("`?` is only allowed in the day-of-month and day-of-week fields"));
+        assert!(matches!(
+            err("0 ? * * *"),
+            CronError::Malformed {
+                field: CronField::Hour,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn timezone_prefix_errors_name_the_zone() {
+        let e = err("CRON_TZ=Mars/Olympus 0 9 * * *");
+        assert_eq!(
+            e.to_string(),
+            "invalid cron expression: unknown time zone `Mars/Olympus` in the `CRON_TZ=` prefix"
+        );
+        let e = err("TZ=europe/berlin 0 9 * * *");
+        assert_eq!(
+            e,
+            CronError::PrefixTimezone {
+                prefix: "TZ",
+                name: "europe/berlin".into(),
+                suggestion: Some("Europe/Berlin".into())
+            }
+        );
+        assert!(e.to_string().ends_with("(did you mean `Europe/Berlin`?)"));
+        assert_eq!(
+            err("CRON_TZ= 0 9 * * *"),
+            CronError::EmptyPrefixTimezone { prefix: "CRON_TZ" }
+        );
+    }
+
+    #[test]
+    fn parse_timezone_defaults_to_utc_and_names_bad_values() {
+        assert_eq!(parse_timezone("").unwrap(), Tz::UTC);
+        assert_eq!(parse_timezone("  ").unwrap(), Tz::UTC);
+        assert_eq!(parse_timezone("UTC").unwrap(), Tz::UTC);
+        assert_eq!(parse_timezone("Europe/Berlin").unwrap(), Tz::Europe__Berlin);
+        assert_eq!(parse_timezone(" Asia/Kolkata ").unwrap(), Tz::Asia__Kolkata);
+        let e = parse_timezone("Nowhere/Land").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unknown time zone `Nowhere/Land`: expected an IANA name such as `Europe/Berlin` or `UTC`"
+        );
+        let e = parse_timezone("america/new_york").unwrap_err();
+        assert_eq!(
+            e,
+            CronError::UnknownTimezone {
+                name: "america/new_york".into(),
+                suggestion: Some("America/New_York".into())
+            }
+        );
+    }
+
+    // ---------------------------------------------------------------- parse successes
+
+    #[test]
+    fn names_are_case_insensitive_and_equal_numbers() {
+        assert_eq!(
+            parse("0 0 * jan,Feb,DEC mon-FRI"),
+            parse("0 0 * 1,2,12 1-5")
+        );
+        assert_eq!(parse("0 0 * * sun"), parse("0 0 * * 0"));
+        assert_eq!(parse("0 0 * * SAT"), parse("0 0 * * 6"));
+    }
+
+    #[test]
+    fn sunday_is_both_zero_and_seven() {
+        assert_eq!(parse("0 0 * * 7"), parse("0 0 * * 0"));
+        assert_eq!(parse("0 0 * * 5-7"), parse("0 0 * * 0,5,6"));
+        assert_eq!(parse("0 0 * * 0-7"), parse("0 0 * * 0-6"));
+        // `a/n` and `*` stop at Saturday, like robfig.
+        assert_eq!(parse("0 0 * * 1/3"), parse("0 0 * * 1,4"));
+        assert_eq!(parse("0 0 * * */2"), parse("0 0 * * 0,2,4,6"));
+    }
+
+    #[test]
+    fn steps_ranges_and_lists() {
+        assert_eq!(parse("*/15 * * * *"), parse("0,15,30,45 * * * *"));
+        assert_eq!(parse("5/20 * * * *"), parse("5,25,45 * * * *"));
+        assert_eq!(parse("1-30/10 * * * *"), parse("1,11,21 * * * *"));
+        assert_eq!(parse("0 */100 * * *"), parse("0 0 * * *"));
+        assert_eq!(parse("  0   9 * *\tMON  "), parse("0 9 * * 1"));
+        assert_eq!(parse("0 9 ? * MON"), parse("0 9 * * 1"));
+        assert_eq!(parse("0 9 * * ?"), parse("0 9 * * *"));
+    }
+
+    #[test]
+    fn timezone_prefix_is_recorded() {
+        assert_eq!(
+            parse("CRON_TZ=Asia/Tokyo 0 9 * * *").timezone_override(),
+            Some(Tz::Asia__Tokyo)
+        );
+        assert_eq!(parse("TZ=UTC 0 9 * * *").timezone_override(), Some(Tz::UTC));
+        assert_eq!(parse("0 9 * * *").timezone_override(), None);
+        assert_eq!(
+            "0 9 * * *".parse::<CronSchedule>().unwrap(),
+            parse("0 9 * * *")
+        );
+    }
+
+    // ---------------------------------------------------------------- next_after in UTC
+
+    #[test]
+    fn every_minute() {
+        assert_eq!(
+            next("* * * * *", "2026-01-01T10:00:30Z", Tz::UTC),
+            Some(utc("2026-01-01T10:01:00Z"))
+        );
+        assert_eq!(
+            next("* * * * *", "2026-12-31T23:59:00Z", Tz::UTC),
+            Some(utc("2027-01-01T00:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn every_five_minutes() {
+        assert_eq!(
+            series("*/5 * * * *", "2026-01-01T10:03:00Z", Tz::UTC, 3),
+            utcs(&[
+                "2026-01-01T10:05:00Z",
+                "2026-01-01T10:10:00Z",
+                "2026-01-01T10:15:00Z"
+            ])
+        );
+        assert_eq!(
+            next("*/5 * * * *", "2026-01-01T10:55:00Z", Tz::UTC),
+            Some(utc("2026-01-01T11:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn specific_time_daily() {
+        assert_eq!(
+            next("30 14 * * *", "2026-01-01T15:00:00Z", Tz::UTC),
+            Some(utc("2026-01-02T14:30:00Z"))
+        );
+        assert_eq!(
+            next("30 14 * * *", "2026-01-01T14:29:59Z", Tz::UTC),
+            Some(utc("2026-01-01T14:30:00Z"))
+        );
+    }
+
+    #[test]
+    fn strictly_after_a_tick() {
+        assert_eq!(
+            next("0 9 * * *", "2026-01-01T09:00:00Z", Tz::UTC),
+            Some(utc("2026-01-02T09:00:00Z"))
+        );
+        assert_eq!(
+            next("0 9 * * *", "2026-01-01T08:59:59.999Z", Tz::UTC),
+            Some(utc("2026-01-01T09:00:00Z"))
+        );
+        assert_eq!(
+            next("0 9 * * *", "2026-01-01T09:00:00.001Z", Tz::UTC),
+            Some(utc("2026-01-02T09:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn weekday_names() {
+        // 2026-01-01 is a Thursday.
+        assert_eq!(
+            series("0 9 * * MON,wed", "2026-01-01T00:00:00Z", Tz::UTC, 3),
+            utcs(&[
+                "2026-01-05T09:00:00Z",
+                "2026-01-07T09:00:00Z",
+                "2026-01-12T09:00:00Z"
+            ])
+        );
+    }
+
+    #[test]
+    fn weekdays_skip_the_weekend() {
+        // Friday 2026-01-02 after 09:00 -> Monday 2026-01-05.
+        assert_eq!(
+            next("0 9 * * 1-5", "2026-01-02T10:00:00Z", Tz::UTC),
+            Some(utc("2026-01-05T09:00:00Z"))
+        );
+        assert_eq!(
+            next("0 9 * * 1-5", "2026-01-02T08:00:00Z", Tz::UTC),
+            Some(utc("2026-01-02T09:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn restricted_day_of_month_and_week_use_or() {
+        // Every 13th (2026-01-13 is a Tuesday) and every Friday.
+        assert_eq!(
+            series("0 0 13 * FRI", "2026-01-10T00:00:00Z", Tz::UTC, 3),
+            utcs(&[
+                "2026-01-13T00:00:00Z",
+                "2026-01-16T00:00:00Z",
+                "2026-01-23T00:00:00Z"
+            ])
+        );
+        // `1-31` is restricted, so with a weekday the rule is OR: every day fires.
+        assert_eq!(
+            next("0 0 1-31 * 5", "2026-01-05T12:00:00Z", Tz::UTC),
+            Some(utc("2026-01-06T00:00:00Z"))
+        );
+        // `*`, `?` and `*/1` leave day-of-month unrestricted: AND, so only Fridays.
+        for expr in ["0 0 * * 5", "0 0 ? * 5", "0 0 */1 * 5"] {
+            assert_eq!(
+                next(expr, "2026-01-05T12:00:00Z", Tz::UTC),
+                Some(utc("2026-01-09T00:00:00Z")),
+                "{expr}"
+            );
+        }
+        // Unrestricted weekday: day-of-month alone decides.
+        assert_eq!(
+            next("0 0 13 * *", "2026-01-05T12:00:00Z", Tz::UTC),
+            Some(utc("2026-01-13T00:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn day_31_skips_short_months() {
+        assert_eq!(
+            series("0 0 31 * *", "2026-01-31T00:00:00Z", Tz::UTC, 4),
+            utcs(&[
+                "2026-03-31T00:00:00Z",
+                "2026-05-31T00:00:00Z",
+                "2026-07-31T00:00:00Z",
+                "2026-08-31T00:00:00Z"
+            ])
+        );
+    }
+
+    #[test]
+    fn february_29_only_in_leap_years() {
+        assert_eq!(
+            series("0 12 29 2 *", "2026-01-01T00:00:00Z", Tz::UTC, 2),
+            utcs(&["2028-02-29T12:00:00Z", "2032-02-29T12:00:00Z"])
+        );
+        // 2100 is not a leap year: the longest wait (8 years) is still inside the horizon.
+        assert_eq!(
+            next("0 12 29 2 *", "2096-03-01T00:00:00Z", Tz::UTC),
+            Some(utc("2104-02-29T12:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn impossible_dates_never_fire() {
+        assert_eq!(next("0 0 30 2 *", "2026-01-01T00:00:00Z", Tz::UTC), None);
+        assert_eq!(
+            next("0 0 31 4,6,9,11 *", "2026-01-01T00:00:00Z", Tz::UTC),
+            None
+        );
+    }
+
+    #[test]
+    fn extreme_instants_do_not_panic() {
+        let schedule = parse("* * * * *");
+        assert_eq!(schedule.next_after(DateTime::<Utc>::MAX_UTC, Tz::UTC), None);
+        assert_eq!(
+            schedule.next_after(DateTime::<Utc>::MAX_UTC, Tz::Pacific__Kiritimati),
+            None
+        );
+        assert_eq!(
+            schedule.next_after(DateTime::<Utc>::MIN_UTC, Tz::UTC),
+            Some(DateTime::<Utc>::MIN_UTC + Duration::minutes(1))
+        );
+        // West of UTC the local time of MIN_UTC is not representable: no answer, no panic.
+        assert_eq!(
+            schedule.next_after(DateTime::<Utc>::MIN_UTC, Tz::America__New_York),
+            None
+        );
+        assert_eq!(
+            parse("0 0 1 1 *").next_after(utc("2026-01-01T00:00:00Z"), Tz::Asia__Kolkata),
+            Some(utc("2026-12-31T18:30:00Z"))
+        );
+    }
+
+    // ---------------------------------------------------------------- time zones
+
+    #[test]
+    fn cron_tz_prefix_overrides_the_argument() {
+        assert_eq!(
+            next(
+                "CRON_TZ=Asia/Tokyo 0 9 * * *",
+                "2026-01-01T01:00:00Z",
+                Tz::America__New_York
+            ),
+            Some(utc("2026-01-02T00:00:00Z"))
+        );
+        assert_eq!(
+            next("TZ=Asia/Tokyo 0 9 * * *", "2025-12-31T23:00:00Z", Tz::UTC),
+            Some(utc("2026-01-01T00:00:00Z"))
+        );
+        // Without the prefix, the argument is used.
+        assert_eq!(
+            next("0 9 * * *", "2026-01-01T01:00:00Z", Tz::America__New_York),
+            Some(utc("2026-01-01T14:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn half_hour_zone_kolkata() {
+        let tz = Tz::Asia__Kolkata;
+        assert_eq!(
+            series("0 9 * * *", "2026-01-01T00:00:00Z", tz, 2),
+            utcs(&["2026-01-01T03:30:00Z", "2026-01-02T03:30:00Z"])
+        );
+        // Hourly in a +05:30 zone fires at half past every UTC hour.
+        assert_eq!(
+            series("0 * * * *", "2026-01-01T00:00:00Z", tz, 2),
+            utcs(&["2026-01-01T00:30:00Z", "2026-01-01T01:30:00Z"])
+        );
+        // Midnight local on the 1st is 18:30 UTC the day before.
+        assert_eq!(
+            next("0 0 1 * *", "2026-01-15T00:00:00Z", tz),
+            Some(utc("2026-01-31T18:30:00Z"))
+        );
+    }
+
+    #[test]
+    fn new_york_spring_forward_moves_skipped_time_to_the_change() {
+        let tz = Tz::America__New_York;
+        // 2026-03-08 02:00 EST -> 03:00 EDT (07:00Z). 02:30 does not exist: fire at 03:00 EDT.
+        assert_eq!(
+            series("30 2 * * *", "2026-03-07T12:00:00Z", tz, 3),
+            utcs(&[
+                "2026-03-08T07:00:00Z",
+                "2026-03-09T06:30:00Z",
+                "2026-03-10T06:30:00Z"
+            ])
+        );
+        // Several skipped times and a real 03:00 activation fire once, at the change.
+        assert_eq!(
+            series("0,30 2,3 * * *", "2026-03-08T06:00:00Z", tz, 3),
+            utcs(&[
+                "2026-03-08T07:00:00Z",
+                "2026-03-08T07:30:00Z",
+                "2026-03-09T06:00:00Z"
+            ])
+        );
+        // Every minute of the skipped hour collapses into one activation.
+        assert_eq!(
+            series("* 2 * * *", "2026-03-08T06:58:00Z", tz, 2),
+            utcs(&["2026-03-08T07:00:00Z", "2026-03-09T06:00:00Z"])
+        );
+    }
+
+    #[test]
+    fn new_york_fall_back_fires_fixed_times_once() {
+        let tz = Tz::America__New_York;
+        // 2026-11-01 02:00 EDT -> 01:00 EST (06:00Z); 01:30 happens at 05:30Z and 06:30Z.
+        assert_eq!(
+            series("30 1 * * *", "2026-10-31T12:00:00Z", tz, 3),
+            utcs(&[
+                "2026-11-01T05:30:00Z",
+                "2026-11-02T06:30:00Z",
+                "2026-11-03T06:30:00Z"
+            ])
+        );
+        // Asked from inside the second pass, the repeated time is not fired again.
+        assert_eq!(
+            next("30 1 * * *", "2026-11-01T06:10:00Z", tz),
+            Some(utc("2026-11-02T06:30:00Z"))
+        );
+        // Named hours with a minute step: only the first pass of 01:xx fires.
+        assert_eq!(
+            series("*/20 1,2 * * *", "2026-11-01T05:30:00Z", tz, 3),
+            utcs(&[
+                "2026-11-01T05:40:00Z",
+                "2026-11-01T07:00:00Z",
+                "2026-11-01T07:20:00Z"
+            ])
+        );
+    }
+
+    #[test]
+    fn new_york_interval_schedules_follow_elapsed_time() {
+        let tz = Tz::America__New_York;
+        // Fall back: the repeated 01:xx hour fires in both passes.
+        assert_eq!(
+            series("0 * * * *", "2026-11-01T04:30:00Z", tz, 4),
+            utcs(&[
+                "2026-11-01T05:00:00Z", // 01:00 EDT
+                "2026-11-01T06:00:00Z", // 01:00 EST
+                "2026-11-01T07:00:00Z", // 02:00 EST
+                "2026-11-01T08:00:00Z"
+            ])
+        );
+        // Asked from inside the first pass, the second pass's earlier wall-clock times are
+        // still found.
+        assert_eq!(
+            series("10,25 * * * *", "2026-11-01T05:20:00Z", tz, 4),
+            utcs(&[
+                "2026-11-01T05:25:00Z", // 01:25 EDT
+                "2026-11-01T06:10:00Z", // 01:10 EST
+                "2026-11-01T06:25:00Z", // 01:25 EST
+                "2026-11-01T07:10:00Z"  // 02:10 EST
+            ])
+        );
+        // Spring forward: 02:30 does not exist and is not moved.
+        assert_eq!(
+            series("30 * * * *", "2026-03-08T06:00:00Z", tz, 2),
+            utcs(&["2026-03-08T06:30:00Z", "2026-03-08T07:30:00Z"])
+        );
+        assert_eq!(
+            series("*/15 * * * *", "2026-03-08T06:40:00Z", tz, 2),
+            utcs(&["2026-03-08T06:45:00Z", "2026-03-08T07:00:00Z"])
+        );
+    }
+
+    #[test]
+    fn berlin_spring_forward_and_fall_back() {
+        let tz = Tz::Europe__Berlin;
+        // 2026-03-29 02:00 CET -> 03:00 CEST at 01:00Z.
+        assert_eq!(
+            series("30 2 * * *", "2026-03-28T12:00:00Z", tz, 2),
+            utcs(&["2026-03-29T01:00:00Z", "2026-03-30T00:30:00Z"])
+        );
+        assert_eq!(
+            next("0 3 * * *", "2026-03-28T12:00:00Z", tz),
+            Some(utc("2026-03-29T01:00:00Z"))
+        );
+        // 2026-10-25 03:00 CEST -> 02:00 CET at 01:00Z: 02:30 fires once, at 00:30Z.
+        assert_eq!(
+            series("30 2 * * *", "2026-10-24T12:00:00Z", tz, 2),
+            utcs(&["2026-10-25T00:30:00Z", "2026-10-26T01:30:00Z"])
+        );
+        // Interval schedule: both passes of 02:xx.
+        assert_eq!(
+            series("*/30 * * * *", "2026-10-25T00:00:00Z", tz, 4),
+            utcs(&[
+                "2026-10-25T00:30:00Z", // 02:30 CEST
+                "2026-10-25T01:00:00Z", // 02:00 CET
+                "2026-10-25T01:30:00Z", // 02:30 CET
+                "2026-10-25T02:00:00Z"  // 03:00 CET
+            ])
+        );
+        for instant in series("*/30 * * * *", "2026-10-25T00:00:00Z", tz, 4) {
+            assert_eq!(local_of(instant, tz).time().minute() % 30, 0);
+        }
+    }
+
+    #[test]
+    fn sydney_southern_hemisphere() {
+        let tz = Tz::Australia__Sydney;
+        // DST ends 2026-04-05 03:00 AEDT -> 02:00 AEST (16:00Z on the 4th): 02:30 fires once,
+        // at its first (AEDT) occurrence.
+        assert_eq!(
+            series("30 2 * * *", "2026-04-04T00:00:00Z", tz, 2),
+            utcs(&["2026-04-04T15:30:00Z", "2026-04-05T16:30:00Z"])
+        );
+        // DST starts 2026-10-04 02:00 AEST -> 03:00 AEDT (16:00Z on the 3rd).
+        assert_eq!(
+            series("30 2 * * *", "2026-10-03T00:00:00Z", tz, 2),
+            utcs(&["2026-10-03T16:00:00Z", "2026-10-04T15:30:00Z"])
+        );
+        // Midsummer (January) is UTC+11.
+        assert_eq!(
+            next("0 9 * * *", "2026-01-10T00:00:00Z", tz),
+            Some(utc("2026-01-10T22:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn lord_howe_half_hour_shift() {
+        let tz = Tz::Australia__Lord_Howe;
+        // 2026-10-04 02:00 +10:30 -> 02:30 +11 (15:30Z on the 3rd): 02:15 moves to 02:30.
+        assert_eq!(
+            series("15 2 * * *", "2026-10-03T00:00:00Z", tz, 2),
+            utcs(&["2026-10-03T15:30:00Z", "2026-10-04T15:15:00Z"])
+        );
+        // 02:45 still exists that day and fires normally.
+        assert_eq!(
+            next("45 2 * * *", "2026-10-03T00:00:00Z", tz),
+            Some(utc("2026-10-03T15:45:00Z"))
+        );
+    }
+
+    #[test]
+    fn skipped_midnight_in_santiago() {
+        let tz = Tz::America__Santiago;
+        // Chile starts DST at local midnight: 2026-09-06 00:00 -04 -> 01:00 -03 (04:00Z).
+        let change = utc("2026-09-06T04:00:00Z");
+        assert_eq!(
+            local_of(change, tz),
+            NaiveDate::from_ymd_opt(2026, 9, 6)
+                .unwrap()
+                .and_hms_opt(1, 0, 0)
+                .unwrap()
+        );
+        assert_eq!(next("0 0 * * *", "2026-09-05T12:00:00Z", tz), Some(change));
+        assert_eq!(next("0 0 6 9 *", "2026-09-01T00:00:00Z", tz), Some(change));
+    }
+
+    #[test]
+    fn skipped_day_in_samoa() {
+        let tz = Tz::Pacific__Apia;
+        // 2011-12-29 24:00 -10 became 2011-12-31 00:00 +14: December 30 never happened there.
+        // Its 09:00 fires once at the first instant after the gap.
+        assert_eq!(
+            series("0 9 * * *", "2011-12-29T20:00:00Z", tz, 2),
+            utcs(&["2011-12-30T10:00:00Z", "2011-12-30T19:00:00Z"])
+        );
+        // A schedule only for December 30 (or Fridays, OR rule) still fires exactly once.
+        assert_eq!(
+            next("0 12 30 12 *", "2011-12-29T20:00:00Z", tz),
+            Some(utc("2011-12-30T10:00:00Z"))
+        );
+    }
+
+    // ---------------------------------------------------------------- brute-force oracle
+
+    /// Independent, minute-by-minute implementation of the documented semantics. Valid for
+    /// zones whose offsets are whole minutes (all zones since the 1970s).
+    fn oracle_fires(schedule: &CronSchedule, t: NaiveDateTime, tz: Tz) -> bool {
+        let local = |u: NaiveDateTime| u + Duration::seconds(offset_seconds(tz, u));
+        let here = local(t);
+        if schedule.is_interval() {
+            return schedule.matches_local(here);
+        }
+        if schedule.matches_local(here)
+            && tz
+                .from_local_datetime(&here)
+                .earliest()
+                .map(|d| d.naive_utc())
+                == Some(t)
+        {
+            return true;
+        }
+        // Clocks jumped forward exactly at t: the wall-clock range [before + 1s, here) was
+        // skipped.
+        let skipped_from = local(t - Duration::seconds(1)) + Duration::seconds(1);
+        let mut m = skipped_from;
+        while m < here {
+            if schedule.matches_local(m) {
+                return true;
+            }
+            m += Duration::minutes(1);
+        }
+        false
+    }
+
+    fn oracle_next(
+        schedule: &CronSchedule,
+        after: DateTime<Utc>,
+        tz: Tz,
+        window_minutes: u32,
+    ) -> Option<DateTime<Utc>> {
+        let tz = schedule.timezone_override().unwrap_or(tz);
+        let start = after.naive_utc();
+        let mut t = start.with_second(0).unwrap().with_nanosecond(0).unwrap();
+        for _ in 0..=window_minutes {
+            if t > start && oracle_fires(schedule, t, tz) {
+                return Some(t.and_utc());
+            }
+            t += Duration::minutes(1);
+        }
+        None
+    }
+
+    /// Instants (to the hour) around which a zone's offset changes during `year`.
+    fn transitions(tz: Tz, year: i32) -> Vec<NaiveDateTime> {
+        let mut t = NaiveDate::from_ymd_opt(year, 1, 1)
+            .unwrap()
+            .and_time(NaiveTime::MIN);
+        let end = NaiveDate::from_ymd_opt(year + 1, 1, 1)
+            .unwrap()
+            .and_time(NaiveTime::MIN);
+        let mut out = Vec::new();
+        let mut previous = offset_seconds(tz, t);
+        while t < end {
+            t += Duration::hours(1);
+            let offset = offset_seconds(tz, t);
+            if offset != previous {
+                out.push(t);
+                previous = offset;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_brute_force_around_every_2026_transition() {
+        let zones = [
+            Tz::America__New_York,
+            Tz::Europe__Berlin,
+            Tz::Australia__Sydney,
+            Tz::Australia__Lord_Howe,
+            Tz::America__Santiago,
+            Tz::Pacific__Chatham,
+            Tz::America__St_Johns,
+            Tz::Africa__Casablanca,
+            Tz::America__Havana,
+        ];
+        let schedules = [
+            "*/15 * * * *",
+            "30 * * * *",
+            "30 2 * * *",
+            "0 0 * * *",
+            "0 1,2 * * *",
+            "*/7 0-3 * * *",
+            "45 */2 * * *",
+            "* 2 * * *",
+            "0,30 2,3 * * *",
+        ]
+        .map(parse);
+        let mut checked = 0;
+        for tz in zones {
+            let found = transitions(tz, 2026);
+            assert!(!found.is_empty(), "{tz} has no 2026 transition");
+            for change in found {
+                let mut after = change - Duration::hours(3);
+                while after < change + Duration::hours(3) {
+                    for schedule in &schedules {
+                        let expected = oracle_next(schedule, after.and_utc(), tz, 26 * 60);
+                        let actual = schedule.next_after(after.and_utc(), tz);
+                        if expected.is_some() {
+                            assert_eq!(actual, expected, "{schedule:?} after {after} in {tz}");
+                            checked += 1;
+                        }
+                    }
+                    after += Duration::minutes(23);
+                }
+            }
+        }
+        assert!(checked > 1000, "only {checked} comparisons");
+    }
+
+    // ---------------------------------------------------------------- property tests
+
+    const ZONES: &[Tz] = &[
+        Tz::UTC,
+        Tz::Europe__Berlin,
+        Tz::Europe__London,
+        Tz::America__New_York,
+        Tz::America__Santiago,
+        Tz::America__St_Johns,
+        Tz::America__Havana,
+        Tz::Australia__Sydney,
+        Tz::Australia__Lord_Howe,
+        Tz::Asia__Kolkata,
+        Tz::Asia__Kathmandu,
+        Tz::Pacific__Chatham,
+        Tz::Pacific__Apia,
+        Tz::Africa__Casablanca,
+        Tz::Asia__Tehran,
+    ];
+
+    fn field(
+        min: u32,
+        max: u32,
+        open_max: u32,
+        names: &'static [&'static str],
+        base: u32,
+    ) -> BoxedStrategy<String> {
+        let width = open_max - min + 1;
+        let ordered = move |(a, b): (u32, u32)| (a.min(b), a.max(b));
+        let value = prop_oneof![
+            4 => (min..=max).prop_map(|v| v.to_string()),
+            1 => (0..names.len().max(1)).prop_map(move |i| match names.get(i) {
+                Some(name) if i % 2 == 0 => name.to_uppercase(),
+                Some(name) => (*name).to_string(),
+                None => min.to_string(),
+            }),
+        ];
+        let _ = base;
+        prop_oneof![
+            4 => Just("*".to_string()),
+            2 => value.clone(),
+            2 => (1..=width).prop_map(|n| format!("*/{n}")),
+            1 => (min..=max, min..=max).prop_map(ordered).prop_map(|(a, b)| format!("{a}-{b}")),
+            1 => ((min..=max, min..=max).prop_map(ordered), 1u32..=12).prop_map(|((a, b), n)| format!("{a}-{b}/{n}")),
+            1 => (min..=max, 1u32..=12).prop_map(|(a, n)| format!("{a}/{n}")),
+            1 => prop::collection::vec(value, 1..4).prop_map(|v| v.join(",")),
+        ]
+        .boxed()
+    }
+
+    fn schedule_text() -> impl Strategy<Value = String> {
+        (
+            field(0, 59, 59, &[], 0),
+            field(0, 23, 23, &[], 0),
+            field(1, 31, 31, &[], 1),
+            field(1, 12, 12, &MONTH_NAMES, 1),
+            field(0, 7, 6, &WEEKDAY_NAMES, 0),
+        )
+            .prop_map(|(m, h, d, mo, w)| format!("{m} {h} {d} {mo} {w}"))
+    }
+
+    /// Schedules that fire often enough for the brute-force oracle to find them.
+    fn frequent_schedule_text() -> impl Strategy<Value = String> {
+        (
+            field(0, 59, 59, &[], 0),
+            field(0, 23, 23, &[], 0),
+            prop_oneof![3 => Just("*".to_string()), 1 => field(1, 31, 31, &[], 1)],
+            field(0, 7, 6, &WEEKDAY_NAMES, 0),
+        )
+            .prop_map(|(m, h, d, w)| format!("{m} {h} {d} * {w}"))
+    }
+
+    fn instant() -> impl Strategy<Value = DateTime<Utc>> {
+        let uniform =
+            (1_577_836_800i64..2_082_758_400).prop_map(|s| DateTime::from_timestamp(s, 0).unwrap());
+        // Nights of the months in which most zones change their clocks.
+        let near_changes = (
+            2020i32..2036,
+            prop::sample::select(vec![3u32, 4, 9, 10, 11]),
+            1u32..=28,
+            0u32..86_400,
+        )
+            .prop_map(|(y, m, d, s)| {
+                NaiveDate::from_ymd_opt(y, m, d)
+                    .unwrap()
+                    .and_time(NaiveTime::MIN)
+                    .and_utc()
+                    + Duration::seconds(i64::from(s))
+            });
+        prop_oneof![uniform, near_changes]
+    }
+
+    /// When `instant` is the moment clocks jumped forward, the skipped wall-clock range.
+    fn skipped_range(instant: DateTime<Utc>, tz: Tz) -> Option<(NaiveDateTime, NaiveDateTime)> {
+        let before = local_of(instant - Duration::seconds(1), tz) + Duration::seconds(1);
+        let here = local_of(instant, tz);
+        (before < here).then_some((before, here))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn next_is_later_whole_minute_and_matches(
+            text in schedule_text(),
+            after in instant(),
+            tz in prop::sample::select(ZONES),
+        ) {
+            let schedule = CronSchedule::parse(&text).unwrap();
+            if let Some(first) = schedule.next_after(after, tz) {
+                prop_assert!(first > after);
+                let local = local_of(first, tz);
+                prop_assert_eq!(local.second(), 0);
+                prop_assert_eq!(first.second(), 0);
+                prop_assert_eq!(first.nanosecond(), 0);
+                if !schedule.matches_local(local) {
+                    // Only the documented gap adjustment may fire at a non-matching time.
+                    prop_assert!(!schedule.is_interval(), "{} at {}", text, first);
+                    let (from, to) = skipped_range(first, tz).ok_or_else(|| {
+                        TestCaseError::fail(format!("{text}: {first} matches nothing and is no clock change"))
+                    })?;
+                    let mut m = from.with_second(0).unwrap();
+                    let mut hit = false;
+                    while m < to {
+                        hit |= m >= from && schedule.matches_local(m);
+                        m += Duration::minutes(1);
+                    }
+                    prop_assert!(hit, "{} at {}: no skipped time matches", text, first);
+                }
+                if let Some(second) = schedule.next_after(first, tz) {
+                    prop_assert!(second > first);
+                }
+            }
+        }
+
+        #[test]
+        fn agrees_with_brute_force(
+            text in frequent_schedule_text(),
+            after in instant(),
+            tz in prop::sample::select(ZONES),
+        ) {
+            let schedule = CronSchedule::parse(&text).unwrap();
+            let window = 8 * 24 * 60;
+            let expected = oracle_next(&schedule, after, tz, window);
+            let actual = schedule.next_after(after, tz);
+            match expected {
+                Some(_) => prop_assert_eq!(actual, expected, "{} after {} in {}", text, after, tz),
+                None => prop_assert!(
+                    actual.is_none_or(|a| a > after + Duration::minutes(i64::from(window))),
+                    "{} after {} in {}: got {:?}", text, after, tz, actual
+                ),
+            }
+        }
+
+        #[test]
+        fn utc_schedules_have_no_dst_surprises(
+            text in schedule_text(),
+            after in instant(),
+        ) {
+            let schedule = CronSchedule::parse(&text).unwrap();
+            if let Some(first) = schedule.next_after(after, Tz::UTC) {
+                prop_assert!(schedule.matches_local(first.naive_utc()));
+                // Nothing fires in between: brute-force the first day at least.
+                let mut t = after.naive_utc().with_second(0).unwrap().with_nanosecond(0).unwrap() + Duration::minutes(1);
+                let stop = first.naive_utc().min(t + Duration::days(1));
+                while t < stop {
+                    prop_assert!(!schedule.matches_local(t), "{} fires at {} before {}", text, t, first);
+                    t += Duration::minutes(1);
+                }
+            }
+        }
+
+        #[test]
+        fn parse_never_panics(text in "\\PC{0,40}") {
+            let _ = CronSchedule::parse(&text);
+        }
+
+        #[test]
+        fn parse_never_panics_on_cron_like_text(text in "[0-9a-zA-Z*/,?@ =_-]{0,30}") {
+            if let Ok(schedule) = CronSchedule::parse(&text) {
+                let _ = schedule.next_after(utc("2026-01-01T00:00:00Z"), Tz::Europe__Berlin);
+            }
+        }
+    }
+}
