@@ -310,15 +310,11 @@ impl Admission {
             }
         }
         match schema.get("format").and_then(Value::as_str) {
-            Some("byte") => {
-                if base64::engine::general_purpose::STANDARD.decode(s).is_err() {
-                    err("must be base64-encoded bytes".to_string());
-                }
+            Some("byte") if base64::engine::general_purpose::STANDARD.decode(s).is_err() => {
+                err("must be base64-encoded bytes".to_string());
             }
-            Some("date-time") => {
-                if chrono::DateTime::parse_from_rfc3339(s).is_err() {
-                    err(format!("{s:?} is not an RFC 3339 date-time"));
-                }
+            Some("date-time") if chrono::DateTime::parse_from_rfc3339(s).is_err() => {
+                err(format!("{s:?} is not an RFC 3339 date-time"));
             }
             _ => {}
         }

@@ -57,7 +57,7 @@ const LENIENT_B64: GeneralPurpose = GeneralPurpose::new(
 ///
 /// The field order and JSON keys are upstream's, so the collected-updates and aggregated-update
 /// annotations stay readable by upstream tooling and the `FL_GLOBAL_*` env keeps its meaning.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct UpdateEnvelope {
     /// Task the update came from; empty (and omitted) for an aggregate.
     #[serde(default, skip_serializing_if = "String::is_empty")]

@@ -1,0 +1,730 @@
+//! Messages agents publish under `control/proplet/*`: discovery, heartbeat, Last Will, host and
+//! task metrics, results and invoke results.
+
+use serde_json::Value;
+
+use super::error::DecodeError;
+use super::fields::{excerpt, to_bytes, Fields, ObjectBuilder};
+use super::fl::FlUpdate;
+use super::time::Timestamp;
+use super::Inbound;
+
+/// Describes the device an agent runs on; sent in discovery and, optionally, in heartbeats.
+/// All keys are optional on the wire (the embedded agent sends none of them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PropletMetadata {
+    /// `description`: free text from the agent's configuration.
+    pub description: Option<String>,
+    /// `tags`: labels for scheduling; omitted when empty.
+    pub tags: Vec<String>,
+    /// `location`: free text.
+    pub location: Option<String>,
+    /// `ip`: the agent's outbound address.
+    pub ip: Option<String>,
+    /// `environment`: `docker`, `binary`, `embedded`, `k8s`, ...
+    pub environment: Option<String>,
+    /// `os`: e.g. `linux`, `zephyr`.
+    pub os: Option<String>,
+    /// `hostname`.
+    pub hostname: Option<String>,
+    /// `cpu_arch`: e.g. `x86_64`, `aarch64`, `xtensa`.
+    pub cpu_arch: Option<String>,
+    /// `total_memory_bytes`.
+    pub total_memory_bytes: Option<u64>,
+    /// `proplet_version`: agent version.
+    pub proplet_version: Option<String>,
+    /// `wasm_runtime`: e.g. `wasmtime-internal`, `wamr`.
+    pub wasm_runtime: Option<String>,
+}
+
+impl PropletMetadata {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            description: f.opt_str("description")?,
+            tags: f.str_list("tags")?,
+            location: f.opt_str("location")?,
+            ip: f.opt_str("ip")?,
+            environment: f.opt_str("environment")?,
+            os: f.opt_str("os")?,
+            hostname: f.opt_str("hostname")?,
+            cpu_arch: f.opt_str("cpu_arch")?,
+            total_memory_bytes: f.opt_u64("total_memory_bytes")?,
+            proplet_version: f.opt_str("proplet_version")?,
+            wasm_runtime: f.opt_str("wasm_runtime")?,
+        })
+    }
+
+    fn decode_at(f: &Fields<'_>, key: &str) -> Result<Option<Self>, DecodeError> {
+        match f.opt_object(key)? {
+            None => Ok(None),
+            Some(obj) => {
+                let path = f.key(key);
+                Self::from_fields(Fields::nested(obj, &path)).map(Some)
+            }
+        }
+    }
+
+    /// The JSON object, absent values omitted as the upstream agent does.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("description", self.description.clone())
+            .put_strs_nonempty("tags", &self.tags)
+            .put_opt("location", self.location.clone())
+            .put_opt("ip", self.ip.clone())
+            .put_opt("environment", self.environment.clone())
+            .put_opt("os", self.os.clone())
+            .put_opt("hostname", self.hostname.clone())
+            .put_opt("cpu_arch", self.cpu_arch.clone())
+            .put_opt("total_memory_bytes", self.total_memory_bytes)
+            .put_opt("proplet_version", self.proplet_version.clone())
+            .put_opt("wasm_runtime", self.wasm_runtime.clone())
+            .build()
+    }
+}
+
+/// Discovery (`control/proplet/create`): an agent announces itself once at start-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovery {
+    /// `proplet_id` (required, non-empty): the agent's entity id.
+    pub proplet_id: String,
+    /// `namespace`: upstream's Kubernetes namespace hint (`default`, `embedded`).
+    pub namespace: Option<String>,
+    /// `metadata`: device description.
+    pub metadata: Option<PropletMetadata>,
+}
+
+impl Discovery {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            proplet_id: f.req_id("proplet_id")?,
+            namespace: f.opt_str("namespace")?,
+            metadata: PropletMetadata::decode_at(&f, "metadata")?,
+        })
+    }
+
+    /// The JSON object.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("proplet_id", self.proplet_id.clone())
+            .put_opt("namespace", self.namespace.clone())
+            .put_opt(
+                "metadata",
+                self.metadata.as_ref().map(PropletMetadata::to_json),
+            )
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+/// Resource use carried in our heartbeats (`metrics`); upstream ignores the key.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeartbeatMetrics {
+    /// `cpu_percent`: host CPU use, 0–100.
+    pub cpu_percent: Option<f64>,
+    /// `memory_bytes`: agent resident memory.
+    pub memory_bytes: Option<u64>,
+    /// `memory_percent`: host memory use, 0–100.
+    pub memory_percent: Option<f64>,
+}
+
+impl HeartbeatMetrics {
+    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            cpu_percent: f.opt_f64("cpu_percent")?,
+            memory_bytes: f.opt_u64("memory_bytes")?,
+            memory_percent: f.opt_f64("memory_percent")?,
+        })
+    }
+
+    fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("cpu_percent", self.cpu_percent)
+            .put_opt("memory_bytes", self.memory_bytes)
+            .put_opt("memory_percent", self.memory_percent)
+            .build()
+    }
+}
+
+/// A heartbeat (`control/proplet/alive` with `status:"alive"`): the agent is up.
+///
+/// `metadata` and `metrics` are our optional additions; upstream consumers ignore unknown keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Heartbeat {
+    /// `proplet_id` (required, non-empty).
+    pub proplet_id: String,
+    /// `namespace`.
+    pub namespace: Option<String>,
+    /// `metadata`: same shape as in discovery, so metadata can be refreshed after a restart.
+    pub metadata: Option<PropletMetadata>,
+    /// `metrics`: current resource use.
+    pub metrics: Option<HeartbeatMetrics>,
+}
+
+impl Heartbeat {
+    /// The JSON object, with `status:"alive"`.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("proplet_id", self.proplet_id.clone())
+            .put("status", STATUS_ALIVE)
+            .put_opt("namespace", self.namespace.clone())
+            .put_opt(
+                "metadata",
+                self.metadata.as_ref().map(PropletMetadata::to_json),
+            )
+            .put_opt(
+                "metrics",
+                self.metrics.as_ref().map(HeartbeatMetrics::to_json),
+            )
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+/// An offline notice (`control/proplet/alive` with `status:"offline"`): the Last Will of the
+/// embedded agent, the upstream manager and proxy. It is *not* a heartbeat; upstream counted it
+/// as one, which made dead devices look alive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OfflineNotice {
+    /// `proplet_id` (required, non-empty): whoever went away.
+    pub proplet_id: String,
+    /// `namespace`.
+    pub namespace: Option<String>,
+}
+
+impl OfflineNotice {
+    /// The JSON object, with `status:"offline"`; usable as an MQTT Last Will payload.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("status", STATUS_OFFLINE)
+            .put("proplet_id", self.proplet_id.clone())
+            .put_opt("namespace", self.namespace.clone())
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+const STATUS_ALIVE: &str = "alive";
+const STATUS_OFFLINE: &str = "offline";
+
+/// Decodes the alive topic into a heartbeat or an offline notice. A missing `status` counts as
+/// alive (upstream never relied on it); anything other than `alive`/`offline` is refused.
+pub(crate) fn decode_alive(f: Fields<'_>) -> Result<Inbound, DecodeError> {
+    let proplet_id = f.req_id("proplet_id")?;
+    let namespace = f.opt_str("namespace")?;
+    match f.opt_str("status")?.as_deref() {
+        None | Some(STATUS_ALIVE) => Ok(Inbound::Heartbeat(Heartbeat {
+            proplet_id,
+            namespace,
+            metadata: PropletMetadata::decode_at(&f, "metadata")?,
+            metrics: match f.opt_object("metrics")? {
+                None => None,
+                Some(obj) => Some(HeartbeatMetrics::from_fields(Fields::nested(
+                    obj, "metrics",
+                ))?),
+            },
+        })),
+        Some(STATUS_OFFLINE) => Ok(Inbound::Offline(OfflineNotice {
+            proplet_id,
+            namespace,
+        })),
+        Some(other) => Err(DecodeError::InvalidValue {
+            key: "status".into(),
+            reason: format!("expected \"alive\" or \"offline\", got {}", excerpt(other)),
+        }),
+    }
+}
+
+/// Process CPU figures of [`PropletMetrics`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CpuMetrics {
+    /// `user_seconds`: process user CPU time.
+    pub user_seconds: Option<f64>,
+    /// `system_seconds`: process system CPU time.
+    pub system_seconds: Option<f64>,
+    /// `percent`: system-wide CPU use, 0–100.
+    pub percent: Option<f64>,
+}
+
+impl CpuMetrics {
+    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            user_seconds: f.opt_f64("user_seconds")?,
+            system_seconds: f.opt_f64("system_seconds")?,
+            percent: f.opt_f64("percent")?,
+        })
+    }
+
+    fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("user_seconds", self.user_seconds)
+            .put_opt("system_seconds", self.system_seconds)
+            .put_opt("percent", self.percent)
+            .build()
+    }
+}
+
+/// Memory figures of [`PropletMetrics`]; the Rust agent fills the process and cgroup keys, the
+/// embedded agent the heap keys.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryMetrics {
+    /// `rss_bytes`: agent resident set size.
+    pub rss_bytes: Option<u64>,
+    /// `heap_alloc_bytes`.
+    pub heap_alloc_bytes: Option<u64>,
+    /// `heap_sys_bytes`.
+    pub heap_sys_bytes: Option<u64>,
+    /// `heap_inuse_bytes`.
+    pub heap_inuse_bytes: Option<u64>,
+    /// `heap_free_bytes` (embedded only).
+    pub heap_free_bytes: Option<u64>,
+    /// `heap_max_alloc_bytes` (embedded only).
+    pub heap_max_alloc_bytes: Option<u64>,
+    /// `container_usage_bytes`: cgroup memory use.
+    pub container_usage_bytes: Option<u64>,
+    /// `container_limit_bytes`: cgroup limit, absent when unlimited.
+    pub container_limit_bytes: Option<u64>,
+    /// `percent`: memory use, 0–100 (read by the upstream operator, sent by nobody upstream).
+    pub percent: Option<f64>,
+}
+
+impl MemoryMetrics {
+    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            rss_bytes: f.opt_u64("rss_bytes")?,
+            heap_alloc_bytes: f.opt_u64("heap_alloc_bytes")?,
+            heap_sys_bytes: f.opt_u64("heap_sys_bytes")?,
+            heap_inuse_bytes: f.opt_u64("heap_inuse_bytes")?,
+            heap_free_bytes: f.opt_u64("heap_free_bytes")?,
+            heap_max_alloc_bytes: f.opt_u64("heap_max_alloc_bytes")?,
+            container_usage_bytes: f.opt_u64("container_usage_bytes")?,
+            container_limit_bytes: f.opt_u64("container_limit_bytes")?,
+            percent: f.opt_f64("percent")?,
+        })
+    }
+
+    fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("rss_bytes", self.rss_bytes)
+            .put_opt("heap_alloc_bytes", self.heap_alloc_bytes)
+            .put_opt("heap_sys_bytes", self.heap_sys_bytes)
+            .put_opt("heap_inuse_bytes", self.heap_inuse_bytes)
+            .put_opt("heap_free_bytes", self.heap_free_bytes)
+            .put_opt("heap_max_alloc_bytes", self.heap_max_alloc_bytes)
+            .put_opt("container_usage_bytes", self.container_usage_bytes)
+            .put_opt("container_limit_bytes", self.container_limit_bytes)
+            .put_opt("percent", self.percent)
+            .build()
+    }
+}
+
+/// Host metrics (`control/proplet/metrics`), sent periodically by each agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PropletMetrics {
+    /// `proplet_id` (required, non-empty).
+    pub proplet_id: String,
+    /// `namespace`.
+    pub namespace: Option<String>,
+    /// `timestamp`: in whichever of the three forms the sender uses.
+    pub timestamp: Option<Timestamp>,
+    /// `cpu_metrics`.
+    pub cpu_metrics: Option<CpuMetrics>,
+    /// `memory_metrics`.
+    pub memory_metrics: Option<MemoryMetrics>,
+}
+
+fn timestamp_at(f: &Fields<'_>, key: &str) -> Result<Option<Timestamp>, DecodeError> {
+    match f.get(key) {
+        None => Ok(None),
+        Some(v) => Timestamp::from_json(v, &f.key(key)).map(Some),
+    }
+}
+
+impl PropletMetrics {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            proplet_id: f.req_id("proplet_id")?,
+            namespace: f.opt_str("namespace")?,
+            timestamp: timestamp_at(&f, "timestamp")?,
+            cpu_metrics: match f.opt_object("cpu_metrics")? {
+                None => None,
+                Some(o) => Some(CpuMetrics::from_fields(Fields::nested(o, "cpu_metrics"))?),
+            },
+            memory_metrics: match f.opt_object("memory_metrics")? {
+                None => None,
+                Some(o) => Some(MemoryMetrics::from_fields(Fields::nested(
+                    o,
+                    "memory_metrics",
+                ))?),
+            },
+        })
+    }
+
+    /// The JSON object.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("proplet_id", self.proplet_id.clone())
+            .put_opt("namespace", self.namespace.clone())
+            .put_opt("timestamp", self.timestamp.as_ref().map(Timestamp::to_json))
+            .put_opt(
+                "cpu_metrics",
+                self.cpu_metrics.as_ref().map(CpuMetrics::to_json),
+            )
+            .put_opt(
+                "memory_metrics",
+                self.memory_metrics.as_ref().map(MemoryMetrics::to_json),
+            )
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+/// One sample of a task's process (`metrics` of [`TaskMetrics`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProcessMetrics {
+    /// `cpu_percent`.
+    pub cpu_percent: Option<f64>,
+    /// `memory_bytes` (the upstream Rust agent inflates it ×1024).
+    pub memory_bytes: Option<u64>,
+    /// `memory_percent` (always 0 from the upstream Rust agent).
+    pub memory_percent: Option<f64>,
+    /// `disk_read_bytes`: cumulative.
+    pub disk_read_bytes: Option<u64>,
+    /// `disk_write_bytes`: cumulative.
+    pub disk_write_bytes: Option<u64>,
+    /// `uptime_seconds`.
+    pub uptime_seconds: Option<u64>,
+    /// `thread_count`.
+    pub thread_count: Option<u64>,
+    /// `file_descriptor_count`.
+    pub file_descriptor_count: Option<u64>,
+}
+
+impl ProcessMetrics {
+    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            cpu_percent: f.opt_f64("cpu_percent")?,
+            memory_bytes: f.opt_u64("memory_bytes")?,
+            memory_percent: f.opt_f64("memory_percent")?,
+            disk_read_bytes: f.opt_u64("disk_read_bytes")?,
+            disk_write_bytes: f.opt_u64("disk_write_bytes")?,
+            uptime_seconds: f.opt_u64("uptime_seconds")?,
+            thread_count: f.opt_u64("thread_count")?,
+            file_descriptor_count: f.opt_u64("file_descriptor_count")?,
+        })
+    }
+
+    fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("cpu_percent", self.cpu_percent)
+            .put_opt("memory_bytes", self.memory_bytes)
+            .put_opt("memory_percent", self.memory_percent)
+            .put_opt("disk_read_bytes", self.disk_read_bytes)
+            .put_opt("disk_write_bytes", self.disk_write_bytes)
+            .put_opt("uptime_seconds", self.uptime_seconds)
+            .put_opt("thread_count", self.thread_count)
+            .put_opt("file_descriptor_count", self.file_descriptor_count)
+            .build()
+    }
+}
+
+/// Summary over the samples an agent kept (`aggregated` of [`TaskMetrics`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AggregatedMetrics {
+    /// `avg_cpu_usage`.
+    pub avg_cpu_usage: Option<f64>,
+    /// `max_cpu_usage`.
+    pub max_cpu_usage: Option<f64>,
+    /// `avg_memory_usage`.
+    pub avg_memory_usage: Option<f64>,
+    /// `max_memory_usage`.
+    pub max_memory_usage: Option<f64>,
+    /// `total_disk_read`.
+    pub total_disk_read: Option<u64>,
+    /// `total_disk_write`.
+    pub total_disk_write: Option<u64>,
+    /// `sample_count`.
+    pub sample_count: Option<u64>,
+}
+
+impl AggregatedMetrics {
+    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            avg_cpu_usage: f.opt_f64("avg_cpu_usage")?,
+            max_cpu_usage: f.opt_f64("max_cpu_usage")?,
+            avg_memory_usage: f.opt_f64("avg_memory_usage")?,
+            max_memory_usage: f.opt_f64("max_memory_usage")?,
+            total_disk_read: f.opt_u64("total_disk_read")?,
+            total_disk_write: f.opt_u64("total_disk_write")?,
+            sample_count: f.opt_u64("sample_count")?,
+        })
+    }
+
+    fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put_opt("avg_cpu_usage", self.avg_cpu_usage)
+            .put_opt("max_cpu_usage", self.max_cpu_usage)
+            .put_opt("avg_memory_usage", self.avg_memory_usage)
+            .put_opt("max_memory_usage", self.max_memory_usage)
+            .put_opt("total_disk_read", self.total_disk_read)
+            .put_opt("total_disk_write", self.total_disk_write)
+            .put_opt("sample_count", self.sample_count)
+            .build()
+    }
+}
+
+/// Task metrics (`control/proplet/task_metrics`): periodic samples of one running task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskMetrics {
+    /// `task_id` (required, non-empty).
+    pub task_id: String,
+    /// `proplet_id`.
+    pub proplet_id: Option<String>,
+    /// `metrics` (required object; every figure inside is optional).
+    pub metrics: ProcessMetrics,
+    /// `aggregated`: absent or `null` when the agent keeps no history.
+    pub aggregated: Option<AggregatedMetrics>,
+    /// `timestamp`.
+    pub timestamp: Option<Timestamp>,
+}
+
+impl TaskMetrics {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            task_id: f.req_id("task_id")?,
+            proplet_id: f.opt_str("proplet_id")?,
+            metrics: ProcessMetrics::from_fields(Fields::nested(
+                f.req_object("metrics")?,
+                "metrics",
+            ))?,
+            aggregated: match f.opt_object("aggregated")? {
+                None => None,
+                Some(o) => Some(AggregatedMetrics::from_fields(Fields::nested(
+                    o,
+                    "aggregated",
+                ))?),
+            },
+            timestamp: timestamp_at(&f, "timestamp")?,
+        })
+    }
+
+    /// The JSON object; `aggregated` is written as `null` when absent, like the Rust agent.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("task_id", self.task_id.clone())
+            .put_opt("proplet_id", self.proplet_id.clone())
+            .put("metrics", self.metrics.to_json())
+            .put(
+                "aggregated",
+                self.aggregated
+                    .as_ref()
+                    .map_or(Value::Null, AggregatedMetrics::to_json),
+            )
+            .put_opt("timestamp", self.timestamp.as_ref().map(Timestamp::to_json))
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+/// The `results` of a task: text for normal tasks, a JSON value for FL tasks (whose envelope is
+/// an object). Kept raw so nothing a sender reported is lost.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResultValue {
+    /// A string result (absent or `null` decodes as the empty string).
+    Text(String),
+    /// Any other JSON value (object, array, number, boolean).
+    Json(Value),
+}
+
+impl Default for ResultValue {
+    fn default() -> Self {
+        Self::Text(String::new())
+    }
+}
+
+impl ResultValue {
+    fn from_fields(f: &Fields<'_>, key: &str) -> Self {
+        match f.get(key) {
+            None => Self::Text(String::new()),
+            Some(Value::String(s)) => Self::Text(s.clone()),
+            Some(other) => Self::Json(other.clone()),
+        }
+    }
+
+    /// The JSON form.
+    pub fn to_json(&self) -> Value {
+        match self {
+            Self::Text(s) => Value::String(s.clone()),
+            Self::Json(v) => v.clone(),
+        }
+    }
+
+    /// The text, for string results.
+    pub fn as_text(&self) -> Option<&str> {
+        match self {
+            Self::Text(s) => Some(s),
+            Self::Json(_) => None,
+        }
+    }
+
+    /// True for an empty string (what failures carry).
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Self::Text(s) if s.is_empty())
+    }
+
+    /// The FL update envelope inside an object result, looked for where the upstream operator
+    /// looks: `update_envelope`, then `results.update_envelope`, then the object itself (the
+    /// upstream agents' FL result form). `None` when the result is not an object or holds no
+    /// envelope-shaped object.
+    pub fn fl_update(&self) -> Option<Result<FlUpdate, DecodeError>> {
+        let Self::Json(Value::Object(obj)) = self else {
+            return None;
+        };
+        if let Some(Value::Object(env)) = obj.get("update_envelope") {
+            return Some(FlUpdate::from_fields(Fields::nested(
+                env,
+                "results.update_envelope",
+            )));
+        }
+        if let Some(Value::Object(inner)) = obj.get("results") {
+            if let Some(Value::Object(env)) = inner.get("update_envelope") {
+                return Some(FlUpdate::from_fields(Fields::nested(
+                    env,
+                    "results.results.update_envelope",
+                )));
+            }
+        }
+        if obj.contains_key("update_b64") || obj.contains_key("round_id") {
+            return Some(FlUpdate::from_fields(Fields::nested(obj, "results")));
+        }
+        None
+    }
+}
+
+fn error_at(f: &Fields<'_>) -> Result<Option<String>, DecodeError> {
+    match f.get("error") {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(DecodeError::WrongType {
+            key: f.key("error"),
+            expected: "string or null",
+        }),
+    }
+}
+
+/// A task result (`control/proplet/results`): success with results, or failure with an error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskResult {
+    /// `task_id` (required, non-empty).
+    pub task_id: String,
+    /// `proplet_id`: absent from embedded and FL results.
+    pub proplet_id: Option<String>,
+    /// `results`.
+    pub results: ResultValue,
+    /// `error`: kept as sent; use [`TaskResult::failure`] to interpret it.
+    pub error: Option<String>,
+}
+
+impl TaskResult {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            task_id: f.req_id("task_id")?,
+            proplet_id: f.opt_str("proplet_id")?,
+            results: ResultValue::from_fields(&f, "results"),
+            error: error_at(&f)?,
+        })
+    }
+
+    /// The error text when the task failed; an empty string means success, as upstream.
+    pub fn failure(&self) -> Option<&str> {
+        self.error.as_deref().filter(|e| !e.is_empty())
+    }
+
+    /// The JSON object; `error` is `null` on success, like the Rust agent.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("task_id", self.task_id.clone())
+            .put_opt("proplet_id", self.proplet_id.clone())
+            .put("results", self.results.to_json())
+            .put(
+                "error",
+                self.error.clone().map_or(Value::Null, Value::String),
+            )
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
+
+/// The result of one invocation of a latent task (`control/proplet/invoke_results`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InvokeResult {
+    /// `task_id` (required, non-empty).
+    pub task_id: String,
+    /// `invocation_id`: echoes the request's id, `""` when it had none.
+    pub invocation_id: String,
+    /// `proplet_id`.
+    pub proplet_id: Option<String>,
+    /// `results`.
+    pub results: ResultValue,
+    /// `error`: kept as sent; see [`InvokeResult::failure`].
+    pub error: Option<String>,
+}
+
+impl InvokeResult {
+    pub(crate) fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            task_id: f.req_id("task_id")?,
+            invocation_id: f.opt_str("invocation_id")?.unwrap_or_default(),
+            proplet_id: f.opt_str("proplet_id")?,
+            results: ResultValue::from_fields(&f, "results"),
+            error: error_at(&f)?,
+        })
+    }
+
+    /// The error text when the invocation failed; empty means success.
+    pub fn failure(&self) -> Option<&str> {
+        self.error.as_deref().filter(|e| !e.is_empty())
+    }
+
+    /// The JSON object.
+    pub fn to_json(&self) -> Value {
+        ObjectBuilder::new()
+            .put("task_id", self.task_id.clone())
+            .put("invocation_id", self.invocation_id.clone())
+            .put_opt("proplet_id", self.proplet_id.clone())
+            .put("results", self.results.to_json())
+            .put(
+                "error",
+                self.error.clone().map_or(Value::Null, Value::String),
+            )
+            .build()
+    }
+
+    /// The payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        to_bytes(&self.to_json())
+    }
+}
