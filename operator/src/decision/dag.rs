@@ -297,16 +297,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const ALL_PHASES: [TaskPhase; 7] = [
-        TaskPhase::Pending,
-        TaskPhase::Scheduled,
-        TaskPhase::Running,
-        TaskPhase::Completed,
-        TaskPhase::Failed,
-        TaskPhase::Skipped,
-        TaskPhase::Interrupted,
-    ];
-
     fn names(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| (*s).to_owned()).collect()
     }
@@ -326,7 +316,7 @@ mod tests {
 
     #[test]
     fn single_dependency_every_phase_and_run_if() {
-        for phase in ALL_PHASES {
+        for phase in TaskPhase::ALL {
             for run_if in [RunIf::Success, RunIf::Failure] {
                 let got = eval(&["a"], run_if, &[("a", phase)]);
                 match (phase, run_if) {

@@ -10,5 +10,6 @@ pub mod federated;
 pub mod liveness;
 pub mod names;
 pub mod propeller_job;
+pub mod recurrence;
 pub mod scheduler;
 pub mod task_phase;
