@@ -85,44 +85,38 @@ pub fn evaluate_external(
     let gone_at = observation
         .offline_at
         .filter(|off| status.last_seen.is_none_or(|seen| *off >= seen));
-    let conditions = &mut status.conditions;
-    let (phase, next_change) = match (status.last_seen, gone_at) {
-        (None, _) => {
-            set_condition(
-                conditions,
-                &DesiredCondition::new(
-                    "Ready",
-                    false,
-                    "PropletInitializing",
-                    "waiting for the first heartbeat",
-                ),
-                generation,
-                now,
-            );
-            remove_condition(conditions, "Connected");
-            (PropletPhase::Initializing, None)
-        }
-        (Some(_), Some(off)) => {
-            let message = format!("the proplet disconnected at {}", off.to_rfc3339());
-            set_condition(
-                conditions,
-                &DesiredCondition::new("Connected", false, "PropletDisconnected", message),
-                generation,
-                now,
-            );
-            set_condition(
-                conditions,
-                &DesiredCondition::new(
-                    "Ready",
-                    false,
-                    "PropletOffline",
-                    "external proplet is offline",
-                ),
-                generation,
-                now,
-            );
-            (PropletPhase::Offline, None)
-        }
+    let offline = || {
+        DesiredCondition::new(
+            "Ready",
+            false,
+            "PropletOffline",
+            "external proplet is offline",
+        )
+    };
+    // (phase, Connected condition (None removes it), Ready condition, next self-change)
+    let (phase, connected, ready, next_change) = match (status.last_seen, gone_at) {
+        (None, _) => (
+            PropletPhase::Initializing,
+            None,
+            DesiredCondition::new(
+                "Ready",
+                false,
+                "PropletInitializing",
+                "waiting for the first heartbeat",
+            ),
+            None,
+        ),
+        (Some(_), Some(off)) => (
+            PropletPhase::Offline,
+            Some(DesiredCondition::new(
+                "Connected",
+                false,
+                "PropletDisconnected",
+                format!("the proplet disconnected at {}", off.to_rfc3339()),
+            )),
+            offline(),
+            None,
+        ),
         (Some(seen), None) => {
             let deadline = seen
                 .checked_add_signed(threshold_c)
@@ -133,53 +127,40 @@ pub fn evaluate_external(
                     seen.to_rfc3339(),
                     threshold.as_secs()
                 );
-                set_condition(
-                    conditions,
-                    &DesiredCondition::new("Connected", false, "HeartbeatMissed", message),
-                    generation,
-                    now,
-                );
-                set_condition(
-                    conditions,
-                    &DesiredCondition::new(
-                        "Ready",
-                        false,
-                        "PropletOffline",
-                        "external proplet is offline",
-                    ),
-                    generation,
-                    now,
-                );
-                (PropletPhase::Offline, None)
+                let connected =
+                    DesiredCondition::new("Connected", false, "HeartbeatMissed", message);
+                (PropletPhase::Offline, Some(connected), offline(), None)
             } else {
                 // The message is stable between heartbeats so that liveness alone never
                 // forces a write (upstream's "last seen Xs ago" did).
-                set_condition(
-                    conditions,
-                    &DesiredCondition::new(
+                (
+                    PropletPhase::Running,
+                    Some(DesiredCondition::new(
                         "Connected",
                         true,
                         "HeartbeatCurrent",
                         "heartbeats arrive within the threshold",
-                    ),
-                    generation,
-                    now,
-                );
-                set_condition(
-                    conditions,
-                    &DesiredCondition::new(
+                    )),
+                    DesiredCondition::new(
                         "Ready",
                         true,
                         "PropletReady",
                         "external proplet is connected",
                     ),
-                    generation,
-                    now,
-                );
-                (PropletPhase::Running, Some(deadline))
+                    Some(deadline),
+                )
             }
         }
     };
+    match connected {
+        Some(c) => {
+            set_condition(&mut status.conditions, &c, generation, now);
+        }
+        None => {
+            remove_condition(&mut status.conditions, "Connected");
+        }
+    }
+    set_condition(&mut status.conditions, &ready, generation, now);
     status.phase = phase;
     status.alive = phase == PropletPhase::Running;
     set_healthy(status, generation, now);
