@@ -133,6 +133,16 @@ fn targets(broadcast: bool, target: Option<&str>, proplet_id: &str) -> bool {
     }
 }
 
+/// The `proplet_id` to put on the wire: none for broadcasts, whose absence is what upstream
+/// agents read as "every proplet".
+fn wire_target(broadcast: bool, proplet_id: Option<&String>) -> Option<String> {
+    if broadcast {
+        None
+    } else {
+        proplet_id.cloned()
+    }
+}
+
 fn opt_map(f: &Fields<'_>, key: &str) -> Result<Option<Map<String, Value>>, DecodeError> {
     Ok(f.opt_object(key)?.cloned())
 }
@@ -253,11 +263,7 @@ impl StartRequest {
     /// are strings, `monitoring_profile` carries every key, `proplet_id` is left out for
     /// broadcasts.
     pub fn to_json(&self) -> Value {
-        let target = if self.broadcast {
-            None
-        } else {
-            self.proplet_id.clone()
-        };
+        let target = wire_target(self.broadcast, self.proplet_id.as_ref());
         ObjectBuilder::new()
             .put("id", self.id.clone())
             .put("name", self.name.clone())
@@ -344,11 +350,7 @@ impl StopRequest {
 
     /// The JSON object: `id`, `broadcast`, `proplet_id` (not for broadcasts), `name`, `state`.
     pub fn to_json(&self) -> Value {
-        let target = if self.broadcast {
-            None
-        } else {
-            self.proplet_id.clone()
-        };
+        let target = wire_target(self.broadcast, self.proplet_id.as_ref());
         ObjectBuilder::new()
             .put("id", self.id.clone())
             .put("broadcast", self.broadcast)
@@ -400,11 +402,7 @@ impl InvokeRequest {
 
     /// The JSON object.
     pub fn to_json(&self) -> Value {
-        let target = if self.broadcast {
-            None
-        } else {
-            self.proplet_id.clone()
-        };
+        let target = wire_target(self.broadcast, self.proplet_id.as_ref());
         ObjectBuilder::new()
             .put("id", self.id.clone())
             .put("broadcast", self.broadcast)
