@@ -3,26 +3,14 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+mod support;
+
 fn propeller() -> Command {
-    // scripts/test.sh builds the binaries before running the tests.
-    // Cargo builds the workspace's binaries for integration tests of the package that
-    // defines them; this package does not, so locate the binary next to the test executable.
-    let mut dir = std::env::current_exe().expect("test executable path");
-    dir.pop();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let bin = dir.join("propeller");
-    assert!(
-        bin.exists(),
-        "{} missing: run the tests through scripts/test.sh, which builds the binaries first",
-        bin.display()
-    );
-    Command::new(bin)
+    support::binary("propeller")
 }
 
 fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    support::repo_root()
 }
 
 #[test]

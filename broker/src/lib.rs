@@ -1,5 +1,9 @@
 //! The MQTT side of Propeller: topic layout and payload types shared by the operator and
 //! the `proplet` agent (usable without any server), for wire compatibility with the
-//! upstream operator and the upstream Rust and embedded proplets.
+//! upstream operator and the upstream Rust and embedded proplets; and, with the default
+//! `server` feature, the embedded broker that authenticates devices and turns their publishes
+//! into typed in-process events.
 
 pub mod protocol;
+#[cfg(feature = "server")]
+pub mod server;

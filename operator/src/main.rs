@@ -5,6 +5,8 @@ use std::io::Write;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod commands;
+
 /// Propeller: orchestrates WebAssembly workloads on Kubernetes and edge devices.
 #[derive(Parser, Debug)]
 #[command(name = "propeller", version, about)]
@@ -21,6 +23,8 @@ enum Command {
         #[arg(long)]
         out_dir: Option<std::path::PathBuf>,
     },
+    /// Run the embedded MQTT broker alone and log every typed event (device bring-up).
+    Broker(commands::broker::BrokerCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,6 +45,11 @@ fn main() -> anyhow::Result<()> {
                     .with_context(|| format!("writing {}", path.display()))?;
                 println!("wrote {}", path.display());
             }
+        }
+        Command::Broker(cmd) => {
+            commands::logging::init();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::broker::run(cmd))?;
         }
     }
     Ok(())

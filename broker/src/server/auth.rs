@@ -1,0 +1,411 @@
+//! Who may connect: credentials looked up per client id and compared in constant time.
+//!
+//! A device logs in with username = its client id and password = its client key. The sources
+//! behind [`CredentialSource`] differ by mode (Proplet resources and Secrets in Kubernetes, the
+//! embedded store in standalone mode, a file for `propeller broker`), but all are consulted on
+//! every connect, so adding or removing a credential takes effect without a restart.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+
+/// What an authenticated client is allowed to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A device: may publish only its own reports and subscribe only to literal topics that
+    /// are not agent reports.
+    #[default]
+    Proplet,
+    /// A trusted service such as an OCI proxy: may publish and subscribe anywhere.
+    Service,
+}
+
+/// A client's secret and role.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credential {
+    key: String,
+    role: Role,
+}
+
+impl Credential {
+    /// A credential with the given key and role.
+    pub fn new(key: impl Into<String>, role: Role) -> Self {
+        Self {
+            key: key.into(),
+            role,
+        }
+    }
+
+    /// A device credential.
+    pub fn proplet(key: impl Into<String>) -> Self {
+        Self::new(key, Role::Proplet)
+    }
+
+    /// The role granted by this credential.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Whether `password` is this credential's key, in time independent of where they differ.
+    pub fn accepts(&self, password: &str) -> bool {
+        bool::from(self.key.as_bytes().ct_eq(password.as_bytes()))
+    }
+}
+
+impl fmt::Debug for Credential {
+    // Secrets never reach logs: only the role is shown.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credential")
+            .field("key", &"<redacted>")
+            .field("role", &self.role)
+            .finish()
+    }
+}
+
+/// Where the broker looks up a client's credential; consulted on every connect.
+pub trait CredentialSource: Send + Sync + 'static {
+    /// The credential of `client_id`, or `None` if it may not connect.
+    fn lookup(&self, client_id: &str) -> Option<Credential>;
+}
+
+/// Why a login was refused; logged and counted, never with the password.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// No username or password was given.
+    Anonymous,
+    /// The username is not the client id.
+    UsernameMismatch,
+    /// No credential exists for the client id.
+    UnknownClient,
+    /// The password is not the client's key.
+    WrongKey,
+}
+
+impl AuthFailure {
+    /// A stable label for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Anonymous => "anonymous",
+            Self::UsernameMismatch => "username_mismatch",
+            Self::UnknownClient => "unknown_client",
+            Self::WrongKey => "wrong_key",
+        }
+    }
+}
+
+/// Decides a login: username must equal the client id and the password must be its key.
+pub fn authenticate(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+) -> Result<Role, AuthFailure> {
+    if username.is_empty() && password.is_empty() {
+        return Err(AuthFailure::Anonymous);
+    }
+    if username != client_id {
+        return Err(AuthFailure::UsernameMismatch);
+    }
+    let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
+    if credential.accepts(password) {
+        Ok(credential.role())
+    } else {
+        Err(AuthFailure::WrongKey)
+    }
+}
+
+/// An in-memory credential table that drivers keep up to date (Proplet watch, store, file).
+#[derive(Debug, Default, Clone)]
+pub struct CredentialStore {
+    entries: Arc<RwLock<HashMap<String, Credential>>>,
+}
+
+impl CredentialStore {
+    /// An empty store: nobody may connect until credentials are added.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds or replaces the credential of `client_id`.
+    pub fn insert(&self, client_id: impl Into<String>, credential: Credential) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        entries.insert(client_id.into(), credential);
+    }
+
+    /// Removes `client_id`; its next connect is refused.
+    pub fn remove(&self, client_id: &str) -> bool {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        entries.remove(client_id).is_some()
+    }
+
+    /// Replaces the whole table at once (e.g. after a full relist).
+    pub fn replace_all(&self, table: HashMap<String, Credential>) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        *entries = table;
+    }
+
+    /// How many clients may connect.
+    pub fn len(&self) -> usize {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether nobody may connect.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl CredentialSource for CredentialStore {
+    fn lookup(&self, client_id: &str) -> Option<Credential> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        entries.get(client_id).cloned()
+    }
+}
+
+/// Looks in several sources in order; the first that knows the client decides.
+pub struct LayeredCredentials {
+    layers: Vec<Arc<dyn CredentialSource>>,
+}
+
+impl LayeredCredentials {
+    /// Consults `layers` in order.
+    pub fn new(layers: Vec<Arc<dyn CredentialSource>>) -> Self {
+        Self { layers }
+    }
+}
+
+impl CredentialSource for LayeredCredentials {
+    fn lookup(&self, client_id: &str) -> Option<Credential> {
+        self.layers.iter().find_map(|layer| layer.lookup(client_id))
+    }
+}
+
+/// A credentials file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsFileError {
+    /// The file could not be read.
+    #[error("cannot read credentials file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("credentials file {path} is invalid: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What is wrong, as the TOML parser reports it.
+        message: String,
+    },
+    /// An entry is unusable.
+    #[error("credentials file {path}: client #{index}: {message}")]
+    Entry {
+        /// The file.
+        path: String,
+        /// 1-based position of the `[[client]]` table.
+        index: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CredentialsFile {
+    #[serde(default)]
+    client: Vec<FileClient>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileClient {
+    id: String,
+    key: String,
+    #[serde(default)]
+    role: Role,
+}
+
+/// Parses a credentials file:
+///
+/// ```toml
+/// [[client]]
+/// id = "proplet-1"
+/// key = "a-long-random-key"
+/// role = "proplet"   # or "service"; default "proplet"
+/// ```
+pub fn parse_credentials(
+    text: &str,
+    path: &str,
+) -> Result<HashMap<String, Credential>, CredentialsFileError> {
+    let file: CredentialsFile = toml::from_str(text).map_err(|e| CredentialsFileError::Parse {
+        path: path.to_owned(),
+        message: e.message().to_owned(),
+    })?;
+    let mut table = HashMap::with_capacity(file.client.len());
+    for (position, client) in file.client.into_iter().enumerate() {
+        let entry_error = |message: &str| CredentialsFileError::Entry {
+            path: path.to_owned(),
+            index: position + 1,
+            message: message.to_owned(),
+        };
+        if client.id.trim().is_empty() {
+            return Err(entry_error("`id` is empty"));
+        }
+        if client.key.is_empty() {
+            return Err(entry_error("`key` is empty"));
+        }
+        if table.contains_key(&client.id) {
+            return Err(entry_error(&format!(
+                "client id `{}` appears twice",
+                client.id
+            )));
+        }
+        table.insert(client.id, Credential::new(client.key, client.role));
+    }
+    Ok(table)
+}
+
+/// Reads and parses a credentials file (see [`parse_credentials`]).
+pub fn load_credentials_file(
+    path: &Path,
+) -> Result<HashMap<String, Credential>, CredentialsFileError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| CredentialsFileError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    parse_credentials(&text, &shown)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> CredentialStore {
+        let s = CredentialStore::new();
+        s.insert("dev-a", Credential::proplet("key-a"));
+        s.insert("proxy", Credential::new("key-p", Role::Service));
+        s
+    }
+
+    #[test]
+    fn valid_login_yields_the_role() {
+        let s = store();
+        assert_eq!(
+            authenticate(&s, "dev-a", "dev-a", "key-a"),
+            Ok(Role::Proplet)
+        );
+        assert_eq!(
+            authenticate(&s, "proxy", "proxy", "key-p"),
+            Ok(Role::Service)
+        );
+    }
+
+    #[test]
+    fn each_refusal_has_its_reason() {
+        let s = store();
+        assert_eq!(
+            authenticate(&s, "dev-a", "", ""),
+            Err(AuthFailure::Anonymous)
+        );
+        assert_eq!(
+            authenticate(&s, "dev-a", "proxy", "key-p"),
+            Err(AuthFailure::UsernameMismatch)
+        );
+        assert_eq!(
+            authenticate(&s, "ghost", "ghost", "x"),
+            Err(AuthFailure::UnknownClient)
+        );
+        assert_eq!(
+            authenticate(&s, "dev-a", "dev-a", "key-b"),
+            Err(AuthFailure::WrongKey)
+        );
+        assert_eq!(
+            authenticate(&s, "dev-a", "dev-a", "key-a-longer"),
+            Err(AuthFailure::WrongKey)
+        );
+    }
+
+    #[test]
+    fn removal_takes_effect_on_next_lookup() {
+        let s = store();
+        assert!(s.remove("dev-a"));
+        assert_eq!(
+            authenticate(&s, "dev-a", "dev-a", "key-a"),
+            Err(AuthFailure::UnknownClient)
+        );
+    }
+
+    #[test]
+    fn debug_output_hides_the_key() {
+        let shown = format!("{:?}", Credential::proplet("super-secret"));
+        assert!(!shown.contains("super-secret"), "{shown}");
+    }
+
+    #[test]
+    fn layered_sources_consult_in_order() {
+        let first = CredentialStore::new();
+        first.insert("x", Credential::proplet("one"));
+        let second = CredentialStore::new();
+        second.insert("x", Credential::proplet("two"));
+        second.insert("y", Credential::proplet("three"));
+        let layered = LayeredCredentials::new(vec![Arc::new(first), Arc::new(second)]);
+        assert_eq!(authenticate(&layered, "x", "x", "one"), Ok(Role::Proplet));
+        assert_eq!(
+            authenticate(&layered, "x", "x", "two"),
+            Err(AuthFailure::WrongKey)
+        );
+        assert_eq!(authenticate(&layered, "y", "y", "three"), Ok(Role::Proplet));
+    }
+
+    #[test]
+    fn credentials_file_parses_and_defaults_the_role() {
+        let table = parse_credentials(
+            "[[client]]\nid = \"a\"\nkey = \"k\"\n[[client]]\nid = \"p\"\nkey = \"q\"\nrole = \"service\"\n",
+            "creds.toml",
+        );
+        let table = match table {
+            Ok(t) => t,
+            Err(e) => panic!("valid file refused: {e}"),
+        };
+        assert_eq!(table.get("a").map(Credential::role), Some(Role::Proplet));
+        assert_eq!(table.get("p").map(Credential::role), Some(Role::Service));
+    }
+
+    #[test]
+    fn credentials_file_errors_name_the_problem() {
+        let cases = [
+            ("[[client]]\nid = \"a\"\n", "key"),
+            ("[[client]]\nid = \"\"\nkey = \"k\"\n", "`id` is empty"),
+            (
+                "[[client]]\nid = \"a\"\nkey = \"k\"\n[[client]]\nid = \"a\"\nkey = \"j\"\n",
+                "appears twice",
+            ),
+            (
+                "[[client]]\nid = \"a\"\nkey = \"k\"\nrole = \"admin\"\n",
+                "admin",
+            ),
+            (
+                "[[client]]\nid = \"a\"\nkey = \"k\"\npassword = \"x\"\n",
+                "password",
+            ),
+        ];
+        for (text, expected) in cases {
+            match parse_credentials(text, "c.toml") {
+                Ok(_) => panic!("accepted invalid file:\n{text}"),
+                Err(e) => {
+                    let shown = e.to_string();
+                    assert!(shown.contains(expected), "{shown:?} lacks {expected:?}");
+                    assert!(shown.contains("c.toml"), "{shown:?} lacks the path");
+                }
+            }
+        }
+    }
+}

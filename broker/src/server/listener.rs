@@ -1,0 +1,194 @@
+//! Public listeners in front of rumqttd.
+//!
+//! rumqttd's `Server` binds its own socket (so it cannot report an ephemeral port) and runs
+//! the TLS handshake inside its accept loop with no timeout, so one silent client stalls every
+//! other connect. Our listeners accept on the public addresses, enforce the connection cap,
+//! run each TLS handshake in its own task under a deadline, and then relay bytes to rumqttd's
+//! plain listener on a loopback port. MQTT-level timeouts (CONNECT wait, keep-alive) remain
+//! rumqttd's.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tracing::{debug, warn};
+
+use super::metrics::BrokerMetrics;
+use super::BrokerError;
+
+/// PEM files for the TLS listener.
+#[derive(Debug, Clone)]
+pub struct TlsSettings {
+    /// Where to listen, e.g. `0.0.0.0:8883`.
+    pub listen: SocketAddr,
+    /// Server certificate chain (PEM).
+    pub cert_path: PathBuf,
+    /// Server private key (PEM).
+    pub key_path: PathBuf,
+    /// When set, clients must present a certificate signed by one of these CAs (PEM).
+    pub client_ca_path: Option<PathBuf>,
+}
+
+/// Builds the TLS acceptor, with rustls on the `ring` provider chosen explicitly (the process
+/// also hosts kube's TLS stack, so nothing is left to a process-wide default).
+pub(crate) fn tls_acceptor(settings: &TlsSettings) -> Result<TlsAcceptor, BrokerError> {
+    let tls_error = |what: &str, path: &PathBuf, detail: String| BrokerError::Tls {
+        message: format!("{what} {}: {detail}", path.display()),
+    };
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&settings.cert_path)
+        .map_err(|e| {
+            tls_error(
+                "cannot read certificate",
+                &settings.cert_path,
+                e.to_string(),
+            )
+        })?
+        .collect::<Result<_, _>>()
+        .map_err(|e| tls_error("bad certificate", &settings.cert_path, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(tls_error(
+            "no certificate in",
+            &settings.cert_path,
+            "expected a PEM CERTIFICATE block".into(),
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&settings.key_path)
+        .map_err(|e| tls_error("cannot read private key", &settings.key_path, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| BrokerError::Tls {
+            message: e.to_string(),
+        })?;
+    let builder = match &settings.client_ca_path {
+        None => builder.with_no_client_auth(),
+        Some(ca_path) => {
+            let mut roots = RootCertStore::empty();
+            for cert in CertificateDer::pem_file_iter(ca_path)
+                .map_err(|e| tls_error("cannot read client CA", ca_path, e.to_string()))?
+            {
+                let cert = cert.map_err(|e| tls_error("bad client CA", ca_path, e.to_string()))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| tls_error("unusable client CA", ca_path, e.to_string()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| tls_error("client CA rejected", ca_path, e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = builder.with_single_cert(certs, key).map_err(|e| {
+        tls_error(
+            "key does not match certificate",
+            &settings.key_path,
+            e.to_string(),
+        )
+    })?;
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Everything a front listener needs per connection.
+#[derive(Clone)]
+pub(crate) struct Relay {
+    pub(crate) backend: SocketAddr,
+    pub(crate) slots: Arc<Semaphore>,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) metrics: BrokerMetrics,
+}
+
+/// Accepts on `listener` until the task is aborted, relaying each connection to rumqttd.
+pub(crate) async fn serve(listener: TcpListener, relay: Relay, tls: Option<TlsAcceptor>) {
+    let mut connections = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // Reap finished relays so the set does not grow with the connection count.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let (stream, peer) = match accepted {
+            Ok(pair) => pair,
+            Err(error) => {
+                // Typically EMFILE: back off briefly instead of spinning.
+                warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = relay.slots.clone().try_acquire_owned() else {
+            relay.metrics.refused_connection("max_connections");
+            warn!(%peer, "connection refused: connection limit reached");
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let relay = relay.clone();
+        let tls = tls.clone();
+        connections.spawn(async move {
+            let _permit = permit;
+            match tls {
+                None => pipe(stream, &relay, peer).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(relay.handshake_timeout, acceptor.accept(stream))
+                        .await
+                    {
+                        Ok(Ok(tls_stream)) => pipe(tls_stream, &relay, peer).await,
+                        Ok(Err(error)) => {
+                            relay.metrics.refused_connection("tls_handshake_failed");
+                            debug!(%peer, %error, "TLS handshake failed");
+                        }
+                        Err(_) => {
+                            relay.metrics.refused_connection("tls_handshake_timeout");
+                            debug!(%peer, "TLS handshake timed out");
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+async fn pipe<S>(mut client: S, relay: &Relay, peer: SocketAddr)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut backend = match connect_backend(relay.backend).await {
+        Ok(stream) => stream,
+        Err(error) => {
+            relay.metrics.refused_connection("backend_unavailable");
+            warn!(%peer, %error, "broker core not reachable");
+            return;
+        }
+    };
+    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
+        debug!(%peer, %error, "connection ended");
+    }
+}
+
+/// Connects to rumqttd's loopback listener, waiting briefly for it right after start-up.
+async fn connect_backend(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let mut attempt = 0;
+    loop {
+        match TcpStream::connect(addr).await {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                return Ok(stream);
+            }
+            Err(error) if attempt < 40 && error.kind() == std::io::ErrorKind::ConnectionRefused => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! The broker against other MQTT peers: Debian's mosquitto clients, a TLS client with a
+//! certificate made in the test, and 2,000 concurrent rumqttc clients.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use propeller_broker::server::{BrokerConfig, Credential, EventKind, OfflineCause, TlsSettings};
+use rumqttc::{AsyncClient, ConnectReturnCode, MqttOptions, QoS, TlsConfiguration, Transport};
+use tokio::process::Command;
+
+async fn run(cmd: &mut Command) -> std::process::Output {
+    cmd.stdin(Stdio::null()).kill_on_drop(true);
+    match tokio::time::timeout(WAIT, cmd.output()).await {
+        Ok(Ok(out)) => out,
+        Ok(Err(e)) => panic!("cannot run {cmd:?} (is mosquitto-clients installed?): {e}"),
+        Err(_) => panic!("{cmd:?} did not finish within {WAIT:?}"),
+    }
+}
+
+fn mosquitto(tool: &str, port: u16, id: &str, pass: &str) -> Command {
+    let mut cmd = Command::new(tool);
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-V", "mqttv311"])
+        .args(["-i", id, "-u", id, "-P", pass]);
+    cmd
+}
+
+#[tokio::test]
+async fn mosquitto_clients_connect_with_valid_credentials_only() {
+    let mut b = TestBroker::start().await;
+    let port = b.addr().port();
+    let alive = topic("control/proplet/alive");
+
+    // A subscriber waits for one message; then a publisher sends a heartbeat.
+    let mut sub = mosquitto("mosquitto_sub", port, "watcher", "key-w");
+    sub.args(["-t", &alive, "-C", "1", "-W", "10", "-q", "1"]);
+    sub.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+    let sub = match sub.spawn() {
+        Ok(child) => child,
+        Err(e) => panic!("cannot run mosquitto_sub (is mosquitto-clients installed?): {e}"),
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let out = run(mosquitto("mosquitto_pub", port, "dev-a", "key-a").args([
+        "-t",
+        &alive,
+        "-q",
+        "1",
+        "-m",
+        &heartbeat("dev-a"),
+    ]))
+    .await;
+    assert!(out.status.success(), "mosquitto_pub failed: {out:?}");
+
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+    assert!(matches!(event.kind, EventKind::Heartbeat(_)));
+    // mosquitto_pub then disconnects cleanly.
+    let event = b.next_event().await;
+    assert_eq!(
+        event.kind,
+        EventKind::Offline(OfflineCause::CleanDisconnect)
+    );
+
+    let received = match tokio::time::timeout(WAIT, sub.wait_with_output()).await {
+        Ok(Ok(out)) => out,
+        other => panic!("mosquitto_sub did not finish: {other:?}"),
+    };
+    assert!(received.status.success(), "{received:?}");
+    assert!(String::from_utf8_lossy(&received.stdout).contains("\"dev-a\""));
+
+    // Wrong password and no credentials at all are both refused.
+    for args in [vec!["-u", "dev-a", "-P", "nope"], vec![]] {
+        let mut cmd = Command::new("mosquitto_pub");
+        cmd.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-i", "dev-a"])
+            .args(&args)
+            .args(["-t", &alive, "-m", &heartbeat("dev-a")]);
+        let out = run(&mut cmd).await;
+        assert!(!out.status.success(), "refused login succeeded: {args:?}");
+    }
+    b.assert_no_event(Duration::from_millis(300)).await;
+}
+
+#[tokio::test]
+async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
+    let generated = match rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]) {
+        Ok(g) => g,
+        Err(e) => panic!("rcgen: {e}"),
+    };
+    let dir = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => panic!("{e}"),
+    };
+    let cert_path = dir.path().join("server.pem");
+    let key_path = dir.path().join("server.key");
+    let written = std::fs::write(&cert_path, generated.cert.pem())
+        .and_then(|_| std::fs::write(&key_path, generated.signing_key.serialize_pem()));
+    if let Err(e) = written {
+        panic!("{e}");
+    }
+    let config = BrokerConfig {
+        tcp_listen: None,
+        tls: Some(TlsSettings {
+            listen: ([127, 0, 0, 1], 0).into(),
+            cert_path,
+            key_path,
+            client_ca_path: None,
+        }),
+        ..BrokerConfig::loopback()
+    };
+    let mut b = TestBroker::start_with(config).await;
+    let tls_addr = match b.broker.tls_addr() {
+        Some(a) => a,
+        None => panic!("no TLS listener"),
+    };
+
+    let mut roots = rustls::RootCertStore::empty();
+    if let Err(e) = roots.add(generated.cert.der().clone()) {
+        panic!("{e}");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client_config = match rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+    {
+        Ok(b) => b.with_root_certificates(roots).with_no_client_auth(),
+        Err(e) => panic!("{e}"),
+    };
+    let mut opts = MqttOptions::new("dev-a", "localhost", tls_addr.port());
+    opts.set_credentials("dev-a", "key-a");
+    opts.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+        Arc::new(client_config),
+    )));
+    let client = connect(opts).await;
+    client
+        .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+
+    // A plaintext client on the TLS port gets no session.
+    let (_c, mut el) = AsyncClient::new(options(tls_addr, "dev-b", "dev-b", "key-b"), 8);
+    assert_ne!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+}
+
+#[tokio::test]
+async fn two_thousand_concurrent_clients_are_all_heard() {
+    const CLIENTS: usize = 2000;
+    const BEATS: usize = 2;
+    let mut b = TestBroker::start().await;
+    for i in 0..CLIENTS {
+        b.store
+            .insert(format!("p{i}"), Credential::proplet(format!("k{i}")));
+    }
+    let addr = b.addr();
+    let mut clients = Vec::with_capacity(CLIENTS);
+    for i in 0..CLIENTS {
+        clients.push(tokio::spawn(async move {
+            let id = format!("p{i}");
+            let mut opts = options(addr, &id, &id, &format!("k{i}"));
+            opts.set_keep_alive(Duration::from_secs(60));
+            let (client, mut eventloop) = AsyncClient::new(opts, 16);
+            for _ in 0..BEATS {
+                if let Err(e) = client
+                    .publish(
+                        topic("control/proplet/alive"),
+                        QoS::AtLeastOnce,
+                        false,
+                        heartbeat(&id),
+                    )
+                    .await
+                {
+                    panic!("{id}: {e}");
+                }
+            }
+            // Drive the connection until both PUBACKs are in, then keep it open. Like a real
+            // device, retry when the connect attempt times out on a loaded machine; rumqttc
+            // resends unacknowledged publishes after reconnecting.
+            let mut acked = 0;
+            let mut failures = 0;
+            while acked < BEATS {
+                match eventloop.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) => acked += 1,
+                    Ok(_) => {}
+                    Err(e) if failures < 5 => {
+                        failures += 1;
+                        eprintln!("{id}: retrying after {e}");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => panic!("{id}: {e}"),
+                }
+            }
+            (client, eventloop)
+        }));
+    }
+    let mut heard: HashMap<String, usize> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    // QoS 1 allows a duplicate after a retried connect, so count clients fully heard.
+    let mut complete = 0;
+    while complete < CLIENTS {
+        let event = match tokio::time::timeout_at(deadline, b.events.recv()).await {
+            Ok(Some(e)) => e,
+            Ok(None) => panic!("event stream closed"),
+            Err(_) => panic!("only {complete} of {CLIENTS} clients fully heard within 120 s"),
+        };
+        if let EventKind::Heartbeat(h) = &event.kind {
+            assert_eq!(h.proplet_id, event.client_id);
+            let count = heard.entry(event.client_id).or_default();
+            *count += 1;
+            if *count == BEATS {
+                complete += 1;
+            }
+        }
+    }
+    assert_eq!(heard.len(), CLIENTS);
+    let mut still_open = Vec::with_capacity(CLIENTS);
+    for c in clients {
+        match c.await {
+            Ok(pair) => still_open.push(pair),
+            Err(e) => panic!("client task failed: {e}"),
+        }
+    }
+    assert_eq!(b.broker.metrics().connected_clients(), CLIENTS as i64);
+}

@@ -1,0 +1,289 @@
+//! The embedded broker over real loopback MQTT: authentication, anti-spoofing, events,
+//! Offline detection, subscription rules, commands, TLS and idle-socket handling.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use propeller_broker::protocol::{Channel, StopRequest};
+use propeller_broker::server::{
+    AuthFailure, BrokerConfig, Credential, DropReason, EventKind, KindLabel, OfflineCause,
+};
+use rumqttc::{AsyncClient, ConnectReturnCode, LastWill, QoS};
+use tokio::io::AsyncWriteExt;
+
+const QUIET: Duration = Duration::from_millis(400);
+
+#[tokio::test]
+async fn valid_credentials_connect_and_others_are_refused() {
+    let b = TestBroker::start().await;
+    let addr = b.addr();
+    let cases = [
+        ("dev-a", "dev-a", "key-a", true),
+        ("dev-a", "dev-a", "wrong", false),
+        ("dev-a", "", "", false),
+        ("dev-a", "dev-b", "key-b", false),
+        ("ghost", "ghost", "key-a", false),
+    ];
+    for (id, user, pass, ok) in cases {
+        let (_client, mut eventloop) = AsyncClient::new(options(addr, id, user, pass), 8);
+        let code = connack(&mut eventloop).await;
+        assert_eq!(
+            code == Some(ConnectReturnCode::Success),
+            ok,
+            "{id}/{user}: got {code:?}"
+        );
+    }
+    let m = b.broker.metrics();
+    assert_eq!(m.auth_failures(AuthFailure::WrongKey), 1);
+    assert_eq!(m.auth_failures(AuthFailure::Anonymous), 1);
+    assert_eq!(m.auth_failures(AuthFailure::UsernameMismatch), 1);
+    assert_eq!(m.auth_failures(AuthFailure::UnknownClient), 1);
+}
+
+#[tokio::test]
+async fn credential_changes_apply_without_restart() {
+    let b = TestBroker::start().await;
+    let addr = b.addr();
+    let (_c, mut el) = AsyncClient::new(options(addr, "new-dev", "new-dev", "k"), 8);
+    assert_eq!(connack(&mut el).await, None);
+    b.store.insert("new-dev", Credential::proplet("k"));
+    let (_c, mut el) = AsyncClient::new(options(addr, "new-dev", "new-dev", "k"), 8);
+    assert_eq!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+    b.store.remove("new-dev");
+    let (_c, mut el) = AsyncClient::new(options(addr, "new-dev", "new-dev", "k"), 8);
+    assert_eq!(connack(&mut el).await, None);
+}
+
+#[tokio::test]
+async fn heartbeat_becomes_an_event_tagged_with_the_publisher() {
+    let mut b = TestBroker::start().await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+    assert_eq!(event.domain.as_deref(), Some(DOMAIN));
+    assert_eq!(event.channel.as_deref(), Some(CHANNEL));
+    match event.kind {
+        EventKind::Heartbeat(h) => assert_eq!(h.proplet_id, "dev-a"),
+        other => panic!("expected a heartbeat, got {other:?}"),
+    }
+    assert_eq!(b.broker.metrics().messages_in(KindLabel::alive), 1);
+}
+
+#[tokio::test]
+async fn reports_naming_another_proplet_are_dropped_and_counted() {
+    let mut b = TestBroker::start().await;
+    let mut watcher = connect_as(b.addr(), "watcher", "key-w").await;
+    watcher.subscribe(&topic("control/proplet/+")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-b"))
+        .await;
+    a.publish(
+        &topic("control/proplet/results"),
+        r#"{"task_id":"t1","proplet_id":"dev-b","result":"42"}"#,
+    )
+    .await;
+    // A genuine one afterwards proves the stream still flows and ordering is kept.
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+    assert!(matches!(event.kind, EventKind::Heartbeat(ref h) if h.proplet_id == "dev-a"));
+    assert_eq!(b.broker.metrics().dropped_publishes(DropReason::Spoofed), 2);
+    // Other subscribers never see the spoofed messages either.
+    let seen = watcher.next_publish().await;
+    assert!(
+        String::from_utf8_lossy(&seen.payload).contains("\"dev-a\""),
+        "{:?}",
+        seen.payload
+    );
+    watcher.assert_no_publish(QUIET).await;
+}
+
+#[tokio::test]
+async fn devices_cannot_publish_commands() {
+    let mut b = TestBroker::start().await;
+    let mut victim = connect_as(b.addr(), "dev-b", "key-b").await;
+    victim.subscribe(&topic("control/manager/start")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(
+        &topic("control/manager/start"),
+        r#"{"id":"t","name":"evil","function_name":"main","file":"AA=="}"#,
+    )
+    .await;
+    victim.assert_no_publish(QUIET).await;
+    assert_eq!(
+        b.broker
+            .metrics()
+            .dropped_publishes(DropReason::ForbiddenTopic),
+        1
+    );
+    b.assert_no_event(Duration::from_millis(50)).await;
+}
+
+#[tokio::test]
+async fn device_wildcard_subscriptions_receive_nothing() {
+    let b = TestBroker::start().await;
+    let mut snoop = connect_as(b.addr(), "dev-b", "key-b").await;
+    snoop.subscribe("#").await;
+    snoop.subscribe(&topic("control/proplet/alive")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    snoop.assert_no_publish(QUIET).await;
+    assert_eq!(b.broker.metrics().denied_subscriptions(), 2);
+}
+
+#[tokio::test]
+async fn malformed_payloads_are_counted_and_the_stream_goes_on() {
+    let mut b = TestBroker::start().await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(&topic("control/proplet/alive"), "{not json")
+        .await;
+    a.publish(&topic("control/proplet/results"), vec![0xff, 0x00, 0x13])
+        .await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert!(matches!(event.kind, EventKind::Heartbeat(_)));
+    let m = b.broker.metrics();
+    assert_eq!(m.decode_errors(KindLabel::alive), 1);
+    assert_eq!(m.decode_errors(KindLabel::results), 1);
+}
+
+#[tokio::test]
+async fn commands_from_the_operator_reach_devices() {
+    let b = TestBroker::start().await;
+    let mut dev = connect_as(b.addr(), "dev-a", "key-a").await;
+    dev.subscribe(&topic("control/manager/stop")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let channel = match Channel::new(DOMAIN, CHANNEL) {
+        Ok(c) => c,
+        Err(e) => panic!("{e}"),
+    };
+    let stop = StopRequest {
+        id: "task-1".into(),
+        proplet_id: Some("dev-a".into()),
+        ..StopRequest::default()
+    };
+    if let Err(e) = b.broker.publisher().stop(&channel, &stop).await {
+        panic!("publish failed: {e}");
+    }
+    let got = dev.next_publish().await;
+    assert_eq!(got.topic, topic("control/manager/stop"));
+    assert!(String::from_utf8_lossy(&got.payload).contains("task-1"));
+    assert_eq!(b.broker.metrics().messages_out(KindLabel::stop), 1);
+}
+
+#[tokio::test]
+async fn last_will_and_abrupt_close_yield_offline() {
+    let mut b = TestBroker::start().await;
+    let mut watcher = connect_as(b.addr(), "watcher", "key-w").await;
+    watcher.subscribe(&topic("control/proplet/alive")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut opts = options(b.addr(), "dev-a", "dev-a", "key-a");
+    opts.set_last_will(LastWill::new(
+        topic("control/proplet/alive"),
+        r#"{"status":"offline","proplet_id":"dev-a"}"#,
+        QoS::AtLeastOnce,
+        false,
+    ));
+    let dev = connect(opts).await;
+    // Abrupt: the event loop is dropped, closing the TCP socket without DISCONNECT.
+    dev.task.abort();
+    drop(dev);
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+    assert_eq!(event.kind, EventKind::Offline(OfflineCause::ConnectionLost));
+    // rumqttd delivers the Last Will to subscribers.
+    let will = watcher.next_publish().await;
+    assert!(String::from_utf8_lossy(&will.payload).contains("offline"));
+
+    // A clean DISCONNECT is reported as such.
+    let dev = connect_as(b.addr(), "dev-b", "key-b").await;
+    if let Err(e) = dev.client.disconnect().await {
+        panic!("{e}");
+    }
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-b");
+    assert_eq!(
+        event.kind,
+        EventKind::Offline(OfflineCause::CleanDisconnect)
+    );
+}
+
+#[tokio::test]
+async fn published_offline_notice_is_an_offline_event() {
+    let mut b = TestBroker::start().await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(
+        &topic("control/proplet/alive"),
+        r#"{"status":"offline","proplet_id":"dev-a"}"#,
+    )
+    .await;
+    let event = b.next_event().await;
+    assert!(matches!(
+        event.kind,
+        EventKind::Offline(OfflineCause::Announced(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_reconnect_does_not_report_the_live_client_offline() {
+    let mut b = TestBroker::start().await;
+    let first = connect_as(b.addr(), "dev-a", "key-a").await;
+    let second = connect_as(b.addr(), "dev-a", "key-a").await;
+    // The router closes the first session when the second takes over.
+    tokio::time::sleep(QUIET).await;
+    second
+        .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert!(
+        matches!(event.kind, EventKind::Heartbeat(_)),
+        "taken-over session reported {event:?}"
+    );
+    drop(first);
+}
+
+#[tokio::test]
+async fn idle_socket_does_not_delay_other_clients() {
+    let b = TestBroker::start().await;
+    // Opens a socket and sends nothing at all.
+    let idle = match tokio::net::TcpStream::connect(b.addr()).await {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    // Also a socket that sends half a CONNECT.
+    let mut half = match tokio::net::TcpStream::connect(b.addr()).await {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    if let Err(e) = half.write_all(&[0x10, 0x20, 0x00]).await {
+        panic!("{e}");
+    }
+    let started = std::time::Instant::now();
+    let _a = connect_as(b.addr(), "dev-a", "key-a").await;
+    // Bounded by the broker's connect timeout (5 s), not by the idle sockets' lifetime.
+    assert!(started.elapsed() < BrokerConfig::default().connect_timeout);
+    drop(idle);
+}
+
+#[tokio::test]
+async fn connection_cap_closes_excess_sockets() {
+    let config = BrokerConfig {
+        max_connections: 1,
+        ..BrokerConfig::loopback()
+    };
+    let b = TestBroker::start_with(config).await;
+    let _a = connect_as(b.addr(), "dev-a", "key-a").await;
+    let (_c, mut el) = AsyncClient::new(options(b.addr(), "dev-b", "dev-b", "key-b"), 8);
+    assert_eq!(connack(&mut el).await, None);
+}

@@ -1,0 +1,4 @@
+//! Subcommands of the `propeller` binary that run services.
+
+pub mod broker;
+pub mod logging;

@@ -1,0 +1,103 @@
+//! Helpers for tests that run the workspace's binaries as real processes.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Upper bound on every wait.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A command for one of the workspace's binaries (`propeller`, `proplet`).
+pub fn binary(name: &str) -> Command {
+    // scripts/test.sh builds the binaries before running the tests. Cargo builds binaries
+    // only for integration tests of the package that defines them, so locate them next to
+    // the test executable.
+    let mut dir = std::env::current_exe().expect("test executable path");
+    dir.pop();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join(name);
+    assert!(
+        bin.exists(),
+        "{} missing: run the tests through scripts/test.sh, which builds the binaries first",
+        bin.display()
+    );
+    Command::new(bin)
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A child process killed when dropped, with its output lines delivered on channels.
+pub struct Running {
+    pub child: Child,
+    pub stdout: mpsc::Receiver<String>,
+    pub stderr: mpsc::Receiver<String>,
+}
+
+impl Running {
+    pub fn spawn(mut cmd: Command) -> Self {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn child process");
+        let stdout = lines(child.stdout.take().expect("piped stdout"));
+        let stderr = lines(child.stderr.take().expect("piped stderr"));
+        Self {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// The first stdout line containing `needle`, within [`WAIT`].
+    pub fn stdout_line(&self, needle: &str) -> String {
+        wait_for(&self.stdout, needle, "stdout")
+    }
+
+    /// The first stderr line containing `needle`, within [`WAIT`].
+    pub fn stderr_line(&self, needle: &str) -> String {
+        wait_for(&self.stderr, needle, "stderr")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, what: &str) -> String {
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(line) => seen.push(line),
+            Err(_) => panic!(
+                "no {what} line containing {needle:?} within {WAIT:?}; saw:\n{}",
+                seen.join("\n")
+            ),
+        }
+    }
+}
