@@ -1,0 +1,787 @@
+//! The agent service: MQTT session, liveness reports, and the handling of start, stop and
+//! invoke requests.
+//!
+//! Task work runs on the blocking pool behind a concurrency cap, so heartbeats and the MQTT
+//! loop never wait behind a busy guest. Results and invoke results go through the on-disk
+//! spool ([`crate::spool`]) and are the only QoS 1 publishes, which lets the spool sender match
+//! each broker acknowledgement to its entry.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use propeller_broker::protocol::{
+    decode, Channel, ChunkAssembler, ChunkProgress, Discovery, Heartbeat, Inbound, InvokeRequest,
+    InvokeResult, OfflineNotice, RegistryChunk, RegistryRequest, ResultValue, StartRequest,
+    StopRequest, TaskResult, TopicKind,
+};
+use rumqttc::{
+    AsyncClient, ConnectReturnCode, Event, EventLoop, LastWill, MqttOptions, Outgoing, Packet, QoS,
+    TlsConfiguration, Transport,
+};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::config::Config;
+use crate::spool::Spool;
+use crate::system::SystemProbe;
+use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, WasmRuntime};
+
+/// Largest binary accepted from registry chunks.
+const MAX_CHUNKED_BINARY: usize = 100 * 1024 * 1024;
+/// How long the spool waits for a PUBACK before sending the entry again.
+const ACK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A deployed latent task, compiled and waiting for invocations.
+struct Latent {
+    compiled: Compiled,
+    request: StartRequest,
+}
+
+/// Chunks being collected for one image, and the tasks waiting for it.
+struct Fetch {
+    assembler: ChunkAssembler,
+    waiters: Vec<oneshot::Sender<Vec<u8>>>,
+}
+
+/// Acknowledgement tracking for the spool sender.
+#[derive(Debug, Clone, Copy)]
+enum AckSignal {
+    Sent(u16),
+    Acked(u16),
+}
+
+/// One running agent.
+pub struct Agent {
+    config: Config,
+    channel: Channel,
+    client: AsyncClient,
+    runtime: Arc<WasmRuntime>,
+    spool: Arc<Spool>,
+    probe: SystemProbe,
+    running: Mutex<HashMap<String, StopFlag>>,
+    latent: Mutex<HashMap<String, Arc<Latent>>>,
+    fetches: Mutex<HashMap<String, Fetch>>,
+    slots: Arc<Semaphore>,
+    /// `Some(n)` while connected, `n` counting sessions; `None` while disconnected.
+    session: watch::Sender<Option<u64>>,
+}
+
+/// Connection options for `config`, with the offline Last Will.
+pub fn mqtt_options(config: &Config, channel: &Channel) -> anyhow::Result<MqttOptions> {
+    let mut opts = MqttOptions::new(&config.client_id, &config.host, config.port);
+    opts.set_credentials(&config.client_id, &config.client_key)
+        .set_keep_alive(config.keep_alive)
+        .set_clean_session(true)
+        .set_max_packet_size(10 * 1024 * 1024, 10 * 1024 * 1024)
+        .set_inflight(10)
+        .set_request_channel_capacity(128);
+    let will = OfflineNotice {
+        proplet_id: config.client_id.clone(),
+        namespace: Some(config.namespace.clone()),
+    };
+    opts.set_last_will(LastWill::new(
+        channel.alive(),
+        will.encode(),
+        QoS::AtLeastOnce,
+        false,
+    ));
+    if let Some(tls) = &config.tls {
+        opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
+    }
+    Ok(opts)
+}
+
+fn tls_config(tls: &crate::config::TlsFiles) -> anyhow::Result<TlsConfiguration> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&tls.ca_cert)
+        .with_context(|| format!("reading CA bundle {}", tls.ca_cert.display()))?
+    {
+        roots
+            .add(cert.with_context(|| format!("parsing {}", tls.ca_cert.display()))?)
+            .context("adding CA certificate")?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?
+        .with_root_certificates(roots);
+    let config = match &tls.client {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .with_context(|| format!("reading {}", cert.display()))?
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("parsing {}", cert.display()))?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .with_context(|| format!("reading {}", key.display()))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .context("client certificate and key do not match")?
+        }
+    };
+    Ok(TlsConfiguration::Rustls(Arc::new(config)))
+}
+
+impl Agent {
+    /// Builds the agent; nothing runs until [`Agent::run`].
+    pub fn new(config: Config, client: AsyncClient) -> anyhow::Result<Arc<Self>> {
+        let channel = Channel::new(&config.domain_id, &config.channel_id)
+            .context("domain and channel ids")?;
+        let runtime = WasmRuntime::new(Limits {
+            max_memory_bytes: config.task_memory_limit,
+            default_timeout: config.task_timeout,
+            fuel: config.task_fuel,
+            ..Limits::default()
+        })
+        .context("starting the Wasm runtime")?;
+        let spool = Spool::open(&config.state_dir.join("spool"), config.spool_max_results)
+            .with_context(|| {
+                format!("opening the result spool in {}", config.state_dir.display())
+            })?;
+        let (session, _) = watch::channel(None);
+        Ok(Arc::new(Self {
+            slots: Arc::new(Semaphore::new(config.max_concurrent_tasks)),
+            channel,
+            client,
+            runtime: Arc::new(runtime),
+            spool: Arc::new(spool),
+            probe: SystemProbe::new(),
+            running: Mutex::new(HashMap::new()),
+            latent: Mutex::new(HashMap::new()),
+            fetches: Mutex::new(HashMap::new()),
+            session,
+            config,
+        }))
+    }
+
+    /// Drives the MQTT session until `shutdown` resolves; then disconnects cleanly.
+    pub async fn run(
+        self: Arc<Self>,
+        mut eventloop: EventLoop,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let (ack_tx, ack_rx) = mpsc::unbounded_channel();
+        let background = [
+            tokio::spawn(self.clone().heartbeats()),
+            tokio::spawn(self.clone().proplet_metrics()),
+            tokio::spawn(self.clone().send_spooled(ack_rx)),
+        ];
+        let mut sessions = 0u64;
+        let mut backoff = Backoff::default();
+        tokio::pin!(shutdown);
+        loop {
+            let event = tokio::select! {
+                event = eventloop.poll() => event,
+                _ = &mut shutdown => break,
+            };
+            match event {
+                Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                    if ack.code != ConnectReturnCode::Success {
+                        warn!(code = ?ack.code, "broker refused the connection");
+                        continue;
+                    }
+                    backoff.reset();
+                    sessions += 1;
+                    info!(session = sessions, "connected to the broker");
+                    let agent = self.clone();
+                    tokio::spawn(async move { agent.on_connected().await });
+                    self.session.send_replace(Some(sessions));
+                }
+                Ok(Event::Incoming(Packet::Publish(publish))) => {
+                    let agent = self.clone();
+                    tokio::spawn(
+                        async move { agent.dispatch(&publish.topic, &publish.payload).await },
+                    );
+                }
+                Ok(Event::Incoming(Packet::PubAck(ack))) => {
+                    let _ = ack_tx.send(AckSignal::Acked(ack.pkid));
+                }
+                Ok(Event::Outgoing(Outgoing::Publish(pkid))) if pkid != 0 => {
+                    let _ = ack_tx.send(AckSignal::Sent(pkid));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    self.session.send_replace(None);
+                    let wait = backoff.next_delay();
+                    warn!(%error, retry_in = ?wait, "MQTT connection lost");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = &mut shutdown => break,
+                    }
+                }
+            }
+        }
+        info!("shutting down");
+        let _ = self.client.try_disconnect();
+        // Let the DISCONNECT go out, bounded.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while let Ok(event) = eventloop.poll().await {
+                if matches!(event, Event::Outgoing(Outgoing::Disconnect)) {
+                    break;
+                }
+            }
+        })
+        .await;
+        for task in background {
+            task.abort();
+        }
+        for stop in self.lock_running().values() {
+            stop.stop();
+        }
+    }
+
+    async fn on_connected(&self) {
+        let qos = qos(self.config.qos);
+        for filter in self.channel.agent_filters() {
+            if let Err(e) = self.client.subscribe(filter.clone(), qos).await {
+                warn!(%e, filter, "subscribe failed");
+            }
+        }
+        // Discovery after every connect, so metadata is fresh after a broker restart too.
+        let discovery = Discovery {
+            proplet_id: self.config.client_id.clone(),
+            namespace: Some(self.config.namespace.clone()),
+            metadata: Some(self.probe.metadata(&self.config)),
+        };
+        self.publish_now(self.channel.discovery(), discovery.encode())
+            .await;
+    }
+
+    /// Publishes at QoS 0 while connected; liveness reports are not worth queueing.
+    async fn publish_now(&self, topic: String, payload: Vec<u8>) {
+        if self.session.borrow().is_none() {
+            return;
+        }
+        if let Err(e) = self
+            .client
+            .publish(topic, QoS::AtMostOnce, false, payload)
+            .await
+        {
+            debug!(%e, "publish skipped");
+        }
+    }
+
+    async fn heartbeats(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.config.liveliness_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let beat = Heartbeat {
+                proplet_id: self.config.client_id.clone(),
+                namespace: Some(self.config.namespace.clone()),
+                metadata: Some(self.probe.metadata(&self.config)),
+                metrics: Some(self.probe.heartbeat_metrics()),
+            };
+            self.publish_now(self.channel.alive(), beat.encode()).await;
+        }
+    }
+
+    async fn proplet_metrics(self: Arc<Self>) {
+        let Some(period) = self.config.metrics_interval else {
+            return;
+        };
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let metrics = self
+                .probe
+                .proplet_metrics(&self.config.client_id, &self.config.namespace);
+            self.publish_now(self.channel.proplet_metrics(), metrics.encode())
+                .await;
+        }
+    }
+
+    /// Sends spooled results oldest first, one at a time, deleting each on its PUBACK.
+    async fn send_spooled(self: Arc<Self>, mut acks: mpsc::UnboundedReceiver<AckSignal>) {
+        let mut session = self.session.subscribe();
+        loop {
+            let Some(current) = *session.borrow_and_update() else {
+                if session.changed().await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let spool = self.spool.clone();
+            let entry = match tokio::task::spawn_blocking(move || spool.oldest()).await {
+                Ok(Ok(Some(entry))) => entry,
+                Ok(Ok(None)) => {
+                    tokio::select! {
+                        _ = self.spool.added() => {}
+                        _ = session.changed() => {}
+                    }
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    warn!(%e, "cannot read the result spool");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+                Err(_) => return,
+            };
+            while acks.try_recv().is_ok() {}
+            let sent = self
+                .client
+                .publish(
+                    entry.topic.clone(),
+                    qos(self.config.qos.max(1)),
+                    false,
+                    entry.payload.clone().into_bytes(),
+                )
+                .await;
+            if sent.is_err() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            let mut pkid = None;
+            let deadline = tokio::time::sleep(ACK_TIMEOUT);
+            tokio::pin!(deadline);
+            let acked = loop {
+                tokio::select! {
+                    signal = acks.recv() => match signal {
+                        Some(AckSignal::Sent(p)) if pkid.is_none() => pkid = Some(p),
+                        Some(AckSignal::Acked(p)) if Some(p) == pkid => break true,
+                        Some(_) => {}
+                        None => return,
+                    },
+                    changed = session.changed() => {
+                        if changed.is_err() || *session.borrow() != Some(current) {
+                            break false;
+                        }
+                    }
+                    _ = &mut deadline => break false,
+                }
+            };
+            if acked {
+                if let Err(e) = self.spool.remove(&entry) {
+                    warn!(%e, "cannot remove a delivered result from the spool");
+                }
+            }
+        }
+    }
+
+    /// Handles one message from the broker.
+    pub async fn dispatch(self: &Arc<Self>, topic: &str, payload: &[u8]) {
+        let Some(kind) = self.channel.classify(topic) else {
+            return;
+        };
+        match decode(&kind, payload) {
+            Ok(Inbound::Start(request)) => self.clone().on_start(*request).await,
+            Ok(Inbound::Stop(request)) => self.on_stop(&request),
+            Ok(Inbound::Invoke(request)) => self.clone().on_invoke(request).await,
+            Ok(Inbound::RegistryChunk(chunk)) => self.on_chunk(chunk),
+            Ok(_) => {}
+            Err(error) => {
+                warn!(topic, %error, "undecodable message");
+                if kind == TopicKind::Start {
+                    self.reject_undecodable_start(payload, &error.to_string())
+                        .await;
+                }
+            }
+        }
+    }
+
+    /// A start we cannot decode still gets a failure result when its id and target are readable.
+    async fn reject_undecodable_start(&self, payload: &[u8], error: &str) {
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(payload) else {
+            return;
+        };
+        let Some(id) = value
+            .get("id")
+            .and_then(|v| v.as_str())
+            .filter(|s| !s.is_empty())
+        else {
+            return;
+        };
+        let broadcast = value
+            .get("broadcast")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let target = value.get("proplet_id").and_then(|v| v.as_str());
+        if broadcast || target.is_none_or(|t| t == self.config.client_id) {
+            self.report(id, Err(format!("invalid start request: {error}")))
+                .await;
+        }
+    }
+
+    async fn on_start(self: Arc<Self>, request: StartRequest) {
+        if !request.is_for(&self.config.client_id) {
+            return;
+        }
+        let id = request.id.clone();
+        if let Some(problem) = start_problem(&request) {
+            self.report(&id, Err(problem)).await;
+            return;
+        }
+        let stop = StopFlag::default();
+        {
+            let mut running = self.lock_running();
+            if running.contains_key(&id) {
+                info!(
+                    task_id = id,
+                    "duplicate start ignored: the task is already running"
+                );
+                return;
+            }
+            running.insert(id.clone(), stop.clone());
+        }
+        info!(task_id = id, name = request.name, "task accepted");
+        let latent = request.latent;
+        let outcome = self.execute(request, &stop).await;
+        self.lock_running().remove(&id);
+        match outcome {
+            Ok(None) => info!(
+                task_id = id,
+                "latent task compiled and ready for invocations"
+            ),
+            Ok(Some(output)) => self.report(&id, Ok(output)).await,
+            Err(error) => {
+                if latent {
+                    warn!(task_id = id, %error, "latent task not deployed");
+                }
+                self.report(&id, Err(error)).await
+            }
+        }
+    }
+
+    /// Fetches, compiles and runs a task. `Ok(None)` for a deployed latent task.
+    async fn execute(
+        self: &Arc<Self>,
+        request: StartRequest,
+        stop: &StopFlag,
+    ) -> Result<Option<String>, String> {
+        let bytes = match (&request.file, &request.image_url) {
+            (Some(file), _) if !file.is_empty() => file.clone(),
+            (_, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
+                return Err(format!(
+                    "fetching {url} over HTTP is not supported by this proplet; send the module inline or through the registry"
+                ))
+            }
+            (_, Some(image)) => self.fetch_chunks(image).await?,
+            _ => return Err("the start request carries neither `file` nor `image_url`".into()),
+        };
+        if stop.is_stopped() {
+            return Err(RunError::Stopped.to_string());
+        }
+        let runtime = self.runtime.clone();
+        let (compiled, cached) = tokio::task::spawn_blocking(move || runtime.compile(&bytes))
+            .await
+            .map_err(|e| format!("compilation aborted: {e}"))?
+            .map_err(|e| e.to_string())?;
+        debug!(task_id = request.id, cached, "module ready");
+        if request.latent {
+            self.lock_latent()
+                .insert(request.id.clone(), Arc::new(Latent { compiled, request }));
+            return Ok(None);
+        }
+        let invocation = self.invocation(&request, &request.inputs, &request.env);
+        self.run_guest(compiled, invocation, stop.clone())
+            .await
+            .map(Some)
+    }
+
+    fn invocation(
+        &self,
+        request: &StartRequest,
+        inputs: &[String],
+        env: &BTreeMap<String, String>,
+    ) -> Invocation {
+        let mut env: Vec<(String, String)> =
+            env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        if !env.iter().any(|(k, _)| k == "PROPLET_ID") {
+            env.push(("PROPLET_ID".into(), self.config.client_id.clone()));
+        }
+        Invocation {
+            function: request.name.clone(),
+            inputs: inputs.to_vec(),
+            args: request.cli_args.clone(),
+            env,
+            timeout: (!request.daemon).then_some(self.config.task_timeout),
+            preopens: Vec::new(),
+        }
+    }
+
+    async fn run_guest(
+        &self,
+        compiled: Compiled,
+        invocation: Invocation,
+        stop: StopFlag,
+    ) -> Result<String, String> {
+        let _permit = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| "the proplet is shutting down".to_owned())?;
+        if stop.is_stopped() {
+            return Err(RunError::Stopped.to_string());
+        }
+        let runtime = self.runtime.clone();
+        tokio::task::spawn_blocking(move || runtime.run(&compiled, &invocation, &stop))
+            .await
+            .map_err(|e| format!("task aborted: {e}"))?
+            .map(|outcome| outcome.output)
+            .map_err(|e| e.to_string())
+    }
+
+    fn on_stop(&self, request: &StopRequest) {
+        if request
+            .proplet_id
+            .as_deref()
+            .is_some_and(|p| p != self.config.client_id)
+            && !request.broadcast
+        {
+            return;
+        }
+        let found_running = self.lock_running().get(&request.id).cloned();
+        let found_latent = self.lock_latent().remove(&request.id).is_some();
+        match found_running {
+            Some(stop) => {
+                info!(task_id = request.id, "stop requested");
+                stop.stop();
+            }
+            None if found_latent => info!(task_id = request.id, "latent task removed"),
+            None => debug!(task_id = request.id, "stop for a task not running here"),
+        }
+    }
+
+    async fn on_invoke(self: Arc<Self>, request: InvokeRequest) {
+        if !request.is_for(&self.config.client_id) {
+            return;
+        }
+        let invocation_id = request.invocation_id.clone().unwrap_or_default();
+        let latent = self.lock_latent().get(&request.id).cloned();
+        let outcome = match latent {
+            None => Err(format!(
+                "task {} is not deployed as a latent task on this proplet",
+                request.id
+            )),
+            Some(latent) => {
+                let mut env = latent.request.env.clone();
+                env.extend(request.env.clone());
+                let inputs = if request.inputs.is_empty() {
+                    latent.request.inputs.clone()
+                } else {
+                    request.inputs.clone()
+                };
+                let invocation = self.invocation(&latent.request, &inputs, &env);
+                self.run_guest(latent.compiled.clone(), invocation, StopFlag::default())
+                    .await
+            }
+        };
+        let (results, error) = split(outcome);
+        let reply = InvokeResult {
+            task_id: request.id.clone(),
+            invocation_id,
+            proplet_id: Some(self.config.client_id.clone()),
+            results: ResultValue::Text(results),
+            error,
+        };
+        self.spool_message(self.channel.invoke_results(), reply.encode())
+            .await;
+    }
+
+    /// Requests `image` from the registry proxy and waits for all its chunks.
+    async fn fetch_chunks(&self, image: &str) -> Result<Vec<u8>, String> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut fetches = self.lock_fetches();
+            fetches
+                .entry(image.to_owned())
+                .or_insert_with(|| Fetch {
+                    assembler: ChunkAssembler::new(image, MAX_CHUNKED_BINARY),
+                    waiters: Vec::new(),
+                })
+                .waiters
+                .push(tx);
+        }
+        let request = RegistryRequest {
+            app_name: image.to_owned(),
+        };
+        if let Err(e) = self
+            .client
+            .publish(
+                self.channel.registry_request(),
+                QoS::AtMostOnce,
+                false,
+                request.encode(),
+            )
+            .await
+        {
+            return Err(format!("cannot request {image}: {e}"));
+        }
+        match tokio::time::timeout(self.config.chunk_timeout, rx).await {
+            Ok(Ok(bytes)) => Ok(bytes),
+            _ => {
+                self.lock_fetches().remove(image);
+                Err(format!(
+                    "timed out after {:?} waiting for the chunks of {image}",
+                    self.config.chunk_timeout
+                ))
+            }
+        }
+    }
+
+    /// Collects a chunk, but only for images this proplet asked for.
+    fn on_chunk(&self, chunk: RegistryChunk) {
+        let mut fetches = self.lock_fetches();
+        let Some(fetch) = fetches.get_mut(&chunk.app_name) else {
+            return;
+        };
+        let name = chunk.app_name.clone();
+        match fetch.assembler.push(chunk) {
+            Ok(ChunkProgress::Complete(bytes)) => {
+                if let Some(done) = fetches.remove(&name) {
+                    for waiter in done.waiters {
+                        let _ = waiter.send(bytes.clone());
+                    }
+                }
+            }
+            Ok(ChunkProgress::Pending { received, total }) => {
+                debug!(image = name, received, total, "chunk stored");
+            }
+            Err(error) => warn!(image = name, %error, "chunk rejected"),
+        }
+    }
+
+    /// Spools the result of task `id` for delivery.
+    async fn report(&self, id: &str, outcome: Result<String, String>) {
+        match &outcome {
+            Ok(_) => info!(task_id = id, "task succeeded"),
+            Err(e) => warn!(task_id = id, error = %e, "task failed"),
+        }
+        let (results, error) = split(outcome);
+        let result = TaskResult {
+            task_id: id.to_owned(),
+            proplet_id: Some(self.config.client_id.clone()),
+            results: ResultValue::Text(results),
+            error,
+        };
+        self.spool_message(self.channel.results(), result.encode())
+            .await;
+    }
+
+    async fn spool_message(&self, topic: String, payload: Vec<u8>) {
+        let spool = self.spool.clone();
+        let text = String::from_utf8_lossy(&payload).into_owned();
+        let stored = tokio::task::spawn_blocking(move || spool.push(&topic, &text)).await;
+        match stored {
+            Ok(Ok(None)) => {}
+            Ok(Ok(Some(dropped))) => warn!(
+                topic = dropped.topic,
+                "result spool full: the oldest undelivered message was discarded"
+            ),
+            Ok(Err(e)) => warn!(%e, "cannot spool a result; it is lost"),
+            Err(e) => warn!(%e, "spool write aborted"),
+        }
+    }
+
+    fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<String, StopFlag>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_latent(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Latent>>> {
+        self.latent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_fetches(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fetch>> {
+        self.fetches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Why a start request cannot run, checked before anything is fetched.
+fn start_problem(request: &StartRequest) -> Option<String> {
+    if request.name.trim().is_empty() {
+        return Some("the start request has an empty `name`".into());
+    }
+    if request.encrypted {
+        return Some("encrypted (TEE) tasks are not supported by this proplet".into());
+    }
+    let has_file = request.file.as_ref().is_some_and(|f| !f.is_empty());
+    let has_image = request.image_url.as_ref().is_some_and(|u| !u.is_empty());
+    if !has_file && !has_image {
+        return Some("the start request carries neither `file` nor `image_url`".into());
+    }
+    None
+}
+
+fn split(outcome: Result<String, String>) -> (String, Option<String>) {
+    match outcome {
+        Ok(output) => (output, None),
+        Err(error) => (String::new(), Some(error)),
+    }
+}
+
+fn qos(level: u8) -> QoS {
+    match level {
+        0 => QoS::AtMostOnce,
+        1 => QoS::AtLeastOnce,
+        _ => QoS::ExactlyOnce,
+    }
+}
+
+/// Reconnect delays: exponential from 1 s to 60 s with ±20 % jitter, so a fleet that lost
+/// its broker does not reconnect in lockstep.
+#[derive(Debug, Default)]
+struct Backoff {
+    attempt: u32,
+}
+
+impl Backoff {
+    fn next_delay(&mut self) -> Duration {
+        let base = Duration::from_secs(1u64 << self.attempt.min(6)).min(Duration::from_secs(60));
+        self.attempt = self.attempt.saturating_add(1);
+        let jitter = 0.8 + 0.4 * fastrand::f64();
+        base.mul_f64(jitter)
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_a_minute_with_jitter_and_resets() {
+        let mut b = Backoff::default();
+        let first = b.next_delay();
+        assert!(first >= Duration::from_millis(800) && first <= Duration::from_millis(1200));
+        let mut last = first;
+        for _ in 0..10 {
+            last = b.next_delay();
+        }
+        assert!(
+            last >= Duration::from_secs(48) && last <= Duration::from_secs(72),
+            "{last:?}"
+        );
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(1200));
+    }
+
+    #[test]
+    fn start_validation_explains_each_problem() {
+        let ok = StartRequest {
+            id: "t".into(),
+            name: "add".into(),
+            file: Some(vec![0]),
+            ..StartRequest::default()
+        };
+        assert_eq!(start_problem(&ok), None);
+        let mut r = ok.clone();
+        r.name = String::new();
+        assert!(start_problem(&r).is_some_and(|p| p.contains("name")));
+        let mut r = ok.clone();
+        r.encrypted = true;
+        assert!(start_problem(&r).is_some_and(|p| p.contains("encrypted")));
+        let mut r = ok;
+        r.file = None;
+        assert!(start_problem(&r).is_some_and(|p| p.contains("image_url")));
+    }
+}

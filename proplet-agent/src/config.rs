@@ -1,0 +1,728 @@
+//! Agent configuration: flags, then environment (upstream names and aliases), then an optional
+//! TOML file, then defaults. A bad value stops start-up with the variable's name.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+
+/// A configuration problem, naming the setting at fault.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// A value does not parse.
+    #[error("{name}: {message}")]
+    Invalid {
+        /// Flag or variable name.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A required setting is missing everywhere.
+    #[error("{name} is required (flag {flag}, or set it in the config file as `{key}`)")]
+    Missing {
+        /// Variable name.
+        name: &'static str,
+        /// Flag.
+        flag: &'static str,
+        /// Key in the TOML file.
+        key: &'static str,
+    },
+    /// The TOML file cannot be used.
+    #[error("config file {path}: {message}")]
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// `proplet`: runs WebAssembly tasks sent by Propeller over MQTT.
+///
+/// Every flag can also be set through the environment variable shown, or in the TOML file
+/// given by --config (keys are the flag names with `_` instead of `-`). Flags win over the
+/// environment, which wins over the file.
+#[derive(Parser, Debug, Default, Clone)]
+#[command(name = "proplet", version, about, long_about = None)]
+pub struct Flags {
+    /// TOML configuration file.
+    #[arg(long, env = "PROPLET_CONFIG_FILE")]
+    pub config: Option<PathBuf>,
+    /// Broker URL: tcp://host:1883, mqtt://…, or ssl:// / tls:// / mqtts:// for TLS (8883).
+    #[arg(long, env = "PROPLET_MQTT_ADDRESS")]
+    pub mqtt_address: Option<String>,
+    /// Domain id, the `{domain}` topic level (alias: PROPLET_TENANT_ID).
+    #[arg(long, env = "PROPLET_DOMAIN_ID")]
+    pub domain_id: Option<String>,
+    /// Channel id, the `{channel}` topic level.
+    #[arg(long, env = "PROPLET_CHANNEL_ID")]
+    pub channel_id: Option<String>,
+    /// This proplet's id: MQTT client id and username (alias: PROPLET_ENTITY_ID).
+    #[arg(long, env = "PROPLET_CLIENT_ID")]
+    pub client_id: Option<String>,
+    /// MQTT password (alias: PROPLET_API_KEY).
+    #[arg(long, env = "PROPLET_CLIENT_KEY", hide_env_values = true)]
+    pub client_key: Option<String>,
+    /// QoS for subscriptions and results: 0, 1 or 2 (results are sent at least at QoS 1).
+    #[arg(long, env = "PROPLET_MQTT_QOS")]
+    pub mqtt_qos: Option<String>,
+    /// Heartbeat interval: `10` or `10s`, `500ms`, `1m`.
+    #[arg(long, env = "PROPLET_LIVELINESS_INTERVAL")]
+    pub liveliness_interval: Option<String>,
+    /// Proplet metrics interval (`0` disables them).
+    #[arg(long, env = "PROPLET_METRICS_INTERVAL")]
+    pub metrics_interval: Option<String>,
+    /// MQTT keep-alive.
+    #[arg(long, env = "PROPLET_MQTT_KEEP_ALIVE")]
+    pub mqtt_keep_alive: Option<String>,
+    /// Log level: trace, debug, info, warn, error.
+    #[arg(long, env = "PROPLET_LOG_LEVEL")]
+    pub log_level: Option<String>,
+    /// Directory of proplet plugins (accepted for compatibility; plugins are not loaded).
+    #[arg(long, env = "PROPLET_PLUGIN_DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// CA bundle (PEM) to verify the broker's certificate.
+    #[arg(long, env = "PROPLET_MQTT_TLS_CA_CERT")]
+    pub tls_ca_cert: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long, env = "PROPLET_MQTT_TLS_CLIENT_CERT")]
+    pub tls_client_cert: Option<PathBuf>,
+    /// Client key (PEM) for mutual TLS.
+    #[arg(long, env = "PROPLET_MQTT_TLS_CLIENT_KEY")]
+    pub tls_client_key: Option<PathBuf>,
+    /// Comma-separated tags reported in discovery and heartbeats.
+    #[arg(long, env = "PROPLET_TAGS")]
+    pub tags: Option<String>,
+    /// Free-text location.
+    #[arg(long, env = "PROPLET_LOCATION")]
+    pub location: Option<String>,
+    /// Free-text description.
+    #[arg(long, env = "PROPLET_DESCRIPTION")]
+    pub description: Option<String>,
+    /// Namespace reported in heartbeats (`default`).
+    #[arg(long, env = "PROPLET_MANAGER_K8S_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Directory for the result spool and caches.
+    #[arg(long, env = "PROPLET_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Tasks running at once; more wait their turn.
+    #[arg(long, env = "PROPLET_MAX_CONCURRENT_TASKS")]
+    pub max_concurrent_tasks: Option<String>,
+    /// Linear-memory cap per task, bytes (suffixes Ki, Mi, Gi accepted).
+    #[arg(long, env = "PROPLET_TASK_MEMORY_LIMIT")]
+    pub task_memory_limit: Option<String>,
+    /// Wall-clock limit for non-daemon tasks (`300s`).
+    #[arg(long, env = "PROPLET_TASK_TIMEOUT")]
+    pub task_timeout: Option<String>,
+    /// Instruction budget per task run (unset: no metering).
+    #[arg(long, env = "PROPLET_TASK_FUEL")]
+    pub task_fuel: Option<String>,
+    /// Results kept on disk while the broker is unreachable.
+    #[arg(long, env = "PROPLET_SPOOL_MAX_RESULTS")]
+    pub spool_max_results: Option<String>,
+    /// How long to wait for registry chunks (`60s`).
+    #[arg(long, env = "PROPLET_CHUNK_TIMEOUT")]
+    pub chunk_timeout: Option<String>,
+}
+
+/// TLS material for the broker connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// CA bundle; system roots are not used, so it is required for TLS.
+    pub ca_cert: PathBuf,
+    /// Client certificate and key for mutual TLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Broker host.
+    pub host: String,
+    /// Broker port.
+    pub port: u16,
+    /// TLS when the URL scheme asks for it.
+    pub tls: Option<TlsFiles>,
+    /// `{domain}`.
+    pub domain_id: String,
+    /// `{channel}`.
+    pub channel_id: String,
+    /// Client id.
+    pub client_id: String,
+    /// Password.
+    pub client_key: String,
+    /// 0, 1 or 2.
+    pub qos: u8,
+    /// Heartbeat period.
+    pub liveliness_interval: Duration,
+    /// Proplet metrics period; `None` when disabled.
+    pub metrics_interval: Option<Duration>,
+    /// MQTT keep-alive.
+    pub keep_alive: Duration,
+    /// Log filter.
+    pub log_level: String,
+    /// Plugin directory (reported, not loaded).
+    pub plugin_dir: Option<PathBuf>,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Location.
+    pub location: Option<String>,
+    /// Description.
+    pub description: Option<String>,
+    /// Namespace.
+    pub namespace: String,
+    /// State directory.
+    pub state_dir: PathBuf,
+    /// Concurrency cap.
+    pub max_concurrent_tasks: usize,
+    /// Memory cap per task.
+    pub task_memory_limit: usize,
+    /// Default wall-clock limit.
+    pub task_timeout: Duration,
+    /// Fuel per run.
+    pub task_fuel: Option<u64>,
+    /// Spool bound.
+    pub spool_max_results: usize,
+    /// Chunk wait.
+    pub chunk_timeout: Duration,
+}
+
+/// Environment aliases accepted for upstream compatibility: (alias, canonical).
+pub const ALIASES: [(&str, &str); 3] = [
+    ("PROPLET_TENANT_ID", "PROPLET_DOMAIN_ID"),
+    ("PROPLET_ENTITY_ID", "PROPLET_CLIENT_ID"),
+    ("PROPLET_API_KEY", "PROPLET_CLIENT_KEY"),
+];
+
+impl Config {
+    /// Resolves flags (already merged with the canonical environment by clap), aliases from
+    /// `env`, and the TOML file.
+    pub fn resolve(mut flags: Flags, env: &HashMap<String, String>) -> Result<Self, ConfigError> {
+        for (alias, canonical) in ALIASES {
+            let slot = match canonical {
+                "PROPLET_DOMAIN_ID" => &mut flags.domain_id,
+                "PROPLET_CLIENT_ID" => &mut flags.client_id,
+                _ => &mut flags.client_key,
+            };
+            if slot.is_none() {
+                if let Some(v) = env.get(alias).filter(|v| !v.is_empty()) {
+                    *slot = Some(v.clone());
+                }
+            }
+        }
+        let file = match &flags.config {
+            Some(path) => load_file(path)?,
+            None => FileValues::default(),
+        };
+        let pick = |flag: &Option<String>, key: &str| -> Option<String> {
+            flag.clone()
+                .filter(|v| !v.is_empty())
+                .or_else(|| file.get(key))
+        };
+
+        let address = pick(&flags.mqtt_address, "mqtt_address")
+            .unwrap_or_else(|| "tcp://localhost:1883".into());
+        let (host, port, tls_scheme) = parse_address(&address)?;
+        let tls = if tls_scheme {
+            let ca = flags
+                .tls_ca_cert
+                .clone()
+                .or_else(|| file.get("tls_ca_cert").map(PathBuf::from))
+                .ok_or(ConfigError::Invalid {
+                    name: "PROPLET_MQTT_TLS_CA_CERT".into(),
+                    message: format!("{address} uses TLS; give the CA bundle that signed the broker's certificate"),
+                })?;
+            let cert = flags
+                .tls_client_cert
+                .clone()
+                .or_else(|| file.get("tls_client_cert").map(PathBuf::from));
+            let key = flags
+                .tls_client_key
+                .clone()
+                .or_else(|| file.get("tls_client_key").map(PathBuf::from));
+            let client = match (cert, key) {
+                (Some(c), Some(k)) => Some((c, k)),
+                (None, None) => None,
+                _ => {
+                    return Err(ConfigError::Invalid {
+                        name: "PROPLET_MQTT_TLS_CLIENT_CERT".into(),
+                        message: "client certificate and client key must be given together".into(),
+                    })
+                }
+            };
+            Some(TlsFiles {
+                ca_cert: ca,
+                client,
+            })
+        } else {
+            None
+        };
+
+        let required = |value: Option<String>,
+                        name: &'static str,
+                        flag: &'static str,
+                        key: &'static str|
+         -> Result<String, ConfigError> {
+            value.ok_or(ConfigError::Missing { name, flag, key })
+        };
+        let domain_id = required(
+            pick(&flags.domain_id, "domain_id").or_else(|| file.get("tenant_id")),
+            "PROPLET_DOMAIN_ID",
+            "--domain-id",
+            "domain_id",
+        )?;
+        let channel_id = required(
+            pick(&flags.channel_id, "channel_id"),
+            "PROPLET_CHANNEL_ID",
+            "--channel-id",
+            "channel_id",
+        )?;
+        let client_id = required(
+            pick(&flags.client_id, "client_id").or_else(|| file.get("entity_id")),
+            "PROPLET_CLIENT_ID",
+            "--client-id",
+            "client_id",
+        )?;
+        let client_key = required(
+            pick(&flags.client_key, "client_key").or_else(|| file.get("api_key")),
+            "PROPLET_CLIENT_KEY",
+            "--client-key",
+            "client_key",
+        )?;
+        for (name, value) in [
+            ("PROPLET_DOMAIN_ID", &domain_id),
+            ("PROPLET_CHANNEL_ID", &channel_id),
+            ("PROPLET_CLIENT_ID", &client_id),
+        ] {
+            if value.contains(['/', '+', '#']) {
+                return Err(invalid(
+                    name,
+                    "must not contain `/`, `+` or `#` (it is a topic level)",
+                ));
+            }
+        }
+
+        let qos = match pick(&flags.mqtt_qos, "mqtt_qos").as_deref() {
+            None => 1,
+            Some("0") => 0,
+            Some("1") => 1,
+            Some("2") => 2,
+            Some(other) => {
+                return Err(invalid(
+                    "PROPLET_MQTT_QOS",
+                    &format!("{other:?} is not 0, 1 or 2"),
+                ))
+            }
+        };
+        let duration =
+            |flag: &Option<String>, key: &str, name: &str, default: Duration| match pick(flag, key)
+            {
+                None => Ok(default),
+                Some(text) => parse_duration(&text).map_err(|m| invalid(name, &m)),
+            };
+        let liveliness_interval = duration(
+            &flags.liveliness_interval,
+            "liveliness_interval",
+            "PROPLET_LIVELINESS_INTERVAL",
+            Duration::from_secs(10),
+        )?;
+        if liveliness_interval.is_zero() {
+            return Err(invalid("PROPLET_LIVELINESS_INTERVAL", "must be positive"));
+        }
+        let metrics_interval = duration(
+            &flags.metrics_interval,
+            "metrics_interval",
+            "PROPLET_METRICS_INTERVAL",
+            Duration::from_secs(10),
+        )?;
+        let keep_alive = duration(
+            &flags.mqtt_keep_alive,
+            "mqtt_keep_alive",
+            "PROPLET_MQTT_KEEP_ALIVE",
+            Duration::from_secs(30),
+        )?;
+        if keep_alive < Duration::from_secs(1) {
+            return Err(invalid("PROPLET_MQTT_KEEP_ALIVE", "must be at least 1s"));
+        }
+        let log_level = pick(&flags.log_level, "log_level").unwrap_or_else(|| "info".into());
+        if !["trace", "debug", "info", "warn", "error"]
+            .contains(&log_level.to_ascii_lowercase().as_str())
+        {
+            return Err(invalid(
+                "PROPLET_LOG_LEVEL",
+                &format!("{log_level:?} is not trace, debug, info, warn or error"),
+            ));
+        }
+        let number =
+            |flag: &Option<String>, key: &str, name: &str, default: u64| match pick(flag, key) {
+                None => Ok(default),
+                Some(text) => parse_size(&text).map_err(|m| invalid(name, &m)),
+            };
+        let max_concurrent_tasks = number(
+            &flags.max_concurrent_tasks,
+            "max_concurrent_tasks",
+            "PROPLET_MAX_CONCURRENT_TASKS",
+            4,
+        )?;
+        if max_concurrent_tasks == 0 {
+            return Err(invalid("PROPLET_MAX_CONCURRENT_TASKS", "must be positive"));
+        }
+        let task_memory_limit = number(
+            &flags.task_memory_limit,
+            "task_memory_limit",
+            "PROPLET_TASK_MEMORY_LIMIT",
+            256 * 1024 * 1024,
+        )?;
+        let task_timeout = duration(
+            &flags.task_timeout,
+            "task_timeout",
+            "PROPLET_TASK_TIMEOUT",
+            Duration::from_secs(300),
+        )?;
+        let task_fuel = match pick(&flags.task_fuel, "task_fuel") {
+            None => None,
+            Some(text) => Some(parse_size(&text).map_err(|m| invalid("PROPLET_TASK_FUEL", &m))?),
+        };
+        let spool_max_results = number(
+            &flags.spool_max_results,
+            "spool_max_results",
+            "PROPLET_SPOOL_MAX_RESULTS",
+            10_000,
+        )?;
+        let chunk_timeout = duration(
+            &flags.chunk_timeout,
+            "chunk_timeout",
+            "PROPLET_CHUNK_TIMEOUT",
+            Duration::from_secs(60),
+        )?;
+        let tags = pick(&flags.tags, "tags")
+            .map(|t| {
+                t.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let state_dir = flags
+            .state_dir
+            .clone()
+            .or_else(|| file.get("state_dir").map(PathBuf::from))
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("proplet-{client_id}")));
+        Ok(Self {
+            host,
+            port,
+            tls,
+            domain_id,
+            channel_id,
+            client_id,
+            client_key,
+            qos,
+            liveliness_interval,
+            metrics_interval: (!metrics_interval.is_zero()).then_some(metrics_interval),
+            keep_alive,
+            log_level,
+            plugin_dir: flags
+                .plugin_dir
+                .clone()
+                .or_else(|| file.get("plugin_dir").map(PathBuf::from)),
+            tags,
+            location: pick(&flags.location, "location"),
+            description: pick(&flags.description, "description"),
+            namespace: pick(&flags.namespace, "namespace").unwrap_or_else(|| "default".into()),
+            state_dir,
+            max_concurrent_tasks: max_concurrent_tasks as usize,
+            task_memory_limit: task_memory_limit as usize,
+            task_timeout,
+            task_fuel,
+            spool_max_results: spool_max_results as usize,
+            chunk_timeout,
+        })
+    }
+}
+
+fn invalid(name: &str, message: &str) -> ConfigError {
+    ConfigError::Invalid {
+        name: name.to_owned(),
+        message: message.to_owned(),
+    }
+}
+
+/// Values of the TOML file: either top-level keys or a `[proplet]` section (upstream layout).
+#[derive(Debug, Default)]
+struct FileValues(HashMap<String, String>);
+
+impl FileValues {
+    fn get(&self, key: &str) -> Option<String> {
+        self.0.get(key).cloned().filter(|v| !v.is_empty())
+    }
+}
+
+fn load_file(path: &Path) -> Result<FileValues, ConfigError> {
+    let shown = path.display().to_string();
+    let file_error = |message: String| ConfigError::File {
+        path: shown.clone(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    let table: toml::Table =
+        toml::from_str(&text).map_err(|e| file_error(e.message().to_owned()))?;
+    let section = match table.get("proplet") {
+        Some(toml::Value::Table(t)) => t.clone(),
+        Some(_) => return Err(file_error("`proplet` must be a table".into())),
+        None => table,
+    };
+    let mut values = HashMap::new();
+    for (key, value) in section {
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            toml::Value::Array(items) => items
+                .iter()
+                .map(|i| {
+                    i.as_str()
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| i.to_string())
+                })
+                .collect::<Vec<_>>()
+                .join(","),
+            _ => {
+                return Err(file_error(format!(
+                    "`{key}` must be a string, number or list"
+                )))
+            }
+        };
+        values.insert(key, text);
+    }
+    Ok(FileValues(values))
+}
+
+/// Parses `10`, `10s`, `500ms`, `2m`, `1h`; a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (e.g. 10, 10s, 500ms, 1m)"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        other => {
+            return Err(format!(
+                "{text:?}: unknown unit {other:?} (use ms, s, m or h)"
+            ))
+        }
+    };
+    if !seconds.is_finite() || seconds < 0.0 {
+        return Err(format!("{text:?} is not a valid duration"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Parses a count or size: `1000`, `64Mi`, `1Gi`, `512Ki`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (number, factor) = if let Some(n) = t.strip_suffix("Ki") {
+        (n, 1u64 << 10)
+    } else if let Some(n) = t.strip_suffix("Mi") {
+        (n, 1 << 20)
+    } else if let Some(n) = t.strip_suffix("Gi") {
+        (n, 1 << 30)
+    } else {
+        (t, 1)
+    };
+    number
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(factor))
+        .ok_or_else(|| format!("{text:?} is not a whole number (suffixes Ki, Mi, Gi allowed)"))
+}
+
+/// Splits a broker URL into host, port and whether TLS is asked for.
+pub fn parse_address(address: &str) -> Result<(String, u16, bool), ConfigError> {
+    let bad = |m: &str| invalid("PROPLET_MQTT_ADDRESS", &format!("{address:?}: {m}"));
+    let (scheme, rest) = match address.split_once("://") {
+        Some((s, r)) => (s.to_ascii_lowercase(), r),
+        None => ("tcp".to_owned(), address),
+    };
+    let tls = match scheme.as_str() {
+        "tcp" | "mqtt" => false,
+        "ssl" | "tls" | "mqtts" => true,
+        other => {
+            return Err(bad(&format!(
+                "unknown scheme {other:?} (use tcp, mqtt, ssl, tls or mqtts)"
+            )))
+        }
+    };
+    let rest = rest.trim_end_matches('/');
+    let default_port = if tls { 8883 } else { 1883 };
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (host, after) = v6.split_once(']').ok_or_else(|| bad("unclosed `[`"))?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse().map_err(|_| bad("bad port"))?,
+            None if after.is_empty() => default_port,
+            None => return Err(bad("unexpected text after `]`")),
+        };
+        (host.to_owned(), port)
+    } else {
+        match rest.rsplit_once(':') {
+            Some((h, p)) => (h.to_owned(), p.parse().map_err(|_| bad("bad port"))?),
+            None => (rest.to_owned(), default_port),
+        }
+    };
+    if host.is_empty() {
+        return Err(bad("missing host"));
+    }
+    Ok((host, port, tls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Flags {
+        Flags {
+            domain_id: Some("d".into()),
+            channel_id: Some("c".into()),
+            client_id: Some("p1".into()),
+            client_key: Some("k".into()),
+            ..Flags::default()
+        }
+    }
+
+    fn resolve(flags: Flags) -> Result<Config, ConfigError> {
+        Config::resolve(flags, &HashMap::new())
+    }
+
+    #[test]
+    fn defaults_fill_everything_optional() {
+        let c = match resolve(base()) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!((c.host.as_str(), c.port), ("localhost", 1883));
+        assert_eq!(c.liveliness_interval, Duration::from_secs(10));
+        assert_eq!(c.metrics_interval, Some(Duration::from_secs(10)));
+        assert_eq!(c.namespace, "default");
+        assert_eq!(c.qos, 1);
+    }
+
+    #[test]
+    fn intervals_accept_plain_seconds_and_units() {
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("10x").is_err());
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let mut f = base();
+        f.liveliness_interval = Some("soon".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("PROPLET_LIVELINESS_INTERVAL"), "{e}");
+
+        let mut f = base();
+        f.mqtt_qos = Some("3".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("PROPLET_MQTT_QOS"), "{e}");
+
+        let mut f = base();
+        f.client_key = None;
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("PROPLET_CLIENT_KEY"), "{e}");
+
+        let mut f = base();
+        f.mqtt_address = Some("http://x".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("PROPLET_MQTT_ADDRESS"), "{e}");
+    }
+
+    #[test]
+    fn upstream_aliases_are_accepted() {
+        let env: HashMap<String, String> = [
+            ("PROPLET_TENANT_ID", "tenant"),
+            ("PROPLET_ENTITY_ID", "entity"),
+            ("PROPLET_API_KEY", "apikey"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let flags = Flags {
+            channel_id: Some("c".into()),
+            ..Flags::default()
+        };
+        let c = match Config::resolve(flags, &env) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(
+            (
+                c.domain_id.as_str(),
+                c.client_id.as_str(),
+                c.client_key.as_str()
+            ),
+            ("tenant", "entity", "apikey")
+        );
+    }
+
+    #[test]
+    fn file_fills_only_what_flags_and_env_leave_empty() {
+        let dir = match tempfile::tempdir() {
+            Ok(d) => d,
+            Err(e) => panic!("{e}"),
+        };
+        let path = dir.path().join("proplet.toml");
+        let written = std::fs::write(
+            &path,
+            "[proplet]\ntenant_id = \"file-domain\"\nchannel_id = \"file-chan\"\nentity_id = \"file-id\"\napi_key = \"file-key\"\nliveliness_interval = \"3s\"\ntags = [\"gpu\", \"arm\"]\n",
+        );
+        if let Err(e) = written {
+            panic!("{e}");
+        }
+        let flags = Flags {
+            config: Some(path),
+            client_id: Some("flag-id".into()),
+            ..Flags::default()
+        };
+        let c = match resolve(flags) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(c.client_id, "flag-id");
+        assert_eq!(c.domain_id, "file-domain");
+        assert_eq!(c.liveliness_interval, Duration::from_secs(3));
+        assert_eq!(c.tags, vec!["gpu", "arm"]);
+    }
+
+    #[test]
+    fn addresses_parse_like_upstream() {
+        assert_eq!(parse_address("tcp://h:1"), Ok(("h".into(), 1, false)));
+        assert_eq!(parse_address("mqtts://h"), Ok(("h".into(), 8883, true)));
+        assert_eq!(parse_address("[::1]:1884"), Ok(("::1".into(), 1884, false)));
+        assert_eq!(
+            parse_address("localhost:1883"),
+            Ok(("localhost".into(), 1883, false))
+        );
+        assert!(parse_address("tcp://:1").is_err());
+    }
+
+    #[test]
+    fn tls_scheme_needs_a_ca() {
+        let mut f = base();
+        f.mqtt_address = Some("ssl://broker:8883".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("PROPLET_MQTT_TLS_CA_CERT"), "{e}");
+    }
+}

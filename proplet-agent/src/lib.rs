@@ -1,0 +1,8 @@
+//! The `proplet` agent: connects to a Propeller broker, reports liveness and runs Wasm tasks
+//! with Wasmtime inside memory, time and capability limits, never losing a result.
+
+pub mod agent;
+pub mod config;
+pub mod spool;
+pub mod system;
+pub mod wasm;

@@ -1,0 +1,152 @@
+//! What the agent reports about its host and itself: discovery metadata and resource use.
+
+use std::sync::Mutex;
+
+use propeller_broker::protocol::{
+    CpuMetrics, HeartbeatMetrics, MemoryMetrics, PropletMetadata, PropletMetrics, Timestamp,
+};
+use sysinfo::{Pid, ProcessRefreshKind, ProcessesToUpdate, System};
+
+use crate::config::Config;
+
+/// Samples host and process figures; one instance per agent.
+pub struct SystemProbe {
+    /// `None` where sysinfo does not support the platform; figures are then omitted.
+    system: Mutex<Option<System>>,
+    pid: Pid,
+}
+
+impl Default for SystemProbe {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SystemProbe {
+    /// A probe for the current process.
+    pub fn new() -> Self {
+        Self {
+            system: Mutex::new(System::new().ok()),
+            pid: Pid::from_u32(std::process::id()),
+        }
+    }
+
+    /// Discovery and heartbeat metadata.
+    pub fn metadata(&self, config: &Config) -> PropletMetadata {
+        let total_memory = self.lock().as_mut().map(|sys| {
+            sys.refresh_memory();
+            sys.total_memory()
+        });
+        PropletMetadata {
+            description: config.description.clone(),
+            tags: config.tags.clone(),
+            location: config.location.clone(),
+            ip: None,
+            environment: Some(
+                if std::path::Path::new("/.dockerenv").exists() {
+                    "docker"
+                } else {
+                    "binary"
+                }
+                .to_owned(),
+            ),
+            os: Some(std::env::consts::OS.to_owned()),
+            hostname: System::host_name().ok(),
+            cpu_arch: Some(std::env::consts::ARCH.to_owned()),
+            total_memory_bytes: total_memory,
+            proplet_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+            wasm_runtime: Some("wasmtime".to_owned()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<System>> {
+        self.system.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Host CPU use (all cores, 0–100), and this process's RSS and share of host memory.
+    pub fn heartbeat_metrics(&self) -> HeartbeatMetrics {
+        let mut guard = self.lock();
+        let Some(sys) = guard.as_mut() else {
+            return HeartbeatMetrics::default();
+        };
+        sys.refresh_cpu_usage();
+        sys.refresh_memory();
+        sys.refresh_processes_specifics(
+            ProcessesToUpdate::Some(&[self.pid]),
+            true,
+            ProcessRefreshKind::nothing().with_memory(),
+        );
+        let rss = sys.process(self.pid).map(|p| p.memory());
+        let total = sys.total_memory();
+        HeartbeatMetrics {
+            cpu_percent: Some(f64::from(sys.global_cpu_usage())),
+            memory_bytes: rss,
+            memory_percent: rss
+                .filter(|_| total > 0)
+                .map(|r| r as f64 * 100.0 / total as f64),
+        }
+    }
+
+    /// The `control/proplet/metrics` message: the agent process's CPU times and memory.
+    pub fn proplet_metrics(&self, proplet_id: &str, namespace: &str) -> PropletMetrics {
+        let beat = self.heartbeat_metrics();
+        let (user_seconds, system_seconds) = process_cpu_times();
+        let (usage, limit) = cgroup_memory();
+        PropletMetrics {
+            proplet_id: proplet_id.to_owned(),
+            namespace: Some(namespace.to_owned()),
+            timestamp: Some(Timestamp::now()),
+            cpu_metrics: Some(CpuMetrics {
+                user_seconds,
+                system_seconds,
+                percent: beat.cpu_percent,
+            }),
+            memory_metrics: Some(MemoryMetrics {
+                rss_bytes: beat.memory_bytes,
+                heap_alloc_bytes: Some(0),
+                heap_sys_bytes: Some(0),
+                heap_inuse_bytes: Some(0),
+                heap_free_bytes: None,
+                heap_max_alloc_bytes: None,
+                container_usage_bytes: Some(usage.unwrap_or(0)),
+                container_limit_bytes: limit,
+                percent: beat.memory_percent,
+            }),
+        }
+    }
+}
+
+/// User and system CPU seconds of this process, from `/proc/self/stat` (Linux).
+fn process_cpu_times() -> (Option<f64>, Option<f64>) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return (None, None);
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let Some(after) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return (None, None);
+    };
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = 100.0; // USER_HZ is 100 on every Linux architecture we target.
+    let parse = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .map(|t| t / ticks)
+    };
+    (parse(11), parse(12))
+}
+
+/// cgroup v2 (or v1) memory usage and limit; the limit is `None` when unlimited.
+fn cgroup_memory() -> (Option<u64>, Option<u64>) {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    let usage = read("/sys/fs/cgroup/memory.current")
+        .or_else(|| read("/sys/fs/cgroup/memory/memory.usage_in_bytes"));
+    let limit = read("/sys/fs/cgroup/memory.max")
+        .or_else(|| read("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+        .filter(|l| *l > 0 && *l < (1 << 62));
+    (usage, limit)
+}

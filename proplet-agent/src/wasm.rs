@@ -1,0 +1,544 @@
+//! Running Wasm tasks with Wasmtime, within limits a task cannot escape.
+//!
+//! - **Time:** epoch interruption. A ticker thread advances the engine's epoch every
+//!   [`EPOCH_TICK`]; each store checks at every tick whether its task was stopped or its
+//!   deadline passed, so a stop or a timeout takes effect within one tick even in a tight loop.
+//! - **Memory:** a per-store cap on linear memory; growing past it traps with a clear message.
+//! - **Fuel:** optional instruction metering, reported in task metrics when on.
+//! - **WASI preview 1:** linked only when the module imports it, with the task's `cli_args`
+//!   and `env` only (never the agent's environment), no preopened directories unless
+//!   allow-listed, and stdout/stderr captured in memory up to a cap.
+//! - **Compilation** is cached by content hash, so a repeated task does not recompile.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use wasmtime::{
+    Config, Engine, Extern, Func, Instance, Linker, Module, Store, StoreLimits, StoreLimitsBuilder,
+    Trap, UpdateDeadline, Val, ValType,
+};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+
+/// How often running tasks are checked for stop requests and deadlines.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Limits applied to every task.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest total linear memory of one task.
+    pub max_memory_bytes: usize,
+    /// Wall-clock limit for non-daemon tasks without a timeout of their own.
+    pub default_timeout: Duration,
+    /// Instruction budget per run; `None` disables metering.
+    pub fuel: Option<u64>,
+    /// Cap on captured stdout and on captured stderr, each.
+    pub max_output_bytes: usize,
+    /// Compiled modules kept in memory.
+    pub cache_entries: usize,
+    /// Host directories a task may be granted (`dir` in the task env `PROPLET_PREOPEN`).
+    pub preopen_allow_list: Vec<PathBuf>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_memory_bytes: 256 * 1024 * 1024,
+            default_timeout: Duration::from_secs(300),
+            fuel: None,
+            max_output_bytes: 1024 * 1024,
+            cache_entries: 32,
+            preopen_allow_list: Vec::new(),
+        }
+    }
+}
+
+/// Why a task did not produce a result.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RunError {
+    /// The bytes are not a usable Wasm module.
+    #[error("invalid wasm module: {0}")]
+    Compile(String),
+    /// A component was sent; only core modules run in this version.
+    #[error("wasm components are not supported by this proplet yet; send a core module")]
+    ComponentUnsupported,
+    /// Neither the named export nor a fallback (`main`, `run`, `_start`) exists.
+    #[error("export `{name}` not found; the module exports: {available}")]
+    NoExport {
+        /// The requested name.
+        name: String,
+        /// Function exports that do exist.
+        available: String,
+    },
+    /// The inputs do not fit the export's parameters.
+    #[error("bad inputs: {0}")]
+    Inputs(String),
+    /// The module needs imports the proplet does not provide.
+    #[error("cannot instantiate: {0}")]
+    Link(String),
+    /// The guest trapped.
+    #[error("wasm trap: {0}")]
+    Trap(String),
+    /// The wall-clock limit passed.
+    #[error("time limit of {0:?} exceeded")]
+    TimedOut(Duration),
+    /// A stop request interrupted the task.
+    #[error("interrupted by a stop request")]
+    Stopped,
+    /// The fuel budget ran out.
+    #[error("fuel budget of {0} exhausted")]
+    OutOfFuel(u64),
+    /// The guest tried to use more memory than allowed.
+    #[error("memory limit of {0} bytes exceeded")]
+    MemoryLimit(usize),
+    /// A WASI command exited with a non-zero status.
+    #[error("exited with status {code}: {stderr}")]
+    Exit {
+        /// The status.
+        code: i32,
+        /// Captured stderr.
+        stderr: String,
+    },
+    /// A preopen was asked for outside the allow-list.
+    #[error("directory {0} is not in the proplet's preopen allow-list")]
+    PreopenDenied(String),
+}
+
+/// A cooperative stop signal, checked at every epoch tick.
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    /// Requests the task to stop.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether a stop was requested.
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone, Default)]
+pub struct Invocation {
+    /// Export to call (upstream's task `name`); falls back to `main`, `run`, `_start`.
+    pub function: String,
+    /// Arguments, parsed per parameter type.
+    pub inputs: Vec<String>,
+    /// WASI argv after the program name.
+    pub args: Vec<String>,
+    /// WASI environment.
+    pub env: Vec<(String, String)>,
+    /// Wall-clock limit; `None` for none at all (daemons).
+    pub timeout: Option<Duration>,
+    /// Host directories to preopen at the same path (must be allow-listed).
+    pub preopens: Vec<PathBuf>,
+}
+
+/// A successful run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The result text upstream agents produce: the first return value in decimal, or the
+    /// captured stdout (then `\n` and stderr if any) for WASI commands.
+    pub output: String,
+    /// Fuel used, when metering is on.
+    pub fuel_used: Option<u64>,
+    /// Peak linear memory, bytes.
+    pub memory_bytes: usize,
+}
+
+/// A compiled module and its content hash.
+#[derive(Clone)]
+pub struct Compiled {
+    /// SHA-256 of the bytes.
+    pub digest: [u8; 32],
+    module: Module,
+}
+
+struct Host {
+    wasi: Option<WasiP1Ctx>,
+    limits: StoreLimits,
+}
+
+/// One Wasmtime engine, its epoch ticker and the compiled-module cache.
+pub struct WasmRuntime {
+    engine: Engine,
+    limits: Limits,
+    cache: Mutex<ModuleCache>,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl WasmRuntime {
+    /// Builds the engine (cranelift, epoch interruption, fuel if configured).
+    pub fn new(limits: Limits) -> Result<Self, RunError> {
+        let mut config = Config::new();
+        config.epoch_interruption(true);
+        config.consume_fuel(limits.fuel.is_some());
+        let engine = Engine::new(&config).map_err(|e| RunError::Compile(e.to_string()))?;
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let ticking = engine.clone();
+        let stop = ticker_stop.clone();
+        std::thread::Builder::new()
+            .name("wasm-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    ticking.increment_epoch();
+                }
+            })
+            .map_err(|e| RunError::Compile(format!("cannot start epoch ticker: {e}")))?;
+        let cache = Mutex::new(ModuleCache::new(limits.cache_entries));
+        Ok(Self {
+            engine,
+            limits,
+            cache,
+            ticker_stop,
+        })
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Compiles `bytes`, or returns the cached module with the same content.
+    pub fn compile(&self, bytes: &[u8]) -> Result<(Compiled, bool), RunError> {
+        let digest: [u8; 32] = Sha256::digest(bytes).into();
+        if let Some(module) = self.cache_lock().get(&digest) {
+            return Ok((Compiled { digest, module }, true));
+        }
+        if wasmparser_is_component(bytes) {
+            return Err(RunError::ComponentUnsupported);
+        }
+        let module =
+            Module::new(&self.engine, bytes).map_err(|e| RunError::Compile(root_cause(&e)))?;
+        self.cache_lock().put(digest, module.clone());
+        Ok((Compiled { digest, module }, false))
+    }
+
+    fn cache_lock(&self) -> std::sync::MutexGuard<'_, ModuleCache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `invocation` on `compiled`; blocks the calling thread (call from a blocking pool).
+    pub fn run(
+        &self,
+        compiled: &Compiled,
+        invocation: &Invocation,
+        stop: &StopFlag,
+    ) -> Result<Outcome, RunError> {
+        let module = &compiled.module;
+        let needs_wasi = module.imports().any(|i| {
+            i.module().starts_with("wasi_snapshot_preview1") || i.module() == "wasi_unstable"
+        });
+        let stdout = MemoryOutputPipe::new(self.limits.max_output_bytes);
+        let stderr = MemoryOutputPipe::new(self.limits.max_output_bytes);
+        let wasi = if needs_wasi {
+            let mut builder = WasiCtxBuilder::new();
+            let mut argv = vec![invocation.function.clone()];
+            argv.extend(invocation.args.iter().cloned());
+            builder
+                .args(&argv)
+                .envs(&invocation.env)
+                .stdout(stdout.clone())
+                .stderr(stderr.clone());
+            for dir in &invocation.preopens {
+                if !self
+                    .limits
+                    .preopen_allow_list
+                    .iter()
+                    .any(|a| dir.starts_with(a))
+                {
+                    return Err(RunError::PreopenDenied(dir.display().to_string()));
+                }
+                let guest = dir.display().to_string();
+                builder
+                    .preopened_dir(dir, &guest, FsPerms::ReadWrite)
+                    .map_err(|e| RunError::Link(format!("preopen {guest}: {e}")))?;
+            }
+            Some(builder.build_p1())
+        } else {
+            None
+        };
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(self.limits.max_memory_bytes)
+            .trap_on_grow_failure(true)
+            .build();
+        let mut store = Store::new(&self.engine, Host { wasi, limits });
+        store.limiter(|host| &mut host.limits);
+        if let Some(fuel) = self.limits.fuel {
+            store
+                .set_fuel(fuel)
+                .map_err(|e| RunError::Link(e.to_string()))?;
+        }
+        let deadline = invocation.timeout.map(|t| Instant::now() + t);
+        let watch = stop.clone();
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if watch.is_stopped() || expired {
+                Err(wasmtime::Error::msg(INTERRUPTED))
+            } else {
+                Ok(UpdateDeadline::Continue(1))
+            }
+        });
+
+        let mut linker: Linker<Host> = Linker::new(&self.engine);
+        if needs_wasi {
+            wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |host: &mut Host| {
+                host.wasi
+                    .as_mut()
+                    .unwrap_or_else(|| unreachable!("WASI context is built whenever it is linked"))
+            })
+            .map_err(|e| RunError::Link(e.to_string()))?;
+        }
+        let classify = |store: &Store<Host>, error: wasmtime::Error| {
+            self.classify_error(store, error, invocation, stop, &stderr)
+        };
+        let instance = match linker.instantiate(&mut store, module) {
+            Ok(i) => i,
+            Err(e) => return Err(classify(&store, e)),
+        };
+        if let Some(init) = instance.get_func(&mut store, "_initialize") {
+            if let Err(e) = init.call(&mut store, &[], &mut []) {
+                return Err(classify(&store, e));
+            }
+        }
+        let (name, func) = resolve_export(&mut store, &instance, &invocation.function)?;
+        let params = convert_inputs(
+            &func.ty(&store).params().collect::<Vec<_>>(),
+            &invocation.inputs,
+        )?;
+        let mut results = vec![Val::I32(0); func.ty(&store).results().len()];
+        let call = func.call(&mut store, &params, &mut results);
+        let memory_bytes = memory_size(&mut store, &instance);
+        let fuel_used = self
+            .limits
+            .fuel
+            .map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)));
+        let is_command = name == "_start";
+        match call {
+            Ok(()) => {}
+            Err(e) => match e.downcast_ref::<I32Exit>() {
+                Some(I32Exit(0)) => {}
+                _ => return Err(classify(&store, e)),
+            },
+        }
+        let output = if is_command || results.is_empty() && needs_wasi {
+            command_output(&stdout, &stderr)
+        } else {
+            results.first().map(format_value).unwrap_or_default()
+        };
+        Ok(Outcome {
+            output,
+            fuel_used,
+            memory_bytes,
+        })
+    }
+
+    fn classify_error(
+        &self,
+        store: &Store<Host>,
+        error: wasmtime::Error,
+        invocation: &Invocation,
+        stop: &StopFlag,
+        stderr: &MemoryOutputPipe,
+    ) -> RunError {
+        if let Some(I32Exit(code)) = error.downcast_ref::<I32Exit>() {
+            return RunError::Exit {
+                code: *code,
+                stderr: String::from_utf8_lossy(&stderr.contents()).into_owned(),
+            };
+        }
+        let text = format!("{error:?}");
+        if text.contains(INTERRUPTED) {
+            if stop.is_stopped() {
+                return RunError::Stopped;
+            }
+            return RunError::TimedOut(invocation.timeout.unwrap_or_default());
+        }
+        if let Some(trap) = error.downcast_ref::<Trap>() {
+            if *trap == Trap::OutOfFuel {
+                return RunError::OutOfFuel(self.limits.fuel.unwrap_or(0));
+            }
+        }
+        if text.contains("forcing trap when growing memory")
+            || text.contains("memory minimum size")
+            || text.contains("exceeds memory limits")
+        {
+            return RunError::MemoryLimit(self.limits.max_memory_bytes);
+        }
+        let _ = store;
+        if text.contains("unknown import") {
+            return RunError::Link(root_cause(&error));
+        }
+        RunError::Trap(root_cause(&error))
+    }
+}
+
+impl Drop for WasmRuntime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+const INTERRUPTED: &str = "propeller: task interrupted";
+
+fn root_cause(error: &wasmtime::Error) -> String {
+    let chain: Vec<String> = error.chain().map(|c| c.to_string()).collect();
+    chain.join(": ")
+}
+
+fn wasmparser_is_component(bytes: &[u8]) -> bool {
+    // Core modules have version 1 (`01 00 00 00`); components use layer 1 (`0d 00 01 00`).
+    bytes.len() >= 8 && bytes[0..4] == *b"\0asm" && bytes[6..8] == [0x01, 0x00]
+}
+
+fn resolve_export(
+    store: &mut Store<Host>,
+    instance: &Instance,
+    requested: &str,
+) -> Result<(String, Func), RunError> {
+    let mut candidates = Vec::with_capacity(4);
+    if !requested.is_empty() {
+        candidates.push(requested);
+    }
+    candidates.extend(["main", "run", "_start"]);
+    for name in candidates {
+        if let Some(func) = instance.get_func(&mut *store, name) {
+            return Ok((name.to_owned(), func));
+        }
+    }
+    let available: Vec<String> = instance
+        .exports(&mut *store)
+        .filter_map(|e| {
+            let name = e.name().to_owned();
+            matches!(e.into_extern(), Extern::Func(_)).then_some(name)
+        })
+        .collect();
+    Err(RunError::NoExport {
+        name: requested.to_owned(),
+        available: if available.is_empty() {
+            "(no functions)".into()
+        } else {
+            available.join(", ")
+        },
+    })
+}
+
+fn convert_inputs(params: &[ValType], inputs: &[String]) -> Result<Vec<Val>, RunError> {
+    if params.len() != inputs.len() {
+        return Err(RunError::Inputs(format!(
+            "the export takes {} parameter(s), {} input(s) given",
+            params.len(),
+            inputs.len()
+        )));
+    }
+    params
+        .iter()
+        .zip(inputs)
+        .enumerate()
+        .map(|(i, (ty, raw))| {
+            let text = raw.trim();
+            let bad =
+                |what: &str| RunError::Inputs(format!("input #{} {raw:?} is not {what}", i + 1));
+            match ty {
+                ValType::I32 => text
+                    .parse::<i32>()
+                    .or_else(|_| text.parse::<u32>().map(|u| u as i32))
+                    .map(Val::I32)
+                    .map_err(|_| bad("a 32-bit integer")),
+                ValType::I64 => text
+                    .parse::<i64>()
+                    .or_else(|_| text.parse::<u64>().map(|u| u as i64))
+                    .map(Val::I64)
+                    .map_err(|_| bad("a 64-bit integer")),
+                ValType::F32 => text
+                    .parse::<f32>()
+                    .map(|f| Val::F32(f.to_bits()))
+                    .map_err(|_| bad("a number")),
+                ValType::F64 => text
+                    .parse::<f64>()
+                    .map(|f| Val::F64(f.to_bits()))
+                    .map_err(|_| bad("a number")),
+                other => Err(RunError::Inputs(format!(
+                    "parameter #{} has type {other}, which cannot be given as text",
+                    i + 1
+                ))),
+            }
+        })
+        .collect()
+}
+
+fn format_value(value: &Val) -> String {
+    match value {
+        Val::I32(v) => v.to_string(),
+        Val::I64(v) => v.to_string(),
+        Val::F32(bits) => f32::from_bits(*bits).to_string(),
+        Val::F64(bits) => f64::from_bits(*bits).to_string(),
+        _ => String::new(),
+    }
+}
+
+fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPipe) -> String {
+    let mut text = String::from_utf8_lossy(&stdout.contents()).into_owned();
+    let err = stderr.contents();
+    if !err.is_empty() {
+        text.push('\n');
+        text.push_str(&String::from_utf8_lossy(&err));
+    }
+    text
+}
+
+fn memory_size(store: &mut Store<Host>, instance: &Instance) -> usize {
+    let memories: Vec<_> = instance
+        .exports(&mut *store)
+        .filter_map(|e| e.into_memory())
+        .collect();
+    memories.iter().map(|m| m.data_size(&*store)).sum()
+}
+
+/// A small least-recently-used map of compiled modules.
+struct ModuleCache {
+    capacity: usize,
+    entries: HashMap<[u8; 32], Module>,
+    order: VecDeque<[u8; 32]>,
+}
+
+impl ModuleCache {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    fn get(&mut self, key: &[u8; 32]) -> Option<Module> {
+        let module = self.entries.get(key)?.clone();
+        self.order.retain(|k| k != key);
+        self.order.push_back(*key);
+        Some(module)
+    }
+
+    fn put(&mut self, key: [u8; 32], module: Module) {
+        if self.entries.insert(key, module).is_none() {
+            self.order.push_back(key);
+        }
+        while self.entries.len() > self.capacity {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.entries.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+}

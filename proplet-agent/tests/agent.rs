@@ -1,0 +1,430 @@
+//! The agent against the embedded broker on 127.0.0.1: tasks in, results out, across broker
+//! and agent restarts.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use propeller_broker::protocol::{
+    split_into_chunks, Channel, RegistryChunk, ResultValue, StartRequest, StopRequest, TaskResult,
+};
+use propeller_broker::server::{
+    BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind,
+};
+use proplet_agent::agent::{mqtt_options, Agent};
+use proplet_agent::config::{Config, Flags};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+const WAIT: Duration = Duration::from_secs(30);
+const ADD_B64: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwgBBG1haW4AAAoJAQcAIAAgAWoL";
+
+fn channel() -> Channel {
+    Channel::new("dom", "chan").unwrap_or_else(|e| panic!("{e}"))
+}
+
+struct Broker {
+    broker: EmbeddedBroker,
+    events: UnboundedReceiver<BrokerEvent>,
+}
+
+async fn start_broker(addr: SocketAddr) -> Broker {
+    let store = CredentialStore::new();
+    store.insert("proplet-1", Credential::proplet("key-1"));
+    store.insert("proplet-2", Credential::proplet("key-2"));
+    let config = BrokerConfig {
+        tcp_listen: Some(addr),
+        ..BrokerConfig::loopback()
+    };
+    // A restarted broker may race the old socket's release: retry the bind briefly.
+    let mut last = None;
+    for _ in 0..50 {
+        match EmbeddedBroker::start(config.clone(), Arc::new(store.clone())).await {
+            Ok(mut broker) => {
+                let events = broker
+                    .take_events()
+                    .unwrap_or_else(|| panic!("events taken"));
+                return Broker { broker, events };
+            }
+            Err(e) => {
+                last = Some(e);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    panic!("broker did not start: {last:?}");
+}
+
+impl Broker {
+    fn addr(&self) -> SocketAddr {
+        self.broker
+            .tcp_addr()
+            .unwrap_or_else(|| panic!("no listener"))
+    }
+
+    async fn start(&self, request: &StartRequest) {
+        if let Err(e) = self.broker.publisher().start(&channel(), request).await {
+            panic!("{e}");
+        }
+    }
+
+    /// The next result for `task_id`, skipping other events.
+    async fn result(&mut self, task_id: &str) -> (String, TaskResult) {
+        let wait = async {
+            loop {
+                match self.events.recv().await {
+                    Some(BrokerEvent {
+                        client_id,
+                        kind: EventKind::Result(r),
+                        ..
+                    }) if r.task_id == task_id => return (client_id, r),
+                    Some(_) => continue,
+                    None => panic!("event stream closed"),
+                }
+            }
+        };
+        tokio::time::timeout(WAIT, wait)
+            .await
+            .unwrap_or_else(|_| panic!("no result for {task_id} within {WAIT:?}"))
+    }
+
+    async fn assert_no_result(&mut self, task_id: &str, quiet: Duration) {
+        let wait = async {
+            loop {
+                match self.events.recv().await {
+                    Some(BrokerEvent {
+                        kind: EventKind::Result(r),
+                        ..
+                    }) if r.task_id == task_id => return r,
+                    Some(_) => continue,
+                    None => std::future::pending().await,
+                }
+            }
+        };
+        if let Ok(r) = tokio::time::timeout(quiet, wait).await {
+            panic!("unexpected result {r:?}");
+        }
+    }
+
+    /// Waits for the agent's discovery message (it is subscribed by then).
+    async fn discovered(&mut self, id: &str) {
+        let wait = async {
+            loop {
+                match self.events.recv().await {
+                    Some(BrokerEvent {
+                        client_id,
+                        kind: EventKind::Discovered(_),
+                        ..
+                    }) if client_id == id => return,
+                    Some(_) => continue,
+                    None => panic!("event stream closed"),
+                }
+            }
+        };
+        tokio::time::timeout(WAIT, wait)
+            .await
+            .unwrap_or_else(|_| panic!("{id} never connected"));
+        // Subscriptions are sent before discovery; give the SUBACKs a moment.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn agent_config(addr: SocketAddr, id: &str, key: &str, state: &Path) -> Config {
+    let flags = Flags {
+        mqtt_address: Some(format!("tcp://{addr}")),
+        domain_id: Some("dom".into()),
+        channel_id: Some("chan".into()),
+        client_id: Some(id.into()),
+        client_key: Some(key.into()),
+        liveliness_interval: Some("1s".into()),
+        state_dir: Some(state.to_owned()),
+        chunk_timeout: Some("10s".into()),
+        ..Flags::default()
+    };
+    Config::resolve(flags, &Default::default()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+struct RunningAgent {
+    task: tokio::task::JoinHandle<()>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+fn spawn_agent(config: Config) -> RunningAgent {
+    let options = mqtt_options(&config, &channel()).unwrap_or_else(|e| panic!("{e}"));
+    let (client, eventloop) = rumqttc::AsyncClient::new(options, 128);
+    let agent = Agent::new(config, client).unwrap_or_else(|e| panic!("{e}"));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        agent
+            .run(eventloop, async {
+                let _ = rx.await;
+            })
+            .await
+    });
+    RunningAgent {
+        task,
+        stop: Some(tx),
+    }
+}
+
+impl Drop for RunningAgent {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.abort();
+    }
+}
+
+fn add_task(id: &str, target: Option<&str>) -> StartRequest {
+    use base64::Engine as _;
+    StartRequest {
+        id: id.into(),
+        name: "add".into(),
+        file: base64::engine::general_purpose::STANDARD
+            .decode(ADD_B64)
+            .ok(),
+        inputs: vec!["10".into(), "32".into()],
+        proplet_id: target.map(str::to_owned),
+        ..StartRequest::default()
+    }
+}
+
+fn wat_task(id: &str, name: &str, wat_text: &str, inputs: &[&str]) -> StartRequest {
+    StartRequest {
+        id: id.into(),
+        name: name.into(),
+        file: Some(wat::parse_str(wat_text).unwrap_or_else(|e| panic!("{e}"))),
+        inputs: inputs.iter().map(|s| s.to_string()).collect(),
+        proplet_id: Some("proplet-1".into()),
+        ..StartRequest::default()
+    }
+}
+
+/// Counts down from its argument: about a second per 10^9 on a desktop core.
+const COUNT: &str = r#"(module (func (export "count") (param i64) (result i64)
+  (loop $l (local.set 0 (i64.sub (local.get 0) (i64.const 1)))
+    (br_if $l (i64.gt_s (local.get 0) (i64.const 0))))
+  (i64.const 7)))"#;
+
+fn text(r: &TaskResult) -> &str {
+    match &r.results {
+        ResultValue::Text(t) => t,
+        ResultValue::Json(_) => "",
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_returns_42_and_errors_come_back_as_results() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    b.start(&add_task("t-add", Some("proplet-1"))).await;
+    let (publisher, result) = b.result("t-add").await;
+    assert_eq!(publisher, "proplet-1");
+    assert_eq!((text(&result), result.error.as_deref()), ("42", None));
+
+    b.start(&wat_task(
+        "t-trap",
+        "boom",
+        r#"(module (func (export "boom") unreachable))"#,
+        &[],
+    ))
+    .await;
+    let (_, result) = b.result("t-trap").await;
+    assert!(
+        result
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("unreachable")),
+        "{result:?}"
+    );
+
+    let mut garbage = add_task("t-bad", Some("proplet-1"));
+    garbage.file = Some(b"definitely not wasm".to_vec());
+    b.start(&garbage).await;
+    let (_, result) = b.result("t-bad").await;
+    assert!(
+        result
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("invalid wasm")),
+        "{result:?}"
+    );
+
+    let mut neither = add_task("t-empty", Some("proplet-1"));
+    neither.file = None;
+    b.start(&neither).await;
+    let (_, result) = b.result("t-empty").await;
+    assert!(result.error.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_interrupts_and_duplicates_are_ignored() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    let spin = wat_task(
+        "t-spin",
+        "spin",
+        r#"(module (func (export "spin") (loop $l (br $l))))"#,
+        &[],
+    );
+    let spin = StartRequest {
+        daemon: true,
+        ..spin
+    };
+    b.start(&spin).await;
+    b.start(&spin).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stop = StopRequest {
+        id: "t-spin".into(),
+        proplet_id: Some("proplet-1".into()),
+        ..StopRequest::default()
+    };
+    if let Err(e) = b.broker.publisher().stop(&channel(), &stop).await {
+        panic!("{e}");
+    }
+    let (_, result) = b.result("t-spin").await;
+    assert!(
+        result.error.as_deref().is_some_and(|e| e.contains("stop")),
+        "{result:?}"
+    );
+    // The duplicate start never ran, so no second result comes.
+    b.assert_no_result("t-spin", Duration::from_millis(800))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targeting_and_broadcast() {
+    let s1 = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let s2 = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _a1 = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", s1.path()));
+    b.discovered("proplet-1").await;
+    let _a2 = spawn_agent(agent_config(b.addr(), "proplet-2", "key-2", s2.path()));
+    b.discovered("proplet-2").await;
+
+    b.start(&add_task("t-for-2", Some("proplet-2"))).await;
+    let (publisher, _) = b.result("t-for-2").await;
+    assert_eq!(publisher, "proplet-2");
+    b.assert_no_result("t-for-2", Duration::from_millis(500))
+        .await;
+
+    let mut broadcast = add_task("t-all", None);
+    broadcast.broadcast = true;
+    b.start(&broadcast).await;
+    let (first, _) = b.result("t-all").await;
+    let (second, _) = b.result("t-all").await;
+    let mut both = [first, second];
+    both.sort();
+    assert_eq!(both, ["proplet-1".to_owned(), "proplet-2".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binaries_arrive_in_registry_chunks() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    let mut task = add_task("t-oci", Some("proplet-1"));
+    let binary = task.file.take().unwrap_or_default();
+    task.image_url = Some("docker.io/acme/add:1.0".into());
+    b.start(&task).await;
+    // The agent asks for the image; serve it in 7-byte chunks.
+    let wait = async {
+        loop {
+            match b.events.recv().await {
+                Some(BrokerEvent {
+                    kind: EventKind::RegistryRequest(r),
+                    ..
+                }) => return r,
+                Some(_) => continue,
+                None => panic!("closed"),
+            }
+        }
+    };
+    let request = tokio::time::timeout(WAIT, wait)
+        .await
+        .unwrap_or_else(|_| panic!("no registry request"));
+    assert_eq!(request.app_name, "docker.io/acme/add:1.0");
+    let chunks: Vec<RegistryChunk> = split_into_chunks(&request.app_name, &binary, 7)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .collect();
+    for chunk in chunks.iter().rev() {
+        if let Err(e) = b.broker.publisher().registry_chunk(&channel(), chunk).await {
+            panic!("{e}");
+        }
+    }
+    let (_, result) = b.result("t-oci").await;
+    assert_eq!(text(&result), "42", "{result:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn result_survives_a_broker_restart_exactly_once() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let addr = b.addr();
+    let _agent = spawn_agent(agent_config(addr, "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    b.start(&wat_task("t-long", "count", COUNT, &["1500000000"]))
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(b);
+    // The task finishes while the broker is down; its result waits in the spool.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut b = start_broker(addr).await;
+    let (publisher, result) = b.result("t-long").await;
+    assert_eq!((publisher.as_str(), text(&result)), ("proplet-1", "7"));
+    b.assert_no_result("t-long", Duration::from_millis(1500))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spooled_result_survives_an_agent_restart() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let addr = b.addr();
+    let agent = spawn_agent(agent_config(addr, "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    b.start(&wat_task("t-kept", "count", COUNT, &["1000000000"]))
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(b);
+    // Wait until the result is on disk, then kill the agent.
+    let spool_dir = state.path().join("spool");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let queued = std::fs::read_dir(&spool_dir)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+                    .count()
+            })
+            .unwrap_or(0);
+        if queued == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "result never spooled"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut agent = agent;
+    agent.stop = None;
+    agent.task.abort();
+    drop(agent);
+
+    let mut b = start_broker(addr).await;
+    let _agent = spawn_agent(agent_config(addr, "proplet-1", "key-1", state.path()));
+    let (_, result) = b.result("t-kept").await;
+    assert_eq!(text(&result), "7");
+}
