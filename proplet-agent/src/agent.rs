@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use propeller_broker::protocol::{
-    decode, Channel, ChunkAssembler, ChunkProgress, Discovery, Heartbeat, Inbound, InvokeRequest,
-    InvokeResult, OfflineNotice, RegistryChunk, RegistryRequest, ResultValue, StartRequest,
-    StopRequest, TaskResult, TopicKind,
+    decode, AggregatedMetrics, Channel, ChunkAssembler, ChunkProgress, Discovery, Heartbeat,
+    Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice, ProcessMetrics,
+    RegistryChunk, RegistryRequest, ResultValue, StartRequest, StopRequest, TaskMetrics,
+    TaskResult, Timestamp, TopicKind,
 };
 use rumqttc::{
     AsyncClient, ConnectReturnCode, Event, EventLoop, LastWill, MqttOptions, Outgoing, Packet, QoS,
@@ -24,12 +25,17 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
+use crate::fetch::HttpFetcher;
 use crate::spool::Spool;
 use crate::system::SystemProbe;
-use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, WasmRuntime};
+use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, WasmRuntime};
 
 /// Largest binary accepted from registry chunks.
 const MAX_CHUNKED_BINARY: usize = 100 * 1024 * 1024;
+/// Largest binary accepted over HTTP(S).
+const MAX_HTTP_BINARY: u64 = 100 * 1024 * 1024;
+/// Whole-request limit for HTTP(S) fetches.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the spool waits for a PUBACK before sending the entry again.
 const ACK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -64,6 +70,7 @@ pub struct Agent {
     latent: Mutex<HashMap<String, Arc<Latent>>>,
     fetches: Mutex<HashMap<String, Fetch>>,
     slots: Arc<Semaphore>,
+    http: HttpFetcher,
     /// `Some(n)` while connected, `n` counting sessions; `None` while disconnected.
     session: watch::Sender<Option<u64>>,
 }
@@ -142,6 +149,8 @@ impl Agent {
             .with_context(|| {
                 format!("opening the result spool in {}", config.state_dir.display())
             })?;
+        let http =
+            HttpFetcher::new(HTTP_TIMEOUT, MAX_HTTP_BINARY).context("building the HTTP client")?;
         let (session, _) = watch::channel(None);
         Ok(Arc::new(Self {
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks)),
@@ -154,6 +163,7 @@ impl Agent {
             latent: Mutex::new(HashMap::new()),
             fetches: Mutex::new(HashMap::new()),
             session,
+            http,
             config,
         }))
     }
@@ -457,9 +467,7 @@ impl Agent {
         let bytes = match (&request.file, &request.image_url) {
             (Some(file), _) if !file.is_empty() => file.clone(),
             (_, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
-                return Err(format!(
-                    "fetching {url} over HTTP is not supported by this proplet; send the module inline or through the registry"
-                ))
+                self.http.fetch(url).await.map_err(|e| e.to_string())?
             }
             (_, Some(image)) => self.fetch_chunks(image).await?,
             _ => return Err("the start request carries neither `file` nor `image_url`".into()),
@@ -479,9 +487,14 @@ impl Agent {
             return Ok(None);
         }
         let invocation = self.invocation(&request, &request.inputs, &request.env);
-        self.run_guest(compiled, invocation, stop.clone())
-            .await
-            .map(Some)
+        let sampler = self
+            .clone()
+            .sample_task_metrics(&request, invocation.gauge.clone());
+        let outcome = self.run_guest(compiled, invocation, stop.clone()).await;
+        if let Some(sampler) = sampler {
+            sampler.abort();
+        }
+        outcome.map(Some)
     }
 
     fn invocation(
@@ -502,6 +515,7 @@ impl Agent {
             env,
             timeout: (!request.daemon).then_some(self.config.task_timeout),
             preopens: Vec::new(),
+            gauge: Arc::new(TaskGauge::default()),
         }
     }
 
@@ -526,6 +540,78 @@ impl Agent {
             .map_err(|e| format!("task aborted: {e}"))?
             .map(|outcome| outcome.output)
             .map_err(|e| e.to_string())
+    }
+
+    /// Publishes `task_metrics` while the task runs, if its monitoring profile asks for it.
+    /// Figures are the task's own: elapsed time, its linear memory, the CPU time of the
+    /// thread running it, and fuel when metered.
+    fn sample_task_metrics(
+        self: Arc<Self>,
+        request: &StartRequest,
+        gauge: Arc<TaskGauge>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let profile = request
+            .monitoring_profile
+            .clone()
+            .unwrap_or(if request.daemon {
+                MonitoringProfile::long_running_daemon()
+            } else {
+                MonitoringProfile::standard()
+            });
+        if !(profile.enabled && profile.export_to_mqtt) {
+            return None;
+        }
+        let task_id = request.id.clone();
+        Some(tokio::spawn(async move {
+            let period = Duration::from_secs(profile.interval_secs.max(1));
+            let started = std::time::Instant::now();
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            let mut summary = Summary::default();
+            let mut last_cpu: Option<(std::time::Instant, f64)> = None;
+            loop {
+                tick.tick().await;
+                let now = std::time::Instant::now();
+                let cpu_percent = match (
+                    profile.collect_cpu,
+                    gauge.thread_id().and_then(thread_cpu_seconds),
+                ) {
+                    (true, Some(seconds)) => {
+                        let percent = last_cpu.map(|(at, before)| {
+                            let wall = now.duration_since(at).as_secs_f64();
+                            if wall > 0.0 {
+                                (seconds - before) * 100.0 / wall
+                            } else {
+                                0.0
+                            }
+                        });
+                        last_cpu = Some((now, seconds));
+                        percent
+                    }
+                    _ => None,
+                };
+                let memory = profile.collect_memory.then(|| gauge.memory_bytes());
+                let metrics = ProcessMetrics {
+                    cpu_percent,
+                    memory_bytes: memory,
+                    memory_percent: memory
+                        .map(|m| m as f64 * 100.0 / self.config.task_memory_limit.max(1) as f64),
+                    uptime_seconds: Some(started.elapsed().as_secs()),
+                    thread_count: profile.collect_threads.then_some(1),
+                    fuel_used: gauge.fuel_used(),
+                    ..ProcessMetrics::default()
+                };
+                summary.add(cpu_percent, memory);
+                let message = TaskMetrics {
+                    task_id: task_id.clone(),
+                    proplet_id: Some(self.config.client_id.clone()),
+                    metrics,
+                    aggregated: Some(summary.to_aggregated()),
+                    timestamp: Some(Timestamp::now()),
+                };
+                self.publish_now(self.channel.task_metrics(), message.encode())
+                    .await;
+            }
+        }))
     }
 
     fn on_stop(&self, request: &StopRequest) {
@@ -691,6 +777,55 @@ impl Agent {
     fn lock_fetches(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fetch>> {
         self.fetches.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Running averages and maxima for the `aggregated` part of task metrics.
+#[derive(Debug, Default)]
+struct Summary {
+    samples: u64,
+    cpu_sum: f64,
+    cpu_samples: u64,
+    cpu_max: f64,
+    memory_sum: f64,
+    memory_max: f64,
+}
+
+impl Summary {
+    fn add(&mut self, cpu: Option<f64>, memory: Option<u64>) {
+        self.samples += 1;
+        if let Some(c) = cpu {
+            self.cpu_sum += c;
+            self.cpu_samples += 1;
+            self.cpu_max = self.cpu_max.max(c);
+        }
+        if let Some(m) = memory {
+            self.memory_sum += m as f64;
+            self.memory_max = self.memory_max.max(m as f64);
+        }
+    }
+
+    fn to_aggregated(&self) -> AggregatedMetrics {
+        AggregatedMetrics {
+            avg_cpu_usage: (self.cpu_samples > 0).then(|| self.cpu_sum / self.cpu_samples as f64),
+            max_cpu_usage: (self.cpu_samples > 0).then_some(self.cpu_max),
+            avg_memory_usage: (self.samples > 0).then(|| self.memory_sum / self.samples as f64),
+            max_memory_usage: (self.samples > 0).then_some(self.memory_max),
+            total_disk_read: None,
+            total_disk_write: None,
+            sample_count: Some(self.samples),
+        }
+    }
+}
+
+/// CPU seconds (user + system) consumed by one thread of this process (Linux).
+fn thread_cpu_seconds(thread_id: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{thread_id}/stat")).ok()?;
+    let after = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    // USER_HZ is 100 on every Linux architecture the agent targets.
+    Some((utime + stime) / 100.0)
 }
 
 /// Why a start request cannot run, checked before anything is fetched.

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod config;
+pub mod fetch;
 pub mod spool;
 pub mod system;
 pub mod wasm;

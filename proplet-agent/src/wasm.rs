@@ -12,14 +12,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use wasmtime::{
-    Config, Engine, Extern, Func, Instance, Linker, Module, Store, StoreLimits, StoreLimitsBuilder,
-    Trap, UpdateDeadline, Val, ValType,
+    Config, Engine, Extern, Func, Instance, Linker, Module, ResourceLimiter, Store, StoreLimits,
+    StoreLimitsBuilder, Trap, UpdateDeadline, Val, ValType,
 };
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
@@ -125,6 +125,90 @@ impl StopFlag {
     }
 }
 
+/// Live figures of one running task, readable from other threads (task metrics).
+#[derive(Debug, Default)]
+pub struct TaskGauge {
+    memory_bytes: AtomicU64,
+    fuel_used: AtomicU64,
+    metered: AtomicBool,
+    thread_id: AtomicU32,
+}
+
+impl TaskGauge {
+    /// Linear memory the task holds now, bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Fuel consumed so far (updated every epoch tick), when metering is on.
+    pub fn fuel_used(&self) -> Option<u64> {
+        self.metered
+            .load(Ordering::Relaxed)
+            .then(|| self.fuel_used.load(Ordering::Relaxed))
+    }
+
+    /// The OS thread running the guest (Linux), for per-task CPU time.
+    pub fn thread_id(&self) -> Option<u32> {
+        Some(self.thread_id.load(Ordering::Relaxed)).filter(|t| *t != 0)
+    }
+}
+
+/// The store's resource limiter: the memory cap, plus accounting into the task's gauge.
+struct Limiter {
+    inner: StoreLimits,
+    gauge: Arc<TaskGauge>,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let allowed = self.inner.memory_growing(current, desired, maximum)?;
+        if allowed {
+            self.gauge
+                .memory_bytes
+                .fetch_add(desired.saturating_sub(current) as u64, Ordering::Relaxed);
+        }
+        Ok(allowed)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.memory_grow_failed(error)
+    }
+
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.inner.table_growing(current, desired, maximum)
+    }
+
+    fn instances(&self) -> usize {
+        self.inner.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.inner.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.inner.memories()
+    }
+}
+
+/// The kernel id of the calling thread (Linux), 0 elsewhere.
+fn current_thread_id() -> u32 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|t| t.parse().ok()))
+        .unwrap_or(0)
+}
+
 /// What to run.
 #[derive(Debug, Clone, Default)]
 pub struct Invocation {
@@ -140,6 +224,8 @@ pub struct Invocation {
     pub timeout: Option<Duration>,
     /// Host directories to preopen at the same path (must be allow-listed).
     pub preopens: Vec<PathBuf>,
+    /// Where the run publishes its live figures.
+    pub gauge: Arc<TaskGauge>,
 }
 
 /// A successful run.
@@ -164,7 +250,7 @@ pub struct Compiled {
 
 struct Host {
     wasi: Option<WasiP1Ctx>,
-    limits: StoreLimits,
+    limits: Limiter,
 }
 
 /// One Wasmtime engine, its epoch ticker and the compiled-module cache.
@@ -267,10 +353,20 @@ impl WasmRuntime {
         } else {
             None
         };
-        let limits = StoreLimitsBuilder::new()
-            .memory_size(self.limits.max_memory_bytes)
-            .trap_on_grow_failure(true)
-            .build();
+        let gauge = invocation.gauge.clone();
+        gauge
+            .thread_id
+            .store(current_thread_id(), Ordering::Relaxed);
+        gauge
+            .metered
+            .store(self.limits.fuel.is_some(), Ordering::Relaxed);
+        let limits = Limiter {
+            inner: StoreLimitsBuilder::new()
+                .memory_size(self.limits.max_memory_bytes)
+                .trap_on_grow_failure(true)
+                .build(),
+            gauge: gauge.clone(),
+        };
         let mut store = Store::new(&self.engine, Host { wasi, limits });
         store.limiter(|host| &mut host.limits);
         if let Some(fuel) = self.limits.fuel {
@@ -280,8 +376,14 @@ impl WasmRuntime {
         }
         let deadline = invocation.timeout.map(|t| Instant::now() + t);
         let watch = stop.clone();
+        let budget = self.limits.fuel;
         store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| {
+        store.epoch_deadline_callback(move |ctx| {
+            if let (Some(budget), Ok(left)) = (budget, ctx.get_fuel()) {
+                gauge
+                    .fuel_used
+                    .store(budget.saturating_sub(left), Ordering::Relaxed);
+            }
             let expired = deadline.is_some_and(|d| Instant::now() >= d);
             if watch.is_stopped() || expired {
                 Err(wasmtime::Error::msg(INTERRUPTED))

@@ -428,3 +428,154 @@ async fn spooled_result_survives_an_agent_restart() {
     let (_, result) = b.result("t-kept").await;
     assert_eq!(text(&result), "7");
 }
+
+/// A one-file HTTP server on 127.0.0.1 serving `body` at `/add.wasm` (404 elsewhere).
+async fn serve_http(body: Vec<u8>) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    let task = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&request);
+                let response = if head.starts_with("GET /add.wasm ") {
+                    let mut r = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/wasm\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    r.extend_from_slice(&body);
+                    r
+                } else {
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        .to_vec()
+                };
+                let _ = socket.write_all(&response).await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_fetch_with_digest_pin() {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let binary = base64::engine::general_purpose::STANDARD
+        .decode(ADD_B64)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let digest: String = sha2::Sha256::digest(&binary)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let (http, server) = serve_http(binary).await;
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    let from_url = |id: &str, url: String| {
+        let mut t = add_task(id, Some("proplet-1"));
+        t.file = None;
+        t.image_url = Some(url);
+        t
+    };
+    b.start(&from_url(
+        "t-http",
+        format!("http://{http}/add.wasm#sha256={digest}"),
+    ))
+    .await;
+    let (_, result) = b.result("t-http").await;
+    assert_eq!(text(&result), "42", "{result:?}");
+
+    let wrong = "0".repeat(64);
+    b.start(&from_url(
+        "t-pin",
+        format!("http://{http}/add.wasm#sha256={wrong}"),
+    ))
+    .await;
+    let (_, result) = b.result("t-pin").await;
+    assert!(
+        result
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("digest mismatch")),
+        "{result:?}"
+    );
+
+    b.start(&from_url("t-404", format!("http://{http}/missing.wasm")))
+        .await;
+    let (_, result) = b.result("t-404").await;
+    assert!(
+        result.error.as_deref().is_some_and(|e| e.contains("404")),
+        "{result:?}"
+    );
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_metrics_describe_the_task_itself() {
+    use propeller_broker::protocol::MonitoringProfile;
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    b.discovered("proplet-1").await;
+
+    let mut task = wat_task(
+        "t-metrics",
+        "spin",
+        r#"(module (memory 3) (func (export "spin") (loop $l (br $l))))"#,
+        &[],
+    );
+    task.daemon = true;
+    task.monitoring_profile = Some(MonitoringProfile {
+        interval_secs: 1,
+        ..MonitoringProfile::standard()
+    });
+    b.start(&task).await;
+    // The second sample has a CPU figure (it needs two readings of the thread's CPU time).
+    let mut samples = Vec::new();
+    let wait = async {
+        while samples.len() < 2 {
+            match b.events.recv().await {
+                Some(BrokerEvent {
+                    kind: EventKind::TaskMetrics(m),
+                    ..
+                }) if m.task_id == "t-metrics" => samples.push(m),
+                Some(_) => continue,
+                None => panic!("closed"),
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, wait)
+        .await
+        .unwrap_or_else(|_| panic!("no task metrics"));
+    let last = &samples[1].metrics;
+    assert_eq!(last.memory_bytes, Some(3 * 65536), "{last:?}");
+    assert!(last.uptime_seconds.is_some_and(|u| u >= 1), "{last:?}");
+    // A spinning guest keeps its thread busy: well above idle.
+    assert!(last.cpu_percent.is_some_and(|c| c > 30.0), "{last:?}");
+    assert_eq!(samples[1].aggregated.as_ref().and_then(|a| a.sample_count), Some(2));
+
+    let stop = StopRequest {
+        id: "t-metrics".into(),
+        proplet_id: Some("proplet-1".into()),
+        ..StopRequest::default()
+    };
+    if let Err(e) = b.broker.publisher().stop(&channel(), &stop).await {
+        panic!("{e}");
+    }
+    let (_, result) = b.result("t-metrics").await;
+    assert!(result.error.is_some());
+}

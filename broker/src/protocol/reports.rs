@@ -413,6 +413,9 @@ pub struct ProcessMetrics {
     pub thread_count: Option<u64>,
     /// `file_descriptor_count`.
     pub file_descriptor_count: Option<u64>,
+    /// `fuel_used`: Wasm fuel consumed so far, when the agent meters fuel (our addition;
+    /// upstream consumers ignore it).
+    pub fuel_used: Option<u64>,
 }
 
 impl ProcessMetrics {
@@ -426,6 +429,7 @@ impl ProcessMetrics {
             uptime_seconds: f.opt_u64("uptime_seconds")?,
             thread_count: f.opt_u64("thread_count")?,
             file_descriptor_count: f.opt_u64("file_descriptor_count")?,
+            fuel_used: f.opt_u64("fuel_used")?,
         })
     }
 
@@ -439,6 +443,7 @@ impl ProcessMetrics {
             .put_opt("uptime_seconds", self.uptime_seconds)
             .put_opt("thread_count", self.thread_count)
             .put_opt("file_descriptor_count", self.file_descriptor_count)
+            .put_opt("fuel_used", self.fuel_used)
             .build()
     }
 }

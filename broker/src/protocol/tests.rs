@@ -275,6 +275,7 @@ fn proplet_3_4_task_metrics_with_placeholders_filled() {
             uptime_seconds: Some(12),
             thread_count: Some(17),
             file_descriptor_count: Some(40),
+            fuel_used: None,
         },
         aggregated: Some(AggregatedMetrics {
             avg_cpu_usage: Some(2.5),
@@ -1650,6 +1651,7 @@ mod props {
                             uptime_seconds: us.get(3).copied().flatten(),
                             thread_count: us.get(4).copied().flatten(),
                             file_descriptor_count: us.get(5).copied().flatten(),
+                            fuel_used: None,
                         },
                         aggregated: agg.map(|(f, u)| AggregatedMetrics {
                             avg_cpu_usage: f.first().copied().flatten(),

@@ -1,0 +1,197 @@
+//! Fetching task binaries over HTTP(S), bounded in size and time, optionally pinned by digest.
+//!
+//! A URL may carry the expected content digest in its fragment, `…/add.wasm#sha256=<hex>`.
+//! Fragments are never sent to the server, so the pin works with any HTTP host; a body whose
+//! SHA-256 differs is refused.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+
+/// Why a binary could not be fetched.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum FetchError {
+    /// The URL or its digest pin is malformed.
+    #[error("bad image URL {url}: {reason}")]
+    BadUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The request failed or timed out.
+    #[error("fetching {url} failed: {reason}")]
+    Transport {
+        /// The URL (without fragment).
+        url: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The server answered with an error status.
+    #[error("fetching {url} failed: HTTP {status}")]
+    Status {
+        /// The URL.
+        url: String,
+        /// The status code.
+        status: u16,
+    },
+    /// The content type is not a Wasm binary.
+    #[error("{url} has content type {content_type:?}; expected application/wasm or application/octet-stream")]
+    ContentType {
+        /// The URL.
+        url: String,
+        /// What the server sent.
+        content_type: String,
+    },
+    /// The body exceeds the size cap.
+    #[error("{url} is larger than the {limit}-byte limit")]
+    TooLarge {
+        /// The URL.
+        url: String,
+        /// The cap.
+        limit: u64,
+    },
+    /// The body's digest is not the pinned one.
+    #[error("digest mismatch for {url}: expected sha256:{expected}, got sha256:{actual}")]
+    DigestMismatch {
+        /// The URL.
+        url: String,
+        /// Pinned digest (hex).
+        expected: String,
+        /// Digest of what arrived (hex).
+        actual: String,
+    },
+}
+
+/// An HTTP(S) client for task binaries.
+pub struct HttpFetcher {
+    client: reqwest::Client,
+    max_bytes: u64,
+}
+
+/// Splits `url#sha256=<hex>` into the URL to request and the pinned digest.
+pub fn split_digest(url: &str) -> Result<(&str, Option<[u8; 32]>), FetchError> {
+    let Some((base, fragment)) = url.split_once('#') else {
+        return Ok((url, None));
+    };
+    let bad = |reason: &str| FetchError::BadUrl {
+        url: url.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let hex = fragment
+        .strip_prefix("sha256=")
+        .ok_or_else(|| bad("the fragment must be `sha256=<64 hex digits>`"))?;
+    if hex.len() != 64 {
+        return Err(bad("a sha256 digest has 64 hex digits"));
+    }
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|_| bad("the digest is not hexadecimal"))?;
+    }
+    Ok((base, Some(digest)))
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl HttpFetcher {
+    /// A client with a whole-request timeout and a body cap. TLS uses rustls on `ring` with
+    /// the Mozilla roots.
+    pub fn new(timeout: Duration, max_bytes: u64) -> Result<Self, FetchError> {
+        // The agent hosts no other TLS stack; make `ring` the process default once.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .user_agent(concat!("proplet/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| FetchError::Transport {
+                url: String::new(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self { client, max_bytes })
+    }
+
+    /// Downloads `url`, checking status, content type, size and the digest pin.
+    pub async fn fetch(&self, url: &str) -> Result<Vec<u8>, FetchError> {
+        let (target, pinned) = split_digest(url)?;
+        let transport = |e: reqwest::Error| FetchError::Transport {
+            url: target.to_owned(),
+            reason: e.without_url().to_string(),
+        };
+        let response = self.client.get(target).send().await.map_err(transport)?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(FetchError::Status {
+                url: target.to_owned(),
+                status: status.as_u16(),
+            });
+        }
+        if let Some(value) = response.headers().get(reqwest::header::CONTENT_TYPE) {
+            let content_type = value.to_str().unwrap_or("").to_ascii_lowercase();
+            let acceptable = content_type.is_empty()
+                || content_type.contains("application/wasm")
+                || content_type.contains("application/octet-stream");
+            if !acceptable {
+                return Err(FetchError::ContentType {
+                    url: target.to_owned(),
+                    content_type,
+                });
+            }
+        }
+        let too_large = || FetchError::TooLarge {
+            url: target.to_owned(),
+            limit: self.max_bytes,
+        };
+        if response
+            .content_length()
+            .is_some_and(|n| n > self.max_bytes)
+        {
+            return Err(too_large());
+        }
+        let mut body = Vec::new();
+        let mut stream = response.bytes_stream();
+        while let Some(piece) = stream.next().await {
+            let piece = piece.map_err(transport)?;
+            if body.len() as u64 + piece.len() as u64 > self.max_bytes {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&piece);
+        }
+        if let Some(expected) = pinned {
+            let actual: [u8; 32] = Sha256::digest(&body).into();
+            if actual != expected {
+                return Err(FetchError::DigestMismatch {
+                    url: target.to_owned(),
+                    expected: to_hex(&expected),
+                    actual: to_hex(&actual),
+                });
+            }
+        }
+        Ok(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_pins_parse_and_bad_ones_are_explained() {
+        let hex = "ab".repeat(32);
+        let url = format!("https://h/x.wasm#sha256={hex}");
+        match split_digest(&url) {
+            Ok((base, Some(d))) => {
+                assert_eq!(base, "https://h/x.wasm");
+                assert_eq!(d, [0xab; 32]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(split_digest("http://h/x"), Ok(("http://h/x", None)));
+        assert!(split_digest("http://h/x#md5=00").is_err());
+        assert!(split_digest("http://h/x#sha256=zz").is_err());
+        assert!(split_digest(&format!("http://h/x#sha256={}", "g".repeat(64))).is_err());
+    }
+}
