@@ -550,14 +550,11 @@ impl Agent {
         request: &StartRequest,
         gauge: Arc<TaskGauge>,
     ) -> Option<tokio::task::JoinHandle<()>> {
-        let profile = request
-            .monitoring_profile
-            .clone()
-            .unwrap_or(if request.daemon {
-                MonitoringProfile::long_running_daemon()
-            } else {
-                MonitoringProfile::standard()
-            });
+        let profile = request.monitoring_profile.unwrap_or(if request.daemon {
+            MonitoringProfile::long_running_daemon()
+        } else {
+            MonitoringProfile::standard()
+        });
         if !(profile.enabled && profile.export_to_mqtt) {
             return None;
         }

@@ -566,7 +566,10 @@ async fn task_metrics_describe_the_task_itself() {
     assert!(last.uptime_seconds.is_some_and(|u| u >= 1), "{last:?}");
     // A spinning guest keeps its thread busy: well above idle.
     assert!(last.cpu_percent.is_some_and(|c| c > 30.0), "{last:?}");
-    assert_eq!(samples[1].aggregated.as_ref().and_then(|a| a.sample_count), Some(2));
+    assert_eq!(
+        samples[1].aggregated.as_ref().and_then(|a| a.sample_count),
+        Some(2)
+    );
 
     let stop = StopRequest {
         id: "t-metrics".into(),
