@@ -227,3 +227,32 @@ async fn two_thousand_concurrent_clients_are_all_heard() {
     }
     assert_eq!(b.broker.metrics().connected_clients(), CLIENTS as i64);
 }
+
+#[tokio::test]
+async fn websocket_listener_carries_mqtt() {
+    let config = BrokerConfig {
+        websocket_listen: Some(([127, 0, 0, 1], 0).into()),
+        ..BrokerConfig::loopback()
+    };
+    let mut b = TestBroker::start_with(config).await;
+    let ws = match b.broker.websocket_addr() {
+        Some(a) => a,
+        None => panic!("no websocket listener"),
+    };
+    let mut opts = MqttOptions::new("dev-a", format!("ws://{ws}/mqtt"), ws.port());
+    opts.set_credentials("dev-a", "key-a");
+    opts.set_transport(Transport::Ws);
+    let client = connect(opts).await;
+    client
+        .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let event = b.next_event().await;
+    assert_eq!(event.client_id, "dev-a");
+    assert!(matches!(event.kind, EventKind::Heartbeat(_)));
+
+    // A silent socket on the websocket port is dropped after the handshake deadline and
+    // does not hold up others (the connect above went through with it open).
+    let _idle = tokio::net::TcpStream::connect(ws).await;
+    let (_c, mut el) = AsyncClient::new(options(b.addr(), "dev-b", "dev-b", "key-b"), 8);
+    assert_eq!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+}

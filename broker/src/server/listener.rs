@@ -107,8 +107,19 @@ pub(crate) struct Relay {
     pub(crate) metrics: BrokerMetrics,
 }
 
+/// How a public listener turns an accepted socket into an MQTT byte stream.
+#[derive(Clone)]
+pub(crate) enum Front {
+    /// MQTT directly over TCP.
+    Plain,
+    /// MQTT over TLS.
+    Tls(TlsAcceptor),
+    /// MQTT over websocket (binary frames, subprotocol `mqtt`).
+    WebSocket,
+}
+
 /// Accepts on `listener` until the task is aborted, relaying each connection to rumqttd.
-pub(crate) async fn serve(listener: TcpListener, relay: Relay, tls: Option<TlsAcceptor>) {
+pub(crate) async fn serve(listener: TcpListener, relay: Relay, front: Front) {
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -133,12 +144,13 @@ pub(crate) async fn serve(listener: TcpListener, relay: Relay, tls: Option<TlsAc
         };
         let _ = stream.set_nodelay(true);
         let relay = relay.clone();
-        let tls = tls.clone();
+        let front = front.clone();
         connections.spawn(async move {
             let _permit = permit;
-            match tls {
-                None => pipe(stream, &relay, peer).await,
-                Some(acceptor) => {
+            match front {
+                Front::Plain => pipe(stream, &relay, peer).await,
+                Front::WebSocket => pipe_websocket(stream, &relay, peer).await,
+                Front::Tls(acceptor) => {
                     match tokio::time::timeout(relay.handshake_timeout, acceptor.accept(stream))
                         .await
                     {
@@ -172,6 +184,96 @@ where
     };
     if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
         debug!(%peer, %error, "connection ended");
+    }
+}
+
+/// Relays MQTT carried in websocket binary frames. The handshake runs under the same
+/// deadline as TLS handshakes.
+async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
+    use tokio_tungstenite::tungstenite::http::HeaderValue;
+    use tokio_tungstenite::tungstenite::Message;
+
+    // The closure's signature (and its large error type) is tungstenite's `Callback`.
+    #[allow(clippy::result_large_err)]
+    let offer_mqtt = |request: &Request, mut response: Response| {
+        let offered = request
+            .headers()
+            .get_all("sec-websocket-protocol")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|p| p.trim() == "mqtt");
+        if offered {
+            response
+                .headers_mut()
+                .insert("sec-websocket-protocol", HeaderValue::from_static("mqtt"));
+        }
+        Ok(response)
+    };
+    let handshake = tokio_tungstenite::accept_hdr_async(stream, offer_mqtt);
+    let websocket = match tokio::time::timeout(relay.handshake_timeout, handshake).await {
+        Ok(Ok(ws)) => ws,
+        Ok(Err(error)) => {
+            relay
+                .metrics
+                .refused_connection("websocket_handshake_failed");
+            debug!(%peer, %error, "websocket handshake failed");
+            return;
+        }
+        Err(_) => {
+            relay
+                .metrics
+                .refused_connection("websocket_handshake_timeout");
+            debug!(%peer, "websocket handshake timed out");
+            return;
+        }
+    };
+    let backend = match connect_backend(relay.backend).await {
+        Ok(stream) => stream,
+        Err(error) => {
+            relay.metrics.refused_connection("backend_unavailable");
+            warn!(%peer, %error, "broker core not reachable");
+            return;
+        }
+    };
+    let (mut ws_out, mut ws_in) = websocket.split();
+    let (mut core_in, mut core_out) = backend.into_split();
+    let upstream = async {
+        while let Some(message) = ws_in.next().await {
+            match message {
+                Ok(Message::Binary(bytes)) => {
+                    if core_out.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(Message::Close(_)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = core_out.shutdown().await;
+    };
+    let downstream = async {
+        let mut buffer = vec![0u8; 16 * 1024];
+        loop {
+            match core_in.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let frame = Message::Binary(buffer[..n].to_vec().into());
+                    if ws_out.send(frame).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = ws_out.close().await;
+    };
+    // Either side closing ends the relay; dropping the other half closes its socket.
+    tokio::select! {
+        _ = upstream => {}
+        _ = downstream => {}
     }
 }
 

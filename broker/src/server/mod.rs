@@ -1,6 +1,9 @@
 //! The embedded MQTT broker: rumqttd's router on a thread of its own, its network side on the
 //! caller's tokio runtime, our listeners in front, and our codec guard inside.
 //!
+//! Listeners: plain TCP, TLS and websocket, each with the connection cap and handshake
+//! deadline of `listener.rs`.
+//!
 //! Start it with [`EmbeddedBroker::start`]; take the typed event stream with
 //! [`EmbeddedBroker::take_events`] and publish commands through [`Publisher`].
 //!
@@ -54,7 +57,7 @@ pub use policy::{
 };
 
 use guard::{Guard, Shared};
-use listener::{serve, tls_acceptor, Relay};
+use listener::{serve, tls_acceptor, Front, Relay};
 
 /// Large enough for a 512 KiB raw registry chunk in base64 (~700 KB) inside its JSON.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
@@ -69,6 +72,8 @@ pub struct BrokerConfig {
     pub tcp_listen: Option<SocketAddr>,
     /// MQTT over TLS listener.
     pub tls: Option<TlsSettings>,
+    /// MQTT over websocket listener (plain HTTP upgrade; put TLS in front if needed).
+    pub websocket_listen: Option<SocketAddr>,
     /// Largest PUBLISH payload accepted.
     pub max_payload_bytes: usize,
     /// Open sockets beyond this are closed at once.
@@ -84,6 +89,7 @@ impl Default for BrokerConfig {
         Self {
             tcp_listen: Some(SocketAddr::from(([0, 0, 0, 0], 1883))),
             tls: None,
+            websocket_listen: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             max_connections: 10_000,
             connect_timeout: Duration::from_secs(5),
@@ -132,6 +138,7 @@ pub enum BrokerError {
 pub struct EmbeddedBroker {
     tcp_addr: Option<SocketAddr>,
     tls_addr: Option<SocketAddr>,
+    ws_addr: Option<SocketAddr>,
     events: Option<UnboundedReceiver<BrokerEvent>>,
     publisher: Publisher,
     metrics: BrokerMetrics,
@@ -144,9 +151,10 @@ impl EmbeddedBroker {
         config: BrokerConfig,
         credentials: Arc<dyn CredentialSource>,
     ) -> Result<Self, BrokerError> {
-        if config.tcp_listen.is_none() && config.tls.is_none() {
+        if config.tcp_listen.is_none() && config.tls.is_none() && config.websocket_listen.is_none()
+        {
             return Err(BrokerError::Config(
-                "no listener: enable the TCP or the TLS listener".into(),
+                "no listener: enable the TCP, TLS or websocket listener".into(),
             ));
         }
         if config.max_connections == 0 {
@@ -164,6 +172,10 @@ impl EmbeddedBroker {
         };
         let public_tls = match &config.tls {
             Some(settings) => Some(bind(settings.listen).await?),
+            None => None,
+        };
+        let public_ws = match config.websocket_listen {
+            Some(addr) => Some(bind(addr).await?),
             None => None,
         };
         let backend = reserve_loopback_port().await?;
@@ -231,20 +243,31 @@ impl EmbeddedBroker {
             handshake_timeout: config.connect_timeout,
             metrics: metrics.clone(),
         };
-        let mut tcp_addr = None;
+        let mut fronts = Vec::new();
         if let Some(listener) = public_tcp {
-            tcp_addr = listener.local_addr().ok();
-            tasks.push(tokio::spawn(serve(listener, relay.clone(), None)));
+            fronts.push((listener, Front::Plain));
         }
-        let mut tls_addr = None;
-        if let Some(listener) = public_tls {
-            tls_addr = listener.local_addr().ok();
-            tasks.push(tokio::spawn(serve(listener, relay, tls)));
+        if let (Some(listener), Some(acceptor)) = (public_tls, tls) {
+            fronts.push((listener, Front::Tls(acceptor)));
         }
-        info!(tcp = ?tcp_addr, tls = ?tls_addr, "MQTT broker listening");
+        if let Some(listener) = public_ws {
+            fronts.push((listener, Front::WebSocket));
+        }
+        let (mut tcp_addr, mut tls_addr, mut ws_addr) = (None, None, None);
+        for (listener, front) in fronts {
+            let addr = listener.local_addr().ok();
+            match front {
+                Front::Plain => tcp_addr = addr,
+                Front::Tls(_) => tls_addr = addr,
+                Front::WebSocket => ws_addr = addr,
+            }
+            tasks.push(tokio::spawn(serve(listener, relay.clone(), front)));
+        }
+        info!(tcp = ?tcp_addr, tls = ?tls_addr, websocket = ?ws_addr, "MQTT broker listening");
         Ok(Self {
             tcp_addr,
             tls_addr,
+            ws_addr,
             events: Some(event_rx),
             publisher,
             metrics,
@@ -260,6 +283,11 @@ impl EmbeddedBroker {
     /// The bound address of the TLS listener.
     pub fn tls_addr(&self) -> Option<SocketAddr> {
         self.tls_addr
+    }
+
+    /// The bound address of the websocket listener.
+    pub fn websocket_addr(&self) -> Option<SocketAddr> {
+        self.ws_addr
     }
 
     /// The event stream; `None` after the first call (there is one consumer).

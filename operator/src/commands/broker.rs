@@ -25,6 +25,9 @@ pub struct BrokerArgs {
     /// MQTT over TLS listener address (needs --tls-cert and --tls-key).
     #[arg(long, env = "PROPELLER_MQTT_TLS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
     pub tls_listen: Option<SocketAddr>,
+    /// MQTT over websocket listener address (e.g. 0.0.0.0:8080).
+    #[arg(long, env = "PROPELLER_MQTT_WS_LISTEN")]
+    pub ws_listen: Option<SocketAddr>,
     /// Server certificate chain, PEM.
     #[arg(long, env = "PROPELLER_MQTT_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -61,6 +64,7 @@ impl BrokerArgs {
         Ok(BrokerConfig {
             tcp_listen: (!self.no_plain).then_some(self.mqtt_listen),
             tls,
+            websocket_listen: self.ws_listen,
             max_payload_bytes: self.max_payload_bytes,
             max_connections: self.max_connections,
             connect_timeout: Duration::from_secs(self.connect_timeout_secs),
@@ -94,6 +98,9 @@ pub async fn run(cmd: BrokerCommand) -> anyhow::Result<()> {
     }
     if let Some(addr) = broker.tls_addr() {
         println!("mqtts listening on {addr}");
+    }
+    if let Some(addr) = broker.websocket_addr() {
+        println!("mqtt over websocket listening on {addr}");
     }
     let mut events = broker
         .take_events()
