@@ -5,7 +5,7 @@ mod support;
 
 use std::process::{Command, Stdio};
 
-use support::{binary, Running};
+use support::{binary, mosquitto_pub, Running};
 
 const ADD_B64: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwgBBG1haW4AAAoJAQcAIAAgAWoL";
 
@@ -73,51 +73,17 @@ fn proplet_runs_a_task_sent_through_the_broker() {
     let start = format!(
         r#"{{"id":"task-1","name":"add","state":0,"file":"{ADD_B64}","inputs":["10","32"],"cli_args":null,"broadcast":false,"daemon":false,"latent":false,"encrypted":false,"proplet_id":"pi-1"}}"#
     );
-    let published = Command::new("mosquitto_pub")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port,
-            "-i",
-            "ops-pub",
-            "-u",
-            "ops",
-            "-P",
-            "ops-key",
-        ])
-        .args([
-            "-t",
-            &format!("{prefix}/control/manager/start"),
-            "-m",
-            &start,
-        ])
-        .status()
-        .expect("run mosquitto_pub");
-    // "ops-pub" is not the username, so that login must fail; publish as "ops" instead.
-    assert!(!published.success(), "username must equal the client id");
-    let published = Command::new("mosquitto_pub")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port,
-            "-i",
-            "ops",
-            "-u",
-            "ops",
-            "-P",
-            "ops-key",
-        ])
-        .args([
-            "-t",
-            &format!("{prefix}/control/manager/start"),
-            "-m",
-            &start,
-        ])
-        .status()
-        .expect("run mosquitto_pub");
-    assert!(published.success());
+    let start_topic = format!("{prefix}/control/manager/start");
+    // The username must equal the client id: "ops-pub" logging in as "ops" is refused.
+    assert!(!support::mosquitto_pub_as(
+        &port,
+        "ops-pub",
+        "ops",
+        "ops-key",
+        &start_topic,
+        &start
+    ));
+    assert!(mosquitto_pub(&port, "ops", "ops-key", &start_topic, &start));
 
     let out = sub.wait_with_output().expect("mosquitto_sub output");
     let text = String::from_utf8_lossy(&out.stdout);

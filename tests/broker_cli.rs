@@ -2,18 +2,7 @@
 
 mod support;
 
-use std::process::Command;
-
-use support::{binary, Running, WAIT};
-
-fn mosquitto_pub(port: &str, id: &str, key: &str, topic: &str, message: &str) -> bool {
-    let out = Command::new("mosquitto_pub")
-        .args(["-h", "127.0.0.1", "-p", port, "-i", id, "-u", id, "-P", key])
-        .args(["-t", topic, "-m", message, "-q", "1"])
-        .output()
-        .expect("run mosquitto_pub (is mosquitto-clients installed?)");
-    out.status.success()
-}
+use support::{binary, mosquitto_pub, Running, WAIT};
 
 #[test]
 fn broker_command_authenticates_logs_events_and_reloads_credentials() {

@@ -136,12 +136,7 @@ async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
     opts.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
         Arc::new(client_config),
     )));
-    let client = connect(opts).await;
-    client
-        .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
-        .await;
-    let event = b.next_event().await;
-    assert_eq!(event.client_id, "dev-a");
+    let _client = b.heartbeat_arrives(opts).await;
 
     // A plaintext client on the TLS port gets no session.
     let (_c, mut el) = AsyncClient::new(options(tls_addr, "dev-b", "dev-b", "key-b"), 8);
@@ -242,17 +237,83 @@ async fn websocket_listener_carries_mqtt() {
     let mut opts = MqttOptions::new("dev-a", format!("ws://{ws}/mqtt"), ws.port());
     opts.set_credentials("dev-a", "key-a");
     opts.set_transport(Transport::Ws);
-    let client = connect(opts).await;
-    client
-        .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
-        .await;
-    let event = b.next_event().await;
-    assert_eq!(event.client_id, "dev-a");
-    assert!(matches!(event.kind, EventKind::Heartbeat(_)));
+    let _client = b.heartbeat_arrives(opts).await;
 
     // A silent socket on the websocket port is dropped after the handshake deadline and
     // does not hold up others (the connect above went through with it open).
     let _idle = tokio::net::TcpStream::connect(ws).await;
     let (_c, mut el) = AsyncClient::new(options(b.addr(), "dev-b", "dev-b", "key-b"), 8);
     assert_eq!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+}
+
+#[tokio::test]
+async fn tls_listener_can_require_client_certificates() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap_or_else(|e| panic!("{e}"));
+    let mut ca_params =
+        CertificateParams::new(Vec::<String>::new()).unwrap_or_else(|e| panic!("{e}"));
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params
+        .self_signed(&ca_key)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let issuer = Issuer::new(ca_params, ca_key);
+    let issue = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap_or_else(|e| panic!("{e}"));
+        let params = CertificateParams::new(names).unwrap_or_else(|e| panic!("{e}"));
+        let cert = params
+            .signed_by(&key, &issuer)
+            .unwrap_or_else(|e| panic!("{e}"));
+        (cert, key)
+    };
+    let (server_cert, server_key) = issue(vec!["localhost".into()]);
+    let (client_cert, client_key) = issue(vec!["dev-a".into()]);
+
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let write = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        path
+    };
+    let config = BrokerConfig {
+        tcp_listen: None,
+        tls: Some(TlsSettings {
+            listen: ([127, 0, 0, 1], 0).into(),
+            cert_path: write("server.pem", server_cert.pem()),
+            key_path: write("server.key", server_key.serialize_pem()),
+            client_ca_path: Some(write("ca.pem", ca.pem())),
+        }),
+        ..BrokerConfig::loopback()
+    };
+    let mut b = TestBroker::start_with(config).await;
+    let port = b.broker.tls_addr().map(|a| a.port()).unwrap_or_default();
+
+    let client_config = |with_cert: bool| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(ca.der().clone())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_root_certificates(roots);
+        let config = if with_cert {
+            let key = rustls::pki_types::PrivateKeyDer::try_from(client_key.serialize_der())
+                .unwrap_or_else(|e| panic!("{e}"));
+            builder
+                .with_client_auth_cert(vec![client_cert.der().clone()], key)
+                .unwrap_or_else(|e| panic!("{e}"))
+        } else {
+            builder.with_no_client_auth()
+        };
+        let mut opts = MqttOptions::new("dev-a", "localhost", port);
+        opts.set_credentials("dev-a", "key-a");
+        opts.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+            Arc::new(config),
+        )));
+        opts
+    };
+    let (_c, mut el) = AsyncClient::new(client_config(false), 8);
+    assert_ne!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+    let _client = b.heartbeat_arrives(client_config(true)).await;
 }

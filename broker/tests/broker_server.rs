@@ -287,3 +287,27 @@ async fn connection_cap_closes_excess_sockets() {
     let (_c, mut el) = AsyncClient::new(options(b.addr(), "dev-b", "dev-b", "key-b"), 8);
     assert_eq!(connack(&mut el).await, None);
 }
+
+#[tokio::test]
+async fn meters_are_exported_in_prometheus_text() {
+    let mut b = TestBroker::start().await;
+    let a = connect_as(b.addr(), "dev-a", "key-a").await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-b"))
+        .await;
+    a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+        .await;
+    let _ = b.next_event().await;
+    let mut registry = prometheus_client::registry::Registry::default();
+    b.broker.metrics().register(&mut registry);
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {
+        panic!("{e}");
+    }
+    for line in [
+        "propeller_broker_connected_clients 1",
+        "propeller_broker_messages_in_total{kind=\"alive\"} 2",
+        "propeller_broker_dropped_publishes_total{reason=\"spoofed\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+}

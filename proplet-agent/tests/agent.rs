@@ -68,62 +68,51 @@ impl Broker {
         }
     }
 
-    /// The next result for `task_id`, skipping other events.
-    async fn result(&mut self, task_id: &str) -> (String, TaskResult) {
+    /// The first event `pick` accepts, skipping others; panics after [`WAIT`].
+    async fn wait_for<T>(
+        &mut self,
+        what: &str,
+        mut pick: impl FnMut(BrokerEvent) -> Option<T>,
+    ) -> T {
         let wait = async {
             loop {
                 match self.events.recv().await {
-                    Some(BrokerEvent {
-                        client_id,
-                        kind: EventKind::Result(r),
-                        ..
-                    }) if r.task_id == task_id => return (client_id, r),
-                    Some(_) => continue,
+                    Some(event) => {
+                        if let Some(found) = pick(event) {
+                            return found;
+                        }
+                    }
                     None => panic!("event stream closed"),
                 }
             }
         };
         tokio::time::timeout(WAIT, wait)
             .await
-            .unwrap_or_else(|_| panic!("no result for {task_id} within {WAIT:?}"))
+            .unwrap_or_else(|_| panic!("no {what} within {WAIT:?}"))
+    }
+
+    /// The next result for `task_id` and who published it.
+    async fn result(&mut self, task_id: &str) -> (String, TaskResult) {
+        self.wait_for(task_id, |e| match e.kind {
+            EventKind::Result(r) if r.task_id == task_id => Some((e.client_id, r)),
+            _ => None,
+        })
+        .await
     }
 
     async fn assert_no_result(&mut self, task_id: &str, quiet: Duration) {
-        let wait = async {
-            loop {
-                match self.events.recv().await {
-                    Some(BrokerEvent {
-                        kind: EventKind::Result(r),
-                        ..
-                    }) if r.task_id == task_id => return r,
-                    Some(_) => continue,
-                    None => std::future::pending().await,
-                }
-            }
-        };
-        if let Ok(r) = tokio::time::timeout(quiet, wait).await {
+        let pending = tokio::time::timeout(quiet, self.result(task_id));
+        if let Ok(r) = pending.await {
             panic!("unexpected result {r:?}");
         }
     }
 
     /// Waits for the agent's discovery message (it is subscribed by then).
     async fn discovered(&mut self, id: &str) {
-        let wait = async {
-            loop {
-                match self.events.recv().await {
-                    Some(BrokerEvent {
-                        client_id,
-                        kind: EventKind::Discovered(_),
-                        ..
-                    }) if client_id == id => return,
-                    Some(_) => continue,
-                    None => panic!("event stream closed"),
-                }
-            }
-        };
-        tokio::time::timeout(WAIT, wait)
-            .await
-            .unwrap_or_else(|_| panic!("{id} never connected"));
+        self.wait_for("discovery", |e| {
+            (e.client_id == id && matches!(e.kind, EventKind::Discovered(_))).then_some(())
+        })
+        .await;
         // Subscriptions are sent before discovery; give the SUBACKs a moment.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -337,21 +326,12 @@ async fn binaries_arrive_in_registry_chunks() {
     task.image_url = Some("docker.io/acme/add:1.0".into());
     b.start(&task).await;
     // The agent asks for the image; serve it in 7-byte chunks.
-    let wait = async {
-        loop {
-            match b.events.recv().await {
-                Some(BrokerEvent {
-                    kind: EventKind::RegistryRequest(r),
-                    ..
-                }) => return r,
-                Some(_) => continue,
-                None => panic!("closed"),
-            }
-        }
-    };
-    let request = tokio::time::timeout(WAIT, wait)
-        .await
-        .unwrap_or_else(|_| panic!("no registry request"));
+    let request = b
+        .wait_for("registry request", |e| match e.kind {
+            EventKind::RegistryRequest(r) => Some(r),
+            _ => None,
+        })
+        .await;
     assert_eq!(request.app_name, "docker.io/acme/add:1.0");
     let chunks: Vec<RegistryChunk> = split_into_chunks(&request.app_name, &binary, 7)
         .unwrap_or_else(|e| panic!("{e}"))
@@ -546,21 +526,15 @@ async fn task_metrics_describe_the_task_itself() {
     b.start(&task).await;
     // The second sample has a CPU figure (it needs two readings of the thread's CPU time).
     let mut samples = Vec::new();
-    let wait = async {
-        while samples.len() < 2 {
-            match b.events.recv().await {
-                Some(BrokerEvent {
-                    kind: EventKind::TaskMetrics(m),
-                    ..
-                }) if m.task_id == "t-metrics" => samples.push(m),
-                Some(_) => continue,
-                None => panic!("closed"),
-            }
-        }
-    };
-    tokio::time::timeout(WAIT, wait)
-        .await
-        .unwrap_or_else(|_| panic!("no task metrics"));
+    while samples.len() < 2 {
+        let sample = b
+            .wait_for("task metrics", |e| match e.kind {
+                EventKind::TaskMetrics(m) if m.task_id == "t-metrics" => Some(m),
+                _ => None,
+            })
+            .await;
+        samples.push(sample);
+    }
     let last = &samples[1].metrics;
     assert_eq!(last.memory_bytes, Some(3 * 65536), "{last:?}");
     assert!(last.uptime_seconds.is_some_and(|u| u >= 1), "{last:?}");

@@ -101,3 +101,37 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, what: &str) -> String {
         }
     }
 }
+
+/// Publishes one message with Debian's `mosquitto_pub` (username = client id); whether the
+/// broker accepted the login and the message.
+pub fn mosquitto_pub(port: &str, id: &str, key: &str, topic: &str, message: &str) -> bool {
+    mosquitto_pub_as(port, id, id, key, topic, message)
+}
+
+/// Like [`mosquitto_pub`] with a username that may differ from the client id.
+pub fn mosquitto_pub_as(
+    port: &str,
+    id: &str,
+    user: &str,
+    key: &str,
+    topic: &str,
+    message: &str,
+) -> bool {
+    let out = Command::new("mosquitto_pub")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            port,
+            "-i",
+            id,
+            "-u",
+            user,
+            "-P",
+            key,
+        ])
+        .args(["-t", topic, "-m", message, "-q", "1"])
+        .output()
+        .expect("run mosquitto_pub (is mosquitto-clients installed?)");
+    out.status.success()
+}

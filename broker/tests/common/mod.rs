@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use propeller_broker::server::{
-    BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, Role,
+    BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind, Role,
 };
 use rumqttc::{AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -66,6 +66,18 @@ impl TestBroker {
             Ok(None) => panic!("event stream closed"),
             Err(_) => panic!("no event within {WAIT:?}"),
         }
+    }
+
+    /// Connects with `opts` as `dev-a`, sends a heartbeat and checks it arrives as an event.
+    pub async fn heartbeat_arrives(&mut self, opts: MqttOptions) -> Client {
+        let client = connect(opts).await;
+        client
+            .publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
+            .await;
+        let event = self.next_event().await;
+        assert_eq!(event.client_id, "dev-a");
+        assert!(matches!(event.kind, EventKind::Heartbeat(_)), "{event:?}");
+        client
     }
 
     /// Asserts no event arrives within `quiet`.
