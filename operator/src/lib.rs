@@ -3,4 +3,5 @@
 
 pub mod crd;
 pub mod decision;
+pub mod k8s;
 pub mod validation;
