@@ -142,6 +142,7 @@ impl Agent {
             max_memory_bytes: config.task_memory_limit,
             default_timeout: config.task_timeout,
             fuel: config.task_fuel,
+            disk_cache: Some(config.state_dir.join("modules")),
             ..Limits::default()
         })
         .context("starting the Wasm runtime")?;

@@ -43,6 +43,9 @@ pub struct Limits {
     pub cache_entries: usize,
     /// Host directories a task may be granted (`dir` in the task env `PROPLET_PREOPEN`).
     pub preopen_allow_list: Vec<PathBuf>,
+    /// Directory for compiled modules, so a restart does not recompile; `None` disables it.
+    /// It must be private to the agent: its files are loaded as native code.
+    pub disk_cache: Option<PathBuf>,
 }
 
 impl Default for Limits {
@@ -54,6 +57,7 @@ impl Default for Limits {
             max_output_bytes: 1024 * 1024,
             cache_entries: 32,
             preopen_allow_list: Vec::new(),
+            disk_cache: None,
         }
     }
 }
@@ -281,6 +285,10 @@ impl WasmRuntime {
             })
             .map_err(|e| RunError::Compile(format!("cannot start epoch ticker: {e}")))?;
         let cache = Mutex::new(ModuleCache::new(limits.cache_entries));
+        if let Some(dir) = &limits.disk_cache {
+            create_private_dir(dir)
+                .map_err(|e| RunError::Compile(format!("module cache {}: {e}", dir.display())))?;
+        }
         Ok(Self {
             engine,
             limits,
@@ -294,7 +302,8 @@ impl WasmRuntime {
         &self.limits
     }
 
-    /// Compiles `bytes`, or returns the cached module with the same content.
+    /// Compiles `bytes`, or returns the module with the same content from the memory cache
+    /// or the disk cache; the flag says whether compilation was avoided.
     pub fn compile(&self, bytes: &[u8]) -> Result<(Compiled, bool), RunError> {
         let digest: [u8; 32] = Sha256::digest(bytes).into();
         if let Some(module) = self.cache_lock().get(&digest) {
@@ -303,10 +312,56 @@ impl WasmRuntime {
         if wasmparser_is_component(bytes) {
             return Err(RunError::ComponentUnsupported);
         }
+        if let Some(module) = self.load_from_disk(&digest) {
+            self.cache_lock().put(digest, module.clone());
+            return Ok((Compiled { digest, module }, true));
+        }
         let module =
             Module::new(&self.engine, bytes).map_err(|e| RunError::Compile(root_cause(&e)))?;
+        self.store_on_disk(&digest, &module);
         self.cache_lock().put(digest, module.clone());
         Ok((Compiled { digest, module }, false))
+    }
+
+    fn disk_path(&self, digest: &[u8; 32]) -> Option<PathBuf> {
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        self.limits
+            .disk_cache
+            .as_ref()
+            .map(|dir| dir.join(format!("{hex}.cwasm")))
+    }
+
+    fn load_from_disk(&self, digest: &[u8; 32]) -> Option<Module> {
+        let path = self.disk_path(digest)?;
+        if !path.exists() {
+            return None;
+        }
+        // SAFETY: the file was written by `store_on_disk` of this agent, from `Module::serialize`,
+        // into a directory only the agent may write (created 0700). Wasmtime checks that it was
+        // produced by a compatible engine and configuration and refuses it otherwise.
+        match unsafe { Module::deserialize_file(&self.engine, &path) } {
+            Ok(module) => Some(module),
+            Err(_) => {
+                // Stale (another Wasmtime version or settings) or damaged: compile afresh.
+                let _ = std::fs::remove_file(&path);
+                None
+            }
+        }
+    }
+
+    fn store_on_disk(&self, digest: &[u8; 32], module: &Module) {
+        let Some(path) = self.disk_path(digest) else {
+            return;
+        };
+        let Ok(bytes) = module.serialize() else {
+            return;
+        };
+        // Written aside and renamed: loaded modules map their file, so an existing file must
+        // never be rewritten in place. A write failure only costs a recompilation later.
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
     }
 
     fn cache_lock(&self) -> std::sync::MutexGuard<'_, ModuleCache> {
@@ -492,6 +547,16 @@ impl Drop for WasmRuntime {
 }
 
 const INTERRUPTED: &str = "propeller: task interrupted";
+
+fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
 
 fn root_cause(error: &wasmtime::Error) -> String {
     let chain: Vec<String> = error.chain().map(|c| c.to_string()).collect();

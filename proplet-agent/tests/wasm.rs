@@ -249,3 +249,35 @@ fn nonzero_exit_status_is_an_error_with_stderr() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn compiled_modules_survive_a_restart_through_the_disk_cache() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let limits = Limits {
+        disk_cache: Some(dir.path().join("modules")),
+        ..Limits::default()
+    };
+    let module = wat(r#"(module (func (export "seven") (result i32) i32.const 7))"#);
+    let first = runtime(limits.clone());
+    assert_eq!(first.compile(&module).map(|(_, cached)| cached), Ok(false));
+    drop(first);
+    // A new runtime (an agent restart) loads the module from disk instead of compiling.
+    let second = runtime(limits.clone());
+    let (compiled, cached) = second.compile(&module).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cached);
+    let out = second.run(&compiled, &invocation("seven", &[]), &StopFlag::default());
+    assert_eq!(out.map(|o| o.output), Ok("7".to_owned()));
+    // The loaded module maps its file; release it before damaging the file below.
+    drop(compiled);
+    drop(second);
+
+    // A damaged cache file is discarded and the module compiled again.
+    let files: Vec<_> = std::fs::read_dir(dir.path().join("modules"))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .filter_map(Result::ok)
+        .collect();
+    assert_eq!(files.len(), 1);
+    std::fs::write(files[0].path(), b"garbage").unwrap_or_else(|e| panic!("{e}"));
+    let third = runtime(limits);
+    assert_eq!(third.compile(&module).map(|(_, cached)| cached), Ok(false));
+}
