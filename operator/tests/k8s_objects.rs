@@ -94,6 +94,16 @@ fn k8s_proplet_gets_an_owned_deployment_configured_for_the_agent() {
         Some(("edge-a-key", "password"))
     );
     assert_eq!(key.and_then(|v| v.value.as_deref()), None);
+    // Probes use the agent's endpoint: alive on /health, ready on /ready (broker connected).
+    assert_eq!(env_value(&vars, "PROPLET_METRICS_ENABLED"), Some("true"));
+    assert_eq!(env_value(&vars, "PROPLET_METRICS_PORT"), Some("9092"));
+    let path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        p.as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .and_then(|h| h.path.clone())
+    };
+    assert_eq!(path(&container.liveness_probe).as_deref(), Some("/health"));
+    assert_eq!(path(&container.readiness_probe).as_deref(), Some("/ready"));
     let requests = container
         .resources
         .as_ref()

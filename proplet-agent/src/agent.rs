@@ -28,6 +28,7 @@ use crate::config::Config;
 use crate::fetch::HttpFetcher;
 use crate::spool::Spool;
 use crate::system::SystemProbe;
+use crate::telemetry::AgentMetrics;
 use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, WasmRuntime};
 
 /// Largest binary accepted from registry chunks.
@@ -71,6 +72,7 @@ pub struct Agent {
     fetches: Mutex<HashMap<String, Fetch>>,
     slots: Arc<Semaphore>,
     http: HttpFetcher,
+    metrics: Arc<AgentMetrics>,
     /// `Some(n)` while connected, `n` counting sessions; `None` while disconnected.
     session: watch::Sender<Option<u64>>,
 }
@@ -165,8 +167,22 @@ impl Agent {
             fetches: Mutex::new(HashMap::new()),
             session,
             http,
+            metrics: Arc::new(AgentMetrics::default()),
             config,
         }))
+    }
+
+    /// Starts the health and metrics endpoint if configured; fails if its port is taken.
+    pub async fn serve_telemetry(&self) -> anyhow::Result<Option<std::net::SocketAddr>> {
+        let Some(addr) = self.config.telemetry else {
+            return Ok(None);
+        };
+        let listener = crate::telemetry::bind(addr)
+            .await
+            .with_context(|| format!("binding the metrics endpoint on {addr}"))?;
+        let bound = listener.local_addr().ok();
+        tokio::spawn(crate::telemetry::serve(listener, self.metrics.clone()));
+        Ok(bound)
     }
 
     /// Drives the MQTT session until `shutdown` resolves; then disconnects cleanly.
@@ -197,6 +213,8 @@ impl Agent {
                     }
                     backoff.reset();
                     sessions += 1;
+                    self.metrics.mqtt_sessions.inc();
+                    self.metrics.mqtt_connected.set(1);
                     info!(session = sessions, "connected to the broker");
                     let agent = self.clone();
                     tokio::spawn(async move { agent.on_connected().await });
@@ -217,6 +235,7 @@ impl Agent {
                 Ok(_) => {}
                 Err(error) => {
                     self.session.send_replace(None);
+                    self.metrics.mqtt_connected.set(0);
                     let wait = backoff.next_delay();
                     warn!(%error, retry_in = ?wait, "MQTT connection lost");
                     tokio::select! {
@@ -371,6 +390,7 @@ impl Agent {
                 if let Err(e) = self.spool.remove(&entry) {
                     warn!(%e, "cannot remove a delivered result from the spool");
                 }
+                self.metrics.spooled_results.set(self.spool.len() as i64);
             }
         }
     }
@@ -441,9 +461,12 @@ impl Agent {
             running.insert(id.clone(), stop.clone());
         }
         info!(task_id = id, name = request.name, "task accepted");
+        self.metrics.tasks_started.inc();
+        self.metrics.tasks_running.inc();
         let latent = request.latent;
         let outcome = self.execute(request, &stop).await;
         self.lock_running().remove(&id);
+        self.metrics.tasks_running.dec();
         match outcome {
             Ok(None) => info!(
                 task_id = id,
@@ -735,8 +758,14 @@ impl Agent {
     /// Spools the result of task `id` for delivery.
     async fn report(&self, id: &str, outcome: Result<String, String>) {
         match &outcome {
-            Ok(_) => info!(task_id = id, "task succeeded"),
-            Err(e) => warn!(task_id = id, error = %e, "task failed"),
+            Ok(_) => {
+                self.metrics.tasks_succeeded.inc();
+                info!(task_id = id, "task succeeded")
+            }
+            Err(e) => {
+                self.metrics.tasks_failed.inc();
+                warn!(task_id = id, error = %e, "task failed")
+            }
         }
         let (results, error) = split(outcome);
         let result = TaskResult {
@@ -752,7 +781,15 @@ impl Agent {
     async fn spool_message(&self, topic: String, payload: Vec<u8>) {
         let spool = self.spool.clone();
         let text = String::from_utf8_lossy(&payload).into_owned();
-        let stored = tokio::task::spawn_blocking(move || spool.push(&topic, &text)).await;
+        let stored = tokio::task::spawn_blocking(move || {
+            let stored = spool.push(&topic, &text);
+            (stored, spool.len())
+        })
+        .await
+        .map(|(stored, depth)| {
+            self.metrics.spooled_results.set(depth as i64);
+            stored
+        });
         match stored {
             Ok(Ok(None)) => {}
             Ok(Ok(Some(dropped))) => warn!(

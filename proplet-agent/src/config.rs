@@ -73,6 +73,12 @@ pub struct Flags {
     /// Proplet metrics interval (`0` disables them).
     #[arg(long, env = "PROPLET_METRICS_INTERVAL")]
     pub metrics_interval: Option<String>,
+    /// Serve /health, /ready and /metrics over HTTP: true or false (default false).
+    #[arg(long, env = "PROPLET_METRICS_ENABLED")]
+    pub metrics_enabled: Option<String>,
+    /// Port of that endpoint (default 9092), on all interfaces.
+    #[arg(long, env = "PROPLET_METRICS_PORT")]
+    pub metrics_port: Option<String>,
     /// MQTT keep-alive.
     #[arg(long, env = "PROPLET_MQTT_KEEP_ALIVE")]
     pub mqtt_keep_alive: Option<String>,
@@ -186,6 +192,8 @@ pub struct Config {
     pub spool_max_results: usize,
     /// Chunk wait.
     pub chunk_timeout: Duration,
+    /// Where the health and metrics endpoint listens, when enabled.
+    pub telemetry: Option<std::net::SocketAddr>,
 }
 
 /// Environment aliases accepted for upstream compatibility: (alias, canonical).
@@ -396,6 +404,24 @@ impl Config {
             "PROPLET_CHUNK_TIMEOUT",
             Duration::from_secs(60),
         )?;
+        let telemetry_enabled = match pick(&flags.metrics_enabled, "metrics_enabled") {
+            None => false,
+            Some(text) => parse_bool(&text).ok_or_else(|| {
+                invalid(
+                    "PROPLET_METRICS_ENABLED",
+                    &format!("{text:?} is not true or false"),
+                )
+            })?,
+        };
+        let telemetry_port = match pick(&flags.metrics_port, "metrics_port") {
+            None => 9092,
+            Some(text) => text.trim().parse::<u16>().map_err(|_| {
+                invalid(
+                    "PROPLET_METRICS_PORT",
+                    &format!("{text:?} is not a port number"),
+                )
+            })?,
+        };
         let tags = pick(&flags.tags, "tags")
             .map(|t| {
                 t.split(',')
@@ -438,7 +464,18 @@ impl Config {
             task_fuel,
             spool_max_results: spool_max_results as usize,
             chunk_timeout,
+            telemetry: telemetry_enabled
+                .then(|| std::net::SocketAddr::from(([0, 0, 0, 0], telemetry_port))),
         })
+    }
+}
+
+/// `1`, `true`, `yes`, `on` and their opposites, in any case.
+fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
     }
 }
 

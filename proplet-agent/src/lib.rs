@@ -6,4 +6,5 @@ pub mod config;
 pub mod fetch;
 pub mod spool;
 pub mod system;
+pub mod telemetry;
 pub mod wasm;

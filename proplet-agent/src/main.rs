@@ -48,6 +48,9 @@ fn run(config: Config) -> anyhow::Result<()> {
             "proplet starting"
         );
         let agent = Agent::new(config, client)?;
+        if let Some(addr) = agent.serve_telemetry().await? {
+            tracing::info!(%addr, "health and metrics endpoint listening");
+        }
         agent.run(eventloop, shutdown_signal()).await;
         Ok(())
     })

@@ -556,3 +556,60 @@ async fn task_metrics_describe_the_task_itself() {
     let (_, result) = b.result("t-metrics").await;
     assert!(result.error.is_some());
 }
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+    socket
+        .write_all(request.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut response = String::new();
+    socket
+        .read_to_string(&mut response)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics_endpoint() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let mut flags_config = agent_config(b.addr(), "proplet-1", "key-1", state.path());
+    flags_config.telemetry = Some(([127, 0, 0, 1], 0).into());
+    let options = mqtt_options(&flags_config, &channel()).unwrap_or_else(|e| panic!("{e}"));
+    let (client, eventloop) = rumqttc::AsyncClient::new(options, 128);
+    let agent = Agent::new(flags_config, client).unwrap_or_else(|e| panic!("{e}"));
+    let addr = match agent.serve_telemetry().await {
+        Ok(Some(a)) => a,
+        other => panic!("endpoint not started: {other:?}"),
+    };
+    // Not connected yet: alive but not ready.
+    assert!(http_get(addr, "/health").await.starts_with("HTTP/1.1 200"));
+    assert!(http_get(addr, "/ready").await.starts_with("HTTP/1.1 503"));
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(agent.run(eventloop, async {
+        let _ = stop_rx.await;
+    }));
+    b.discovered("proplet-1").await;
+    assert!(http_get(addr, "/ready").await.starts_with("HTTP/1.1 200"));
+    b.start(&add_task("t-count", Some("proplet-1"))).await;
+    let _ = b.result("t-count").await;
+    let metrics = http_get(addr, "/metrics").await;
+    for line in [
+        "proplet_tasks_started_total 1",
+        "proplet_tasks_succeeded_total 1",
+        "proplet_tasks_running 0",
+        "proplet_mqtt_connected 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in:\n{metrics}");
+    }
+    assert!(http_get(addr, "/other").await.starts_with("HTTP/1.1 404"));
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(WAIT, task).await;
+}

@@ -5,11 +5,12 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, PodSecurityContext,
-    PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, SecurityContext, Volume,
-    VolumeMount,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
+    SeccompProfile, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::crd::proplet::{ClientKeySource, LogLevel, Proplet, PropletType};
 use crate::decision::duration::{parse_go_duration, whole_seconds};
@@ -17,6 +18,8 @@ use crate::decision::names::{label_value, proplet_deployment_name};
 
 /// Label naming the Proplet a Deployment belongs to.
 pub const PROPLET_LABEL: &str = "propeller.absmach.eu/proplet";
+/// Port of the agent's health and metrics endpoint when the Proplet does not set one.
+pub const DEFAULT_METRICS_PORT: i32 = 9092;
 /// Where the agent keeps its result spool inside the pod.
 pub const STATE_DIR: &str = "/var/lib/proplet";
 
@@ -177,7 +180,6 @@ pub fn proplet_deployment(proplet: &Proplet) -> Result<Deployment, DeploymentErr
                 .filter_map(|(n, v)| v.as_ref().map(|v| env(n, v.clone()))),
         );
         let flags = [
-            ("PROPLET_METRICS_ENABLED", extra.metrics_enabled),
             ("PROPLET_HAL_ENABLED", extra.hal_enabled),
             ("PROPLET_HTTP_ENABLED", extra.http_enabled),
             ("PROPLET_USB_ENABLED", extra.usb_enabled),
@@ -191,10 +193,23 @@ pub fn proplet_deployment(proplet: &Proplet) -> Result<Deployment, DeploymentErr
                 .into_iter()
                 .filter_map(|(n, v)| v.map(|v| env(n, v.to_string()))),
         );
-        if let Some(port) = extra.metrics_port {
-            vars.push(env("PROPLET_METRICS_PORT", port.to_string()));
-        }
     }
+    // The agent's health endpoint backs the pod's probes; on unless turned off explicitly.
+    let extra = k8s.env.clone().unwrap_or_default();
+    let probes_on = extra.metrics_enabled.unwrap_or(true);
+    let port = extra.metrics_port.unwrap_or(DEFAULT_METRICS_PORT);
+    vars.push(env("PROPLET_METRICS_ENABLED", probes_on.to_string()));
+    vars.push(env("PROPLET_METRICS_PORT", port.to_string()));
+    let probe = |path: &str, period: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("metrics".into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(3),
+        ..Probe::default()
+    };
 
     let container = Container {
         name: "proplet".into(),
@@ -209,6 +224,16 @@ pub fn proplet_deployment(proplet: &Proplet) -> Result<Deployment, DeploymentErr
                 requests: Some(requests),
                 ..ResourceRequirements::default()
             }),
+        ports: probes_on.then(|| {
+            vec![ContainerPort {
+                name: Some("metrics".into()),
+                container_port: port,
+                ..ContainerPort::default()
+            }]
+        }),
+        // Alive while the process answers; ready only while connected to the broker.
+        liveness_probe: probes_on.then(|| probe("/health", 10)),
+        readiness_probe: probes_on.then(|| probe("/ready", 5)),
         volume_mounts: Some(vec![VolumeMount {
             name: "state".into(),
             mount_path: STATE_DIR.into(),
