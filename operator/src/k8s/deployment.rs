@@ -24,7 +24,7 @@ pub const DEFAULT_METRICS_PORT: i32 = 9092;
 pub const STATE_DIR: &str = "/var/lib/proplet";
 
 /// Why no Deployment can be built for a Proplet; shown in its status.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum DeploymentError {
     /// Only `k8s` proplets get a Deployment.
     #[error("proplet is not of type k8s")]

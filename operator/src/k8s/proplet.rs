@@ -1,0 +1,133 @@
+//! The Proplet reconcile step: a pure plan from (proplet, observations, now), and a thin
+//! executor that applies it through the Kubernetes API.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+
+use crate::crd::proplet::{Proplet, PropletStatus, PropletType};
+use crate::decision::liveness::{
+    evaluate_external, evaluate_k8s, write_due, DeploymentObservation, ExternalObservation,
+};
+
+use super::deployment::{proplet_deployment, DeploymentError};
+
+/// Field manager of every server-side apply the operator makes.
+pub const FIELD_MANAGER: &str = "propeller";
+
+/// Operator settings that shape the Proplet plan.
+#[derive(Debug, Clone, Copy)]
+pub struct PropletSettings {
+    /// An external proplet is Offline once its latest heartbeat is older than this.
+    pub last_seen_threshold: Duration,
+    /// Heartbeat-only changes are written at most this often.
+    pub status_flush_interval: Duration,
+}
+
+/// What the driver knows about a proplet beyond the object itself.
+#[derive(Debug, Clone, Default)]
+pub struct PropletObservations {
+    /// Broker events not yet reflected in the status (external proplets).
+    pub external: ExternalObservation,
+    /// The watched Deployment (`k8s` proplets); `None` when it does not exist.
+    pub deployment: Option<DeploymentObservation>,
+    /// When this driver last wrote the status.
+    pub last_write: Option<DateTime<Utc>>,
+}
+
+/// What to do for one proplet now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PropletPlan {
+    /// The Deployment to apply (`k8s` proplets).
+    pub deployment: Option<Deployment>,
+    /// The status to write, when a write is due.
+    pub status: Option<PropletStatus>,
+    /// When to look again without any new event (an external proplet going Offline).
+    pub requeue_at: Option<DateTime<Utc>>,
+    /// Why the Deployment could not be built, for an Event and the log.
+    pub problem: Option<DeploymentError>,
+}
+
+/// Decides the proplet's Deployment and status at `now`.
+pub fn plan(
+    proplet: &Proplet,
+    observed: &PropletObservations,
+    settings: &PropletSettings,
+    now: DateTime<Utc>,
+) -> PropletPlan {
+    let written = proplet.status.clone().unwrap_or_default();
+    let mut desired = written.clone();
+    let generation = proplet.metadata.generation;
+    let mut plan = PropletPlan {
+        deployment: None,
+        status: None,
+        requeue_at: None,
+        problem: None,
+    };
+    match proplet.spec.type_ {
+        PropletType::K8s => {
+            match proplet_deployment(proplet) {
+                Ok(deployment) => plan.deployment = Some(deployment),
+                Err(problem) => plan.problem = Some(problem),
+            }
+            let deployment = observed.deployment.unwrap_or_default();
+            evaluate_k8s(&mut desired, &deployment, generation, now);
+        }
+        PropletType::External => {
+            plan.requeue_at = evaluate_external(
+                &mut desired,
+                &observed.external,
+                settings.last_seen_threshold,
+                generation,
+                now,
+            );
+        }
+    }
+    desired.observed_generation = generation;
+    if write_due(
+        &written,
+        &desired,
+        observed.last_write,
+        settings.status_flush_interval,
+        now,
+    ) {
+        plan.status = Some(desired);
+    }
+    plan
+}
+
+/// Applies a plan: server-side apply of the Deployment, then a merge patch of the status
+/// subresource.
+pub async fn apply(
+    client: &kube::Client,
+    proplet: &Proplet,
+    plan: &PropletPlan,
+) -> Result<(), kube::Error> {
+    let namespace = proplet.metadata.namespace.as_deref().unwrap_or("default");
+    let name = proplet.metadata.name.as_deref().unwrap_or_default();
+    if let Some(deployment) = &plan.deployment {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+        let deployment_name = deployment.metadata.name.as_deref().unwrap_or_default();
+        deployments
+            .patch(
+                deployment_name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(deployment),
+            )
+            .await?;
+    }
+    if let Some(status) = &plan.status {
+        let proplets: Api<Proplet> = Api::namespaced(client.clone(), namespace);
+        proplets
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": status })),
+            )
+            .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! The Proplet reconcile step: the pure plan, and the exact API requests its executor sends
+//! (kube-rs client over a tower-test mock; no API server).
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use http::{Method, Request, Response};
+use kube::client::Body;
+use propeller_operator::crd::proplet::{Proplet, PropletPhase};
+use propeller_operator::decision::liveness::{DeploymentObservation, ExternalObservation};
+use propeller_operator::k8s::proplet::{apply, plan, PropletObservations, PropletSettings};
+use serde_json::{json, Value};
+
+const SETTINGS: PropletSettings = PropletSettings {
+    last_seen_threshold: Duration::from_secs(30),
+    status_flush_interval: Duration::from_secs(10),
+};
+
+fn at(secs: i64) -> DateTime<Utc> {
+    match Utc.timestamp_opt(1_800_000_000 + secs, 0) {
+        chrono::LocalResult::Single(t) => t,
+        _ => panic!("bad time"),
+    }
+}
+
+fn proplet(spec: Value) -> Proplet {
+    let value = json!({
+        "apiVersion": "propeller.propeller.absmach.eu/v1",
+        "kind": "Proplet",
+        "metadata": {"name": "edge", "namespace": "iot", "uid": "u-1", "generation": 3},
+        "spec": spec
+    });
+    serde_json::from_value(value).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn external() -> Proplet {
+    proplet(json!({
+        "type": "external",
+        "connectionConfig": {"mqttAddress": "tcp://b:1883", "channelId": "c", "clientKey": "k"}
+    }))
+}
+
+fn k8s() -> Proplet {
+    proplet(json!({
+        "type": "k8s",
+        "k8s": {"image": "proplet:1"},
+        "connectionConfig": {"mqttAddress": "tcp://b:1883", "channelId": "c", "clientKey": "k"}
+    }))
+}
+
+#[test]
+fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check() {
+    let observed = PropletObservations {
+        external: ExternalObservation {
+            heartbeats: vec![at(0)],
+            offline_at: None,
+        },
+        ..PropletObservations::default()
+    };
+    let p = plan(&external(), &observed, &SETTINGS, at(1));
+    let status = p
+        .status
+        .unwrap_or_else(|| panic!("first heartbeat must be written"));
+    assert_eq!(status.phase, PropletPhase::Running);
+    assert_eq!(status.observed_generation, Some(3));
+    assert_eq!(p.requeue_at, Some(at(30)));
+    assert!(p.deployment.is_none());
+
+    // A later heartbeat that changes nothing but lastSeen waits for the flush interval.
+    let mut running = external();
+    running.status = Some(status);
+    let again = PropletObservations {
+        external: ExternalObservation {
+            heartbeats: vec![at(2)],
+            offline_at: None,
+        },
+        last_write: Some(at(1)),
+        ..PropletObservations::default()
+    };
+    assert!(plan(&running, &again, &SETTINGS, at(3)).status.is_none());
+    assert!(plan(&running, &again, &SETTINGS, at(12)).status.is_some());
+
+    // Past the threshold without heartbeats it goes Offline.
+    let silent = PropletObservations {
+        last_write: Some(at(1)),
+        ..PropletObservations::default()
+    };
+    let offline = plan(&running, &silent, &SETTINGS, at(31));
+    assert_eq!(offline.status.map(|s| s.phase), Some(PropletPhase::Offline));
+}
+
+#[test]
+fn k8s_proplet_plans_its_deployment_and_takes_phase_from_it() {
+    let ready = PropletObservations {
+        deployment: Some(DeploymentObservation {
+            exists: true,
+            desired: 1,
+            replicas: 1,
+            ready: 1,
+            available: 1,
+            available_condition: Some(true),
+            stalled: false,
+        }),
+        ..PropletObservations::default()
+    };
+    let p = plan(&k8s(), &ready, &SETTINGS, at(0));
+    assert_eq!(
+        p.deployment.and_then(|d| d.metadata.name),
+        Some("edge-proplet".to_owned())
+    );
+    assert_eq!(p.status.map(|s| s.phase), Some(PropletPhase::Running));
+    let missing = plan(&k8s(), &PropletObservations::default(), &SETTINGS, at(0));
+    assert_eq!(
+        missing.status.map(|s| s.phase),
+        Some(PropletPhase::Initializing)
+    );
+}
+
+#[tokio::test]
+async fn executor_applies_the_deployment_then_patches_the_status() {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let proplet = k8s();
+    let p = plan(&proplet, &PropletObservations::default(), &SETTINGS, at(0));
+
+    let server = tokio::spawn(async move {
+        // 1. Server-side apply of the Deployment.
+        let (request, respond) = handle
+            .next_request()
+            .await
+            .unwrap_or_else(|| panic!("no deployment request"));
+        assert_eq!(request.method(), Method::PATCH);
+        assert_eq!(
+            request.uri().path(),
+            "/apis/apps/v1/namespaces/iot/deployments/edge-proplet"
+        );
+        let query = request.uri().query().unwrap_or_default().to_owned();
+        assert!(
+            query.contains("fieldManager=propeller") && query.contains("force=true"),
+            "{query}"
+        );
+        assert_eq!(
+            request
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/apply-patch+yaml")
+        );
+        let body: Value = serde_json::from_slice(
+            &request
+                .into_body()
+                .collect_bytes()
+                .await
+                .unwrap_or_default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(body["kind"], "Deployment");
+        assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "u-1");
+        respond.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&body).unwrap_or_default()))
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+
+        // 2. Merge patch of the status subresource.
+        let (request, respond) = handle
+            .next_request()
+            .await
+            .unwrap_or_else(|| panic!("no status request"));
+        assert_eq!(request.method(), Method::PATCH);
+        assert_eq!(
+            request.uri().path(),
+            "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/proplets/edge/status"
+        );
+        assert_eq!(
+            request
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/merge-patch+json")
+        );
+        let body: Value = serde_json::from_slice(
+            &request
+                .into_body()
+                .collect_bytes()
+                .await
+                .unwrap_or_default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(body["status"]["phase"], "Initializing");
+        assert_eq!(body["status"]["observedGeneration"], 3);
+        let conditions = body["status"]["conditions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(conditions
+            .iter()
+            .any(|c| c["type"] == "Ready" && c["status"] == "False"));
+        let mut echoed = serde_json::to_value(k8s()).unwrap_or_default();
+        echoed["status"] = body["status"].clone();
+        respond.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&echoed).unwrap_or_default()))
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+    });
+    if let Err(e) = apply(&client, &proplet, &p).await {
+        panic!("apply failed: {e}");
+    }
+    server.await.unwrap_or_else(|e| panic!("mock server: {e}"));
+}
