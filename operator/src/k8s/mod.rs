@@ -3,4 +3,5 @@
 
 pub mod credentials;
 pub mod deployment;
+pub mod observations;
 pub mod proplet;
