@@ -66,7 +66,7 @@ pub struct Agent {
     client: AsyncClient,
     runtime: Arc<WasmRuntime>,
     spool: Arc<Spool>,
-    probe: SystemProbe,
+    probe: Arc<SystemProbe>,
     running: Mutex<HashMap<String, StopFlag>>,
     latent: Mutex<HashMap<String, Arc<Latent>>>,
     fetches: Mutex<HashMap<String, Fetch>>,
@@ -145,6 +145,7 @@ impl Agent {
             default_timeout: config.task_timeout,
             fuel: config.task_fuel,
             disk_cache: Some(config.state_dir.join("modules")),
+            preopen_allow_list: config.preopen_dirs.clone(),
             ..Limits::default()
         })
         .context("starting the Wasm runtime")?;
@@ -161,7 +162,7 @@ impl Agent {
             client,
             runtime: Arc::new(runtime),
             spool: Arc::new(spool),
-            probe: SystemProbe::new(),
+            probe: Arc::new(SystemProbe::new()),
             running: Mutex::new(HashMap::new()),
             latent: Mutex::new(HashMap::new()),
             fetches: Mutex::new(HashMap::new()),
@@ -216,9 +217,11 @@ impl Agent {
                     self.metrics.mqtt_sessions.inc();
                     self.metrics.mqtt_connected.set(1);
                     info!(session = sessions, "connected to the broker");
+                    // Mark the session live before the subscriptions and the discovery go
+                    // out, or the discovery would be skipped as "not connected".
+                    self.session.send_replace(Some(sessions));
                     let agent = self.clone();
                     tokio::spawn(async move { agent.on_connected().await });
-                    self.session.send_replace(Some(sessions));
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => {
                     let agent = self.clone();
@@ -265,6 +268,12 @@ impl Agent {
     }
 
     async fn on_connected(&self) {
+        let (host, port) = (self.config.host.clone(), self.config.port);
+        let probe_ip = tokio::task::spawn_blocking({
+            let probe = self.probe.clone();
+            move || probe.learn_ip(&host, port)
+        });
+        let _ = probe_ip.await;
         let qos = qos(self.config.qos);
         for filter in self.channel.agent_filters() {
             if let Err(e) = self.client.subscribe(filter.clone(), qos).await {
@@ -527,6 +536,17 @@ impl Agent {
         inputs: &[String],
         env: &BTreeMap<String, String>,
     ) -> Invocation {
+        // A task asks for host directories with `PROPLET_PREOPEN=/a:/b`; the runtime refuses
+        // any outside the agent's allow-list (`PROPLET_DIRS`).
+        let preopens = env
+            .get("PROPLET_PREOPEN")
+            .map(|v| {
+                v.split(':')
+                    .filter(|p| !p.is_empty())
+                    .map(std::path::PathBuf::from)
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut env: Vec<(String, String)> =
             env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         if !env.iter().any(|(k, _)| k == "PROPLET_ID") {
@@ -538,7 +558,7 @@ impl Agent {
             args: request.cli_args.clone(),
             env,
             timeout: (!request.daemon).then_some(self.config.task_timeout),
-            preopens: Vec::new(),
+            preopens,
             gauge: Arc::new(TaskGauge::default()),
         }
     }

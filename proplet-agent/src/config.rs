@@ -109,6 +109,9 @@ pub struct Flags {
     /// Namespace reported in heartbeats (`default`).
     #[arg(long, env = "PROPLET_MANAGER_K8S_NAMESPACE")]
     pub namespace: Option<String>,
+    /// Host directories tasks may ask to have preopened (colon-separated); none by default.
+    #[arg(long, env = "PROPLET_DIRS")]
+    pub dirs: Option<String>,
     /// Directory for the result spool and caches.
     #[arg(long, env = "PROPLET_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -194,6 +197,8 @@ pub struct Config {
     pub chunk_timeout: Duration,
     /// Where the health and metrics endpoint listens, when enabled.
     pub telemetry: Option<std::net::SocketAddr>,
+    /// Directories tasks may be granted.
+    pub preopen_dirs: Vec<PathBuf>,
 }
 
 /// Environment aliases accepted for upstream compatibility: (alias, canonical).
@@ -466,6 +471,15 @@ impl Config {
             chunk_timeout,
             telemetry: telemetry_enabled
                 .then(|| std::net::SocketAddr::from(([0, 0, 0, 0], telemetry_port))),
+            preopen_dirs: pick(&flags.dirs, "dirs")
+                .map(|d| {
+                    d.split([':', ','])
+                        .map(str::trim)
+                        .filter(|p| !p.is_empty())
+                        .map(PathBuf::from)
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 }

@@ -14,6 +14,7 @@ pub struct SystemProbe {
     /// `None` where sysinfo does not support the platform; figures are then omitted.
     system: Mutex<Option<System>>,
     pid: Pid,
+    ip: Mutex<Option<String>>,
 }
 
 impl Default for SystemProbe {
@@ -28,7 +29,23 @@ impl SystemProbe {
         Self {
             system: Mutex::new(System::new().ok()),
             pid: Pid::from_u32(std::process::id()),
+            ip: Mutex::new(None),
         }
+    }
+
+    /// Learns the local address used to reach the broker (a UDP "connect" sends nothing).
+    /// Called once per MQTT session, since the route may change between sessions.
+    pub fn learn_ip(&self, host: &str, port: u16) {
+        let found = std::net::UdpSocket::bind(("0.0.0.0", 0))
+            .and_then(|socket| {
+                socket.connect((host, port))?;
+                socket.local_addr()
+            })
+            .ok()
+            .map(|addr| addr.ip())
+            .filter(|ip| !ip.is_unspecified())
+            .map(|ip| ip.to_string());
+        *self.ip.lock().unwrap_or_else(|e| e.into_inner()) = found;
     }
 
     /// Discovery and heartbeat metadata.
@@ -41,7 +58,7 @@ impl SystemProbe {
             description: config.description.clone(),
             tags: config.tags.clone(),
             location: config.location.clone(),
-            ip: None,
+            ip: self.ip.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             environment: Some(
                 if std::path::Path::new("/.dockerenv").exists() {
                     "docker"

@@ -41,7 +41,7 @@ pub struct Limits {
     pub max_output_bytes: usize,
     /// Compiled modules kept in memory.
     pub cache_entries: usize,
-    /// Host directories a task may be granted (`dir` in the task env `PROPLET_PREOPEN`).
+    /// Host directories a task may be granted (it asks with `PROPLET_PREOPEN` in its env).
     pub preopen_allow_list: Vec<PathBuf>,
     /// Directory for compiled modules, so a restart does not recompile; `None` disables it.
     /// It must be private to the agent: its files are loaded as native code.

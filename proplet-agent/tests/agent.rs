@@ -613,3 +613,68 @@ async fn health_readiness_and_metrics_endpoint() {
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(WAIT, task).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latent_tasks_answer_invocations() {
+    use propeller_broker::protocol::InvokeRequest;
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let _agent = spawn_agent(agent_config(b.addr(), "proplet-1", "key-1", state.path()));
+    // Discovery carries the address used to reach the broker.
+    let ip = b
+        .wait_for("discovery", |e| match e.kind {
+            EventKind::Discovered(d) => Some(d.metadata.and_then(|m| m.ip)),
+            _ => None,
+        })
+        .await;
+    assert_eq!(ip.as_deref(), Some("127.0.0.1"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut latent = add_task("t-latent", Some("proplet-1"));
+    latent.latent = true;
+    b.start(&latent).await;
+    // Deploying a latent task publishes nothing; give it a moment to compile.
+    b.assert_no_result("t-latent", Duration::from_millis(500))
+        .await;
+    let invoke = |invocation: &str, inputs: &[&str]| InvokeRequest {
+        id: "t-latent".into(),
+        proplet_id: Some("proplet-1".into()),
+        invocation_id: Some(invocation.into()),
+        inputs: inputs.iter().map(|s| s.to_string()).collect(),
+        ..InvokeRequest::default()
+    };
+    for (id, inputs, expected) in [("inv-1", vec!["1", "2"], "3"), ("inv-2", vec![], "42")] {
+        if let Err(e) = b
+            .broker
+            .publisher()
+            .invoke(&channel(), &invoke(id, &inputs))
+            .await
+        {
+            panic!("{e}");
+        }
+        let reply = b
+            .wait_for("invoke result", |e| match e.kind {
+                EventKind::InvokeResult(r) if r.invocation_id == id => Some(r),
+                _ => None,
+            })
+            .await;
+        assert_eq!(
+            reply.results,
+            ResultValue::Text(expected.into()),
+            "{reply:?}"
+        );
+        assert_eq!(reply.error, None);
+    }
+    let mut unknown = invoke("inv-3", &[]);
+    unknown.id = "nope".into();
+    if let Err(e) = b.broker.publisher().invoke(&channel(), &unknown).await {
+        panic!("{e}");
+    }
+    let reply = b
+        .wait_for("invoke result", |e| match e.kind {
+            EventKind::InvokeResult(r) if r.invocation_id == "inv-3" => Some(r),
+            _ => None,
+        })
+        .await;
+    assert!(reply.error.is_some_and(|e| e.contains("not deployed")));
+}

@@ -281,3 +281,36 @@ fn compiled_modules_survive_a_restart_through_the_disk_cache() {
     let third = runtime(limits);
     assert_eq!(third.compile(&module).map(|(_, cached)| cached), Ok(false));
 }
+
+/// Returns the WASI errno of `fd_prestat_get(3)`: 0 when a directory is preopened.
+const PRESTAT: &str = r#"(module
+  (import "wasi_snapshot_preview1" "fd_prestat_get" (func $prestat (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "check") (result i32) (call $prestat (i32.const 3) (i32.const 16))))"#;
+
+#[test]
+fn directories_are_preopened_only_from_the_allow_list() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let allowed = dir.path().join("data");
+    std::fs::create_dir_all(&allowed).unwrap_or_else(|e| panic!("{e}"));
+    let rt = runtime(Limits {
+        preopen_allow_list: vec![allowed.clone()],
+        ..Limits::default()
+    });
+    let module = wat(PRESTAT);
+    // No directory unless asked for: fd 3 does not exist (EBADF = 8).
+    assert_eq!(call(&rt, &module, invocation("check", &[])), Ok("8".into()));
+    let granted = Invocation {
+        preopens: vec![allowed],
+        ..invocation("check", &[])
+    };
+    assert_eq!(call(&rt, &module, granted), Ok("0".into()));
+    let outside = Invocation {
+        preopens: vec![dir.path().to_owned()],
+        ..invocation("check", &[])
+    };
+    assert!(matches!(
+        call(&rt, &module, outside),
+        Err(RunError::PreopenDenied(_))
+    ));
+}
