@@ -12,20 +12,10 @@ const ADD_B64: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwgBBG1haW4AAAoJAQcAIAAgAWoL"
 #[test]
 fn proplet_runs_a_task_sent_through_the_broker() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let creds = dir.path().join("credentials.toml");
-    std::fs::write(
-        &creds,
+    let (broker, port) = support::start_broker(
+        dir.path(),
         "[[client]]\nid = \"pi-1\"\nkey = \"pi-key\"\n\n[[client]]\nid = \"ops\"\nkey = \"ops-key\"\nrole = \"service\"\n\n[[client]]\nid = \"ops-watch\"\nkey = \"ops-key\"\nrole = \"service\"\n",
-    )
-    .expect("write credentials");
-
-    let mut cmd = binary("propeller");
-    cmd.args(["broker", "--mqtt-listen", "127.0.0.1:0", "--credentials"])
-        .arg(&creds)
-        .env("RUST_LOG", "info");
-    let broker = Running::spawn(cmd);
-    let line = broker.stdout_line("mqtt listening on");
-    let port = line.rsplit(':').next().expect("port").trim().to_owned();
+    );
 
     // Upstream variable names, including the aliases, as a Docker deployment sets them.
     let mut agent = binary("proplet");

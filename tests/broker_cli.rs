@@ -2,21 +2,14 @@
 
 mod support;
 
-use support::{binary, mosquitto_pub, Running, WAIT};
+use support::{binary, mosquitto_pub, WAIT};
 
 #[test]
 fn broker_command_authenticates_logs_events_and_reloads_credentials() {
     let dir = tempfile::tempdir().expect("temp dir");
+    let (broker, port) =
+        support::start_broker(dir.path(), "[[client]]\nid = \"pi-1\"\nkey = \"s3cret\"\n");
     let creds = dir.path().join("credentials.toml");
-    std::fs::write(&creds, "[[client]]\nid = \"pi-1\"\nkey = \"s3cret\"\n").expect("write");
-
-    let mut cmd = binary("propeller");
-    cmd.args(["broker", "--mqtt-listen", "127.0.0.1:0", "--credentials"])
-        .arg(&creds)
-        .env("RUST_LOG", "info");
-    let broker = Running::spawn(cmd);
-    let line = broker.stdout_line("mqtt listening on");
-    let port = line.rsplit(':').next().expect("port").trim().to_owned();
 
     let topic = "m/d1/c/c1/control/proplet/alive";
     assert!(mosquitto_pub(

@@ -116,6 +116,46 @@ fn k8s_proplet_plans_its_deployment_and_takes_phase_from_it() {
     );
 }
 
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// The next request, checked to be a PATCH of `path` with `content_type` and every `query`
+/// part; returns its JSON body and the responder.
+async fn next_patch(
+    handle: &mut Handle,
+    path: &str,
+    content_type: &str,
+    query: &[&str],
+) -> (Value, tower_test::mock::SendResponse<Response<Body>>) {
+    let (request, respond) = handle
+        .next_request()
+        .await
+        .unwrap_or_else(|| panic!("no request for {path}"));
+    assert_eq!(request.method(), Method::PATCH);
+    assert_eq!(request.uri().path(), path);
+    let sent_query = request.uri().query().unwrap_or_default().to_owned();
+    assert!(query.iter().all(|q| sent_query.contains(q)), "{sent_query}");
+    assert_eq!(
+        request
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some(content_type)
+    );
+    let bytes = request
+        .into_body()
+        .collect_bytes()
+        .await
+        .unwrap_or_default();
+    let body = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    (body, respond)
+}
+
+fn json_response(body: &Value) -> Response<Body> {
+    Response::builder()
+        .body(Body::from(serde_json::to_vec(body).unwrap_or_default()))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 #[tokio::test]
 async fn executor_applies_the_deployment_then_patches_the_status() {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -125,68 +165,25 @@ async fn executor_applies_the_deployment_then_patches_the_status() {
 
     let server = tokio::spawn(async move {
         // 1. Server-side apply of the Deployment.
-        let (request, respond) = handle
-            .next_request()
-            .await
-            .unwrap_or_else(|| panic!("no deployment request"));
-        assert_eq!(request.method(), Method::PATCH);
-        assert_eq!(
-            request.uri().path(),
-            "/apis/apps/v1/namespaces/iot/deployments/edge-proplet"
-        );
-        let query = request.uri().query().unwrap_or_default().to_owned();
-        assert!(
-            query.contains("fieldManager=propeller") && query.contains("force=true"),
-            "{query}"
-        );
-        assert_eq!(
-            request
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok()),
-            Some("application/apply-patch+yaml")
-        );
-        let body: Value = serde_json::from_slice(
-            &request
-                .into_body()
-                .collect_bytes()
-                .await
-                .unwrap_or_default(),
+        let (body, respond) = next_patch(
+            &mut handle,
+            "/apis/apps/v1/namespaces/iot/deployments/edge-proplet",
+            "application/apply-patch+yaml",
+            &["fieldManager=propeller", "force=true"],
         )
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await;
         assert_eq!(body["kind"], "Deployment");
         assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "u-1");
-        respond.send_response(
-            Response::builder()
-                .body(Body::from(serde_json::to_vec(&body).unwrap_or_default()))
-                .unwrap_or_else(|e| panic!("{e}")),
-        );
+        respond.send_response(json_response(&body));
 
         // 2. Merge patch of the status subresource.
-        let (request, respond) = handle
-            .next_request()
-            .await
-            .unwrap_or_else(|| panic!("no status request"));
-        assert_eq!(request.method(), Method::PATCH);
-        assert_eq!(
-            request.uri().path(),
-            "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/proplets/edge/status"
-        );
-        assert_eq!(
-            request
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok()),
-            Some("application/merge-patch+json")
-        );
-        let body: Value = serde_json::from_slice(
-            &request
-                .into_body()
-                .collect_bytes()
-                .await
-                .unwrap_or_default(),
+        let (body, respond) = next_patch(
+            &mut handle,
+            "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/proplets/edge/status",
+            "application/merge-patch+json",
+            &[],
         )
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await;
         assert_eq!(body["status"]["phase"], "Initializing");
         assert_eq!(body["status"]["observedGeneration"], 3);
         let conditions = body["status"]["conditions"]
@@ -198,11 +195,7 @@ async fn executor_applies_the_deployment_then_patches_the_status() {
             .any(|c| c["type"] == "Ready" && c["status"] == "False"));
         let mut echoed = serde_json::to_value(k8s()).unwrap_or_default();
         echoed["status"] = body["status"].clone();
-        respond.send_response(
-            Response::builder()
-                .body(Body::from(serde_json::to_vec(&echoed).unwrap_or_default()))
-                .unwrap_or_else(|e| panic!("{e}")),
-        );
+        respond.send_response(json_response(&echoed));
     });
     if let Err(e) = apply(&client, &proplet, &p).await {
         panic!("apply failed: {e}");

@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::config::Config;
 use crate::fetch::HttpFetcher;
 use crate::spool::Spool;
-use crate::system::SystemProbe;
+use crate::system::{cpu_seconds, SystemProbe};
 use crate::telemetry::AgentMetrics;
 use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, WasmRuntime};
 
@@ -142,7 +142,6 @@ impl Agent {
             .context("domain and channel ids")?;
         let runtime = WasmRuntime::new(Limits {
             max_memory_bytes: config.task_memory_limit,
-            default_timeout: config.task_timeout,
             fuel: config.task_fuel,
             disk_cache: Some(config.state_dir.join("modules")),
             preopen_allow_list: config.preopen_dirs.clone(),
@@ -162,7 +161,7 @@ impl Agent {
             client,
             runtime: Arc::new(runtime),
             spool: Arc::new(spool),
-            probe: Arc::new(SystemProbe::new()),
+            probe: Arc::new(SystemProbe::new(&config)),
             running: Mutex::new(HashMap::new()),
             latent: Mutex::new(HashMap::new()),
             fetches: Mutex::new(HashMap::new()),
@@ -284,7 +283,7 @@ impl Agent {
         let discovery = Discovery {
             proplet_id: self.config.client_id.clone(),
             namespace: Some(self.config.namespace.clone()),
-            metadata: Some(self.probe.metadata(&self.config)),
+            metadata: Some(self.probe.metadata()),
         };
         self.publish_now(self.channel.discovery(), discovery.encode())
             .await;
@@ -312,7 +311,7 @@ impl Agent {
             let beat = Heartbeat {
                 proplet_id: self.config.client_id.clone(),
                 namespace: Some(self.config.namespace.clone()),
-                metadata: Some(self.probe.metadata(&self.config)),
+                metadata: Some(self.probe.metadata()),
                 metrics: Some(self.probe.heartbeat_metrics()),
             };
             self.publish_now(self.channel.alive(), beat.encode()).await;
@@ -656,12 +655,7 @@ impl Agent {
     }
 
     fn on_stop(&self, request: &StopRequest) {
-        if request
-            .proplet_id
-            .as_deref()
-            .is_some_and(|p| p != self.config.client_id)
-            && !request.broadcast
-        {
+        if !request.is_for(&self.config.client_id) {
             return;
         }
         let found_running = self.lock_running().get(&request.id).cloned();
@@ -801,15 +795,8 @@ impl Agent {
     async fn spool_message(&self, topic: String, payload: Vec<u8>) {
         let spool = self.spool.clone();
         let text = String::from_utf8_lossy(&payload).into_owned();
-        let stored = tokio::task::spawn_blocking(move || {
-            let stored = spool.push(&topic, &text);
-            (stored, spool.len())
-        })
-        .await
-        .map(|(stored, depth)| {
-            self.metrics.spooled_results.set(depth as i64);
-            stored
-        });
+        let stored = tokio::task::spawn_blocking(move || spool.push(&topic, &text)).await;
+        self.metrics.spooled_results.set(self.spool.len() as i64);
         match stored {
             Ok(Ok(None)) => {}
             Ok(Ok(Some(dropped))) => warn!(
@@ -874,13 +861,7 @@ impl Summary {
 
 /// CPU seconds (user + system) consumed by one thread of this process (Linux).
 fn thread_cpu_seconds(thread_id: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/self/task/{thread_id}/stat")).ok()?;
-    let after = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    // USER_HZ is 100 on every Linux architecture the agent targets.
-    Some((utime + stime) / 100.0)
+    cpu_seconds(&format!("/proc/self/task/{thread_id}/stat")).map(|(user, system)| user + system)
 }
 
 /// Why a start request cannot run, checked before anything is fetched.

@@ -551,31 +551,16 @@ fn load_file(path: &Path) -> Result<FileValues, ConfigError> {
     Ok(FileValues(values))
 }
 
-/// Parses `10`, `10s`, `500ms`, `2m`, `1h`; a bare number is seconds.
+/// Parses `10` (seconds, as upstream agents read it) or a Go-style duration (`10s`,
+/// `500ms`, `1m30s`).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (e.g. 10, 10s, 500ms, 1m)"))?;
-    let seconds = match unit.trim() {
-        "" | "s" => value,
-        "ms" => value / 1000.0,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        other => {
-            return Err(format!(
-                "{text:?}: unknown unit {other:?} (use ms, s, m or h)"
-            ))
+    match text.trim().parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => {
+            Ok(Duration::from_secs_f64(seconds))
         }
-    };
-    if !seconds.is_finite() || seconds < 0.0 {
-        return Err(format!("{text:?} is not a valid duration"));
+        Ok(_) => Err(format!("{text:?} is not a valid duration")),
+        Err(_) => propeller_broker::protocol::parse_duration(text),
     }
-    Ok(Duration::from_secs_f64(seconds))
 }
 
 /// Parses a count or size: `1000`, `64Mi`, `1Gi`, `512Ki`.

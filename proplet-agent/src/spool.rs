@@ -7,7 +7,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -28,6 +28,8 @@ pub struct Spool {
     dir: PathBuf,
     max_entries: usize,
     next_seq: AtomicU64,
+    /// Entries on disk, kept in memory so the depth costs no directory scan.
+    count: AtomicUsize,
     added: Notify,
 }
 
@@ -35,16 +37,13 @@ impl Spool {
     /// Opens (or creates) the spool in `dir`, continuing its sequence.
     pub fn open(dir: &Path, max_entries: usize) -> io::Result<Self> {
         fs::create_dir_all(dir)?;
-        let mut last = 0;
-        for path in list(dir)? {
-            if let Some(seq) = seq_of(&path) {
-                last = last.max(seq);
-            }
-        }
+        let existing = list(dir)?;
+        let last = existing.iter().filter_map(|p| seq_of(p)).max().unwrap_or(0);
         Ok(Self {
             dir: dir.to_owned(),
             max_entries: max_entries.max(1),
             next_seq: AtomicU64::new(last + 1),
+            count: AtomicUsize::new(existing.len()),
             added: Notify::new(),
         })
     }
@@ -68,11 +67,11 @@ impl Spool {
         }
         fs::rename(&tmp, &path)?;
         let mut dropped = None;
-        let entries = list(&self.dir)?;
-        if entries.len() > self.max_entries {
-            if let Some(oldest) = entries.first() {
+        if self.count.fetch_add(1, Ordering::SeqCst) + 1 > self.max_entries {
+            if let Some(oldest) = list(&self.dir)?.first() {
                 dropped = read(oldest).ok();
                 fs::remove_file(oldest)?;
+                self.decrement();
             }
         }
         self.added.notify_one();
@@ -86,7 +85,9 @@ impl Spool {
                 Ok(entry) => return Ok(Some(entry)),
                 // An unreadable entry cannot ever be sent: set it aside instead of blocking.
                 Err(_) => {
-                    let _ = fs::rename(&path, path.with_extension("corrupt"));
+                    if fs::rename(&path, path.with_extension("corrupt")).is_ok() {
+                        self.decrement();
+                    }
                 }
             }
         }
@@ -96,14 +97,28 @@ impl Spool {
     /// Removes an entry once the broker acknowledged it.
     pub fn remove(&self, entry: &Entry) -> io::Result<()> {
         match fs::remove_file(&entry.path) {
+            Ok(()) => {
+                self.decrement();
+                Ok(())
+            }
+            // Already gone (dropped as the oldest of a full spool): nothing to count.
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            other => other,
+            Err(e) => Err(e),
         }
+    }
+
+    /// One entry fewer; saturating, in case files were placed in the directory by hand.
+    fn decrement(&self) {
+        let _ = self
+            .count
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| {
+                Some(c.saturating_sub(1))
+            });
     }
 
     /// Entries waiting.
     pub fn len(&self) -> usize {
-        list(&self.dir).map(|l| l.len()).unwrap_or(0)
+        self.count.load(Ordering::SeqCst)
     }
 
     /// Whether nothing waits.

@@ -14,21 +14,43 @@ pub struct SystemProbe {
     /// `None` where sysinfo does not support the platform; figures are then omitted.
     system: Mutex<Option<System>>,
     pid: Pid,
+    /// Everything in the metadata but the address, which may change between sessions.
+    fixed: PropletMetadata,
     ip: Mutex<Option<String>>,
 }
 
-impl Default for SystemProbe {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl SystemProbe {
-    /// A probe for the current process.
-    pub fn new() -> Self {
+    /// A probe for the current process; reads the host facts once.
+    pub fn new(config: &Config) -> Self {
+        let mut system = System::new().ok();
+        let total_memory = system.as_mut().map(|sys| {
+            sys.refresh_memory();
+            sys.total_memory()
+        });
+        let fixed = PropletMetadata {
+            description: config.description.clone(),
+            tags: config.tags.clone(),
+            location: config.location.clone(),
+            ip: None,
+            environment: Some(
+                if std::path::Path::new("/.dockerenv").exists() {
+                    "docker"
+                } else {
+                    "binary"
+                }
+                .to_owned(),
+            ),
+            os: Some(std::env::consts::OS.to_owned()),
+            hostname: System::host_name().ok(),
+            cpu_arch: Some(std::env::consts::ARCH.to_owned()),
+            total_memory_bytes: total_memory,
+            proplet_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+            wasm_runtime: Some("wasmtime".to_owned()),
+        };
         Self {
-            system: Mutex::new(System::new().ok()),
+            system: Mutex::new(system),
             pid: Pid::from_u32(std::process::id()),
+            fixed,
             ip: Mutex::new(None),
         }
     }
@@ -49,30 +71,10 @@ impl SystemProbe {
     }
 
     /// Discovery and heartbeat metadata.
-    pub fn metadata(&self, config: &Config) -> PropletMetadata {
-        let total_memory = self.lock().as_mut().map(|sys| {
-            sys.refresh_memory();
-            sys.total_memory()
-        });
+    pub fn metadata(&self) -> PropletMetadata {
         PropletMetadata {
-            description: config.description.clone(),
-            tags: config.tags.clone(),
-            location: config.location.clone(),
             ip: self.ip.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-            environment: Some(
-                if std::path::Path::new("/.dockerenv").exists() {
-                    "docker"
-                } else {
-                    "binary"
-                }
-                .to_owned(),
-            ),
-            os: Some(std::env::consts::OS.to_owned()),
-            hostname: System::host_name().ok(),
-            cpu_arch: Some(std::env::consts::ARCH.to_owned()),
-            total_memory_bytes: total_memory,
-            proplet_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
-            wasm_runtime: Some("wasmtime".to_owned()),
+            ..self.fixed.clone()
         }
     }
 
@@ -133,24 +135,22 @@ impl SystemProbe {
     }
 }
 
-/// User and system CPU seconds of this process, from `/proc/self/stat` (Linux).
+/// User and system CPU seconds of this process (Linux).
 fn process_cpu_times() -> (Option<f64>, Option<f64>) {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return (None, None);
-    };
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let Some(after) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
-        return (None, None);
-    };
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = 100.0; // USER_HZ is 100 on every Linux architecture we target.
-    let parse = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .map(|t| t / ticks)
-    };
-    (parse(11), parse(12))
+    match cpu_seconds("/proc/self/stat") {
+        Some((user, system)) => (Some(user), Some(system)),
+        None => (None, None),
+    }
+}
+
+/// User and system CPU seconds from a `/proc/.../stat` file: fields 14 and 15, counted after
+/// the parenthesised command name (which may itself contain spaces).
+pub fn cpu_seconds(stat_path: &str) -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string(stat_path).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // USER_HZ is 100 on every Linux architecture the agent targets.
+    let seconds = |i: usize| fields.get(i)?.parse::<f64>().ok().map(|t| t / 100.0);
+    Some((seconds(11)?, seconds(12)?))
 }
 
 /// cgroup v2 (or v1) memory usage and limit; the limit is `None` when unlimited.

@@ -33,8 +33,6 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 pub struct Limits {
     /// Largest total linear memory of one task.
     pub max_memory_bytes: usize,
-    /// Wall-clock limit for non-daemon tasks without a timeout of their own.
-    pub default_timeout: Duration,
     /// Instruction budget per run; `None` disables metering.
     pub fuel: Option<u64>,
     /// Cap on captured stdout and on captured stderr, each.
@@ -52,7 +50,6 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_memory_bytes: 256 * 1024 * 1024,
-            default_timeout: Duration::from_secs(300),
             fuel: None,
             max_output_bytes: 1024 * 1024,
             cache_entries: 32,
@@ -244,11 +241,9 @@ pub struct Outcome {
     pub memory_bytes: usize,
 }
 
-/// A compiled module and its content hash.
+/// A compiled module, ready to instantiate (cheap to clone).
 #[derive(Clone)]
 pub struct Compiled {
-    /// SHA-256 of the bytes.
-    pub digest: [u8; 32],
     module: Module,
 }
 
@@ -297,30 +292,25 @@ impl WasmRuntime {
         })
     }
 
-    /// The limits in force.
-    pub fn limits(&self) -> &Limits {
-        &self.limits
-    }
-
     /// Compiles `bytes`, or returns the module with the same content from the memory cache
     /// or the disk cache; the flag says whether compilation was avoided.
     pub fn compile(&self, bytes: &[u8]) -> Result<(Compiled, bool), RunError> {
         let digest: [u8; 32] = Sha256::digest(bytes).into();
         if let Some(module) = self.cache_lock().get(&digest) {
-            return Ok((Compiled { digest, module }, true));
+            return Ok((Compiled { module }, true));
         }
         if wasmparser_is_component(bytes) {
             return Err(RunError::ComponentUnsupported);
         }
         if let Some(module) = self.load_from_disk(&digest) {
             self.cache_lock().put(digest, module.clone());
-            return Ok((Compiled { digest, module }, true));
+            return Ok((Compiled { module }, true));
         }
         let module =
             Module::new(&self.engine, bytes).map_err(|e| RunError::Compile(root_cause(&e)))?;
         self.store_on_disk(&digest, &module);
         self.cache_lock().put(digest, module.clone());
-        Ok((Compiled { digest, module }, false))
+        Ok((Compiled { module }, false))
     }
 
     fn disk_path(&self, digest: &[u8; 32]) -> Option<PathBuf> {
@@ -456,16 +446,15 @@ impl WasmRuntime {
             })
             .map_err(|e| RunError::Link(e.to_string()))?;
         }
-        let classify = |store: &Store<Host>, error: wasmtime::Error| {
-            self.classify_error(store, error, invocation, stop, &stderr)
-        };
+        let classify =
+            |error: wasmtime::Error| self.classify_error(error, invocation, stop, &stderr);
         let instance = match linker.instantiate(&mut store, module) {
             Ok(i) => i,
-            Err(e) => return Err(classify(&store, e)),
+            Err(e) => return Err(classify(e)),
         };
         if let Some(init) = instance.get_func(&mut store, "_initialize") {
             if let Err(e) = init.call(&mut store, &[], &mut []) {
-                return Err(classify(&store, e));
+                return Err(classify(e));
             }
         }
         let (name, func) = resolve_export(&mut store, &instance, &invocation.function)?;
@@ -485,7 +474,7 @@ impl WasmRuntime {
             Ok(()) => {}
             Err(e) => match e.downcast_ref::<I32Exit>() {
                 Some(I32Exit(0)) => {}
-                _ => return Err(classify(&store, e)),
+                _ => return Err(classify(e)),
             },
         }
         let output = if is_command || results.is_empty() && needs_wasi {
@@ -502,7 +491,6 @@ impl WasmRuntime {
 
     fn classify_error(
         &self,
-        store: &Store<Host>,
         error: wasmtime::Error,
         invocation: &Invocation,
         stop: &StopFlag,
@@ -532,7 +520,6 @@ impl WasmRuntime {
         {
             return RunError::MemoryLimit(self.limits.max_memory_bytes);
         }
-        let _ = store;
         if text.contains("unknown import") {
             return RunError::Link(root_cause(&error));
         }

@@ -102,6 +102,21 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, what: &str) -> String {
     }
 }
 
+/// Starts `propeller broker` on an ephemeral loopback port with `credentials` written to a
+/// file in `dir`; returns the process and the port.
+pub fn start_broker(dir: &std::path::Path, credentials: &str) -> (Running, String) {
+    let path = dir.join("credentials.toml");
+    std::fs::write(&path, credentials).expect("write credentials");
+    let mut cmd = binary("propeller");
+    cmd.args(["broker", "--mqtt-listen", "127.0.0.1:0", "--credentials"])
+        .arg(&path)
+        .env("RUST_LOG", "info");
+    let broker = Running::spawn(cmd);
+    let line = broker.stdout_line("mqtt listening on");
+    let port = line.rsplit(':').next().expect("port").trim().to_owned();
+    (broker, port)
+}
+
 /// Publishes one message with Debian's `mosquitto_pub` (username = client id); whether the
 /// broker accepted the login and the message.
 pub fn mosquitto_pub(port: &str, id: &str, key: &str, topic: &str, message: &str) -> bool {

@@ -120,18 +120,17 @@ impl Guard {
         };
         // A PUBLISH before CONNACK cannot reach the router; be strict anyway.
         let role = self.session.role.unwrap_or(Role::Proplet);
-        let topic = match std::str::from_utf8(&publish.topic) {
-            Ok(t) => t.to_owned(),
-            Err(_) => {
-                self.sink(publish);
-                return;
-            }
+        // A reference-counted handle, so the topic can be read while `publish` is rewritten.
+        let topic_bytes = publish.topic.clone();
+        let Ok(topic) = std::str::from_utf8(&topic_bytes) else {
+            sink(publish);
+            return;
         };
         let decision = judge_publish(
             &self.shared.decoder,
             role,
             client_id,
-            &topic,
+            topic,
             &publish.payload,
         );
         let label = KindLabel::of(decision.kind.as_ref());
@@ -151,15 +150,9 @@ impl Guard {
                     reason = reason.as_str(),
                     "publish dropped"
                 );
-                self.sink(publish);
+                sink(publish);
             }
         }
-    }
-
-    fn sink(&self, publish: &mut rumqttd::protocol::Publish) {
-        publish.topic = Bytes::from_static(DROPPED_TOPIC.as_bytes());
-        publish.payload = Bytes::new();
-        publish.retain = false;
     }
 
     fn on_subscribe(&self, subscribe: &mut rumqttd::protocol::Subscribe) {
@@ -191,6 +184,13 @@ impl Guard {
             sessions.insert(client_id.clone(), self.session.serial);
         }
     }
+}
+
+/// Rewrites a refused publish into an empty, unretained message on the inert sink topic.
+fn sink(publish: &mut rumqttd::protocol::Publish) {
+    publish.topic = Bytes::from_static(DROPPED_TOPIC.as_bytes());
+    publish.payload = Bytes::new();
+    publish.retain = false;
 }
 
 impl Clone for Guard {

@@ -174,13 +174,8 @@ async fn pipe<S>(mut client: S, relay: &Relay, peer: SocketAddr)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut backend = match connect_backend(relay.backend).await {
-        Ok(stream) => stream,
-        Err(error) => {
-            relay.metrics.refused_connection("backend_unavailable");
-            warn!(%peer, %error, "broker core not reachable");
-            return;
-        }
+    let Some(mut backend) = backend_for(relay, peer).await else {
+        return;
     };
     if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
         debug!(%peer, %error, "connection ended");
@@ -231,13 +226,8 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
             return;
         }
     };
-    let backend = match connect_backend(relay.backend).await {
-        Ok(stream) => stream,
-        Err(error) => {
-            relay.metrics.refused_connection("backend_unavailable");
-            warn!(%peer, %error, "broker core not reachable");
-            return;
-        }
+    let Some(backend) = backend_for(relay, peer).await else {
+        return;
     };
     let (mut ws_out, mut ws_in) = websocket.split();
     let (mut core_in, mut core_out) = backend.into_split();
@@ -274,6 +264,18 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
     tokio::select! {
         _ = upstream => {}
         _ = downstream => {}
+    }
+}
+
+/// The rumqttd connection for one client, or `None` (counted and logged) if unreachable.
+async fn backend_for(relay: &Relay, peer: SocketAddr) -> Option<TcpStream> {
+    match connect_backend(relay.backend).await {
+        Ok(stream) => Some(stream),
+        Err(error) => {
+            relay.metrics.refused_connection("backend_unavailable");
+            warn!(%peer, %error, "broker core not reachable");
+            None
+        }
     }
 }
 

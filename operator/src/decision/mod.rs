@@ -6,7 +6,6 @@ pub mod aggregation;
 pub mod conditions;
 pub mod cron;
 pub mod dag;
-pub mod duration;
 pub mod federated;
 pub mod liveness;
 pub mod names;

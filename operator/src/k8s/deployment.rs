@@ -11,9 +11,9 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use propeller_broker::protocol::{parse_duration, whole_seconds};
 
 use crate::crd::proplet::{ClientKeySource, LogLevel, Proplet, PropletType};
-use crate::decision::duration::{parse_go_duration, whole_seconds};
 use crate::decision::names::{label_value, proplet_deployment_name};
 
 /// Label naming the Proplet a Deployment belongs to.
@@ -80,7 +80,7 @@ fn env(name: &str, value: impl Into<String>) -> EnvVar {
 }
 
 fn seconds(field: &'static str, text: &str) -> Result<String, DeploymentError> {
-    parse_go_duration(text)
+    parse_duration(text)
         .map(|d| whole_seconds(d).to_string())
         .map_err(|message| DeploymentError::BadDuration { field, message })
 }
@@ -145,57 +145,56 @@ pub fn proplet_deployment(proplet: &Proplet) -> Result<Deployment, DeploymentErr
     if let Some(dir) = &k8s.plugin_dir {
         vars.push(env("PROPLET_PLUGIN_DIR", dir.clone()));
     }
-    if let Some(extra) = &k8s.env {
-        if let Some(v) = &extra.liveliness_interval {
-            vars.push(env(
-                "PROPLET_LIVELINESS_INTERVAL",
-                seconds("spec.k8s.env.livelinessInterval", v)?,
-            ));
-        }
-        if let Some(v) = &extra.metrics_interval {
-            vars.push(env(
-                "PROPLET_METRICS_INTERVAL",
-                seconds("spec.k8s.env.metricsInterval", v)?,
-            ));
-        }
-        let texts = [
-            (
-                "PROPLET_EXTERNAL_WASM_RUNTIME",
-                &extra.external_wasm_runtime,
-            ),
-            ("PROPLET_OTEL_URL", &extra.otel_url),
-            ("PROPLET_TRACE_RATIO", &extra.trace_ratio),
-            ("PROPLET_TAGS", &extra.tags),
-            ("PROPLET_LOCATION", &extra.location),
-            ("PROPLET_DESCRIPTION", &extra.description),
-            ("PROPLET_KBS_URI", &extra.kbs_uri),
-            ("PROPLET_AA_CONFIG_PATH", &extra.aa_config_path),
-            ("PROPLET_MQTT_TLS_CA_CERT", &extra.mqtt_tls_ca_cert),
-            ("PROPLET_MQTT_TLS_CLIENT_CERT", &extra.mqtt_tls_client_cert),
-            ("PROPLET_MQTT_TLS_CLIENT_KEY", &extra.mqtt_tls_client_key),
-        ];
-        vars.extend(
-            texts
-                .into_iter()
-                .filter_map(|(n, v)| v.as_ref().map(|v| env(n, v.clone()))),
-        );
-        let flags = [
-            ("PROPLET_HAL_ENABLED", extra.hal_enabled),
-            ("PROPLET_HTTP_ENABLED", extra.http_enabled),
-            ("PROPLET_USB_ENABLED", extra.usb_enabled),
-            (
-                "PROPLET_MQTT_TLS_INSECURE_SKIP_VERIFY",
-                extra.mqtt_tls_insecure_skip_verify,
-            ),
-        ];
-        vars.extend(
-            flags
-                .into_iter()
-                .filter_map(|(n, v)| v.map(|v| env(n, v.to_string()))),
-        );
-    }
-    // The agent's health endpoint backs the pod's probes; on unless turned off explicitly.
+    // Absent settings leave the agent's defaults.
     let extra = k8s.env.clone().unwrap_or_default();
+    if let Some(v) = &extra.liveliness_interval {
+        vars.push(env(
+            "PROPLET_LIVELINESS_INTERVAL",
+            seconds("spec.k8s.env.livelinessInterval", v)?,
+        ));
+    }
+    if let Some(v) = &extra.metrics_interval {
+        vars.push(env(
+            "PROPLET_METRICS_INTERVAL",
+            seconds("spec.k8s.env.metricsInterval", v)?,
+        ));
+    }
+    let texts = [
+        (
+            "PROPLET_EXTERNAL_WASM_RUNTIME",
+            &extra.external_wasm_runtime,
+        ),
+        ("PROPLET_OTEL_URL", &extra.otel_url),
+        ("PROPLET_TRACE_RATIO", &extra.trace_ratio),
+        ("PROPLET_TAGS", &extra.tags),
+        ("PROPLET_LOCATION", &extra.location),
+        ("PROPLET_DESCRIPTION", &extra.description),
+        ("PROPLET_KBS_URI", &extra.kbs_uri),
+        ("PROPLET_AA_CONFIG_PATH", &extra.aa_config_path),
+        ("PROPLET_MQTT_TLS_CA_CERT", &extra.mqtt_tls_ca_cert),
+        ("PROPLET_MQTT_TLS_CLIENT_CERT", &extra.mqtt_tls_client_cert),
+        ("PROPLET_MQTT_TLS_CLIENT_KEY", &extra.mqtt_tls_client_key),
+    ];
+    vars.extend(
+        texts
+            .into_iter()
+            .filter_map(|(n, v)| v.as_ref().map(|v| env(n, v.clone()))),
+    );
+    let flags = [
+        ("PROPLET_HAL_ENABLED", extra.hal_enabled),
+        ("PROPLET_HTTP_ENABLED", extra.http_enabled),
+        ("PROPLET_USB_ENABLED", extra.usb_enabled),
+        (
+            "PROPLET_MQTT_TLS_INSECURE_SKIP_VERIFY",
+            extra.mqtt_tls_insecure_skip_verify,
+        ),
+    ];
+    vars.extend(
+        flags
+            .into_iter()
+            .filter_map(|(n, v)| v.map(|v| env(n, v.to_string()))),
+    );
+    // The agent's health endpoint backs the pod's probes; on unless turned off explicitly.
     let probes_on = extra.metrics_enabled.unwrap_or(true);
     let port = extra.metrics_port.unwrap_or(DEFAULT_METRICS_PORT);
     vars.push(env("PROPLET_METRICS_ENABLED", probes_on.to_string()));
