@@ -120,6 +120,27 @@ impl Discovery {
     }
 }
 
+/// Decoding and encoding for records whose fields are all optional numbers, named exactly as
+/// their JSON keys: `from_fields` reads each with the given getter, `to_json` writes the
+/// present ones.
+macro_rules! optional_figures {
+    ($record:ident { $($field:ident: $getter:ident),+ $(,)? }) => {
+        impl $record {
+            fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
+                Ok(Self {
+                    $($field: f.$getter(stringify!($field))?,)+
+                })
+            }
+
+            fn to_json(&self) -> Value {
+                ObjectBuilder::new()
+                    $(.put_opt(stringify!($field), self.$field))+
+                    .build()
+            }
+        }
+    };
+}
+
 /// Resource use carried in our heartbeats (`metrics`); upstream ignores the key.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeartbeatMetrics {
@@ -131,23 +152,11 @@ pub struct HeartbeatMetrics {
     pub memory_percent: Option<f64>,
 }
 
-impl HeartbeatMetrics {
-    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
-        Ok(Self {
-            cpu_percent: f.opt_f64("cpu_percent")?,
-            memory_bytes: f.opt_u64("memory_bytes")?,
-            memory_percent: f.opt_f64("memory_percent")?,
-        })
-    }
-
-    fn to_json(&self) -> Value {
-        ObjectBuilder::new()
-            .put_opt("cpu_percent", self.cpu_percent)
-            .put_opt("memory_bytes", self.memory_bytes)
-            .put_opt("memory_percent", self.memory_percent)
-            .build()
-    }
-}
+optional_figures!(HeartbeatMetrics {
+    cpu_percent: opt_f64,
+    memory_bytes: opt_u64,
+    memory_percent: opt_f64,
+});
 
 /// A heartbeat (`control/proplet/alive` with `status:"alive"`): the agent is up.
 ///
@@ -257,23 +266,11 @@ pub struct CpuMetrics {
     pub percent: Option<f64>,
 }
 
-impl CpuMetrics {
-    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
-        Ok(Self {
-            user_seconds: f.opt_f64("user_seconds")?,
-            system_seconds: f.opt_f64("system_seconds")?,
-            percent: f.opt_f64("percent")?,
-        })
-    }
-
-    fn to_json(&self) -> Value {
-        ObjectBuilder::new()
-            .put_opt("user_seconds", self.user_seconds)
-            .put_opt("system_seconds", self.system_seconds)
-            .put_opt("percent", self.percent)
-            .build()
-    }
-}
+optional_figures!(CpuMetrics {
+    user_seconds: opt_f64,
+    system_seconds: opt_f64,
+    percent: opt_f64,
+});
 
 /// Memory figures of [`PropletMetrics`]; the Rust agent fills the process and cgroup keys, the
 /// embedded agent the heap keys.
@@ -299,35 +296,17 @@ pub struct MemoryMetrics {
     pub percent: Option<f64>,
 }
 
-impl MemoryMetrics {
-    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
-        Ok(Self {
-            rss_bytes: f.opt_u64("rss_bytes")?,
-            heap_alloc_bytes: f.opt_u64("heap_alloc_bytes")?,
-            heap_sys_bytes: f.opt_u64("heap_sys_bytes")?,
-            heap_inuse_bytes: f.opt_u64("heap_inuse_bytes")?,
-            heap_free_bytes: f.opt_u64("heap_free_bytes")?,
-            heap_max_alloc_bytes: f.opt_u64("heap_max_alloc_bytes")?,
-            container_usage_bytes: f.opt_u64("container_usage_bytes")?,
-            container_limit_bytes: f.opt_u64("container_limit_bytes")?,
-            percent: f.opt_f64("percent")?,
-        })
-    }
-
-    fn to_json(&self) -> Value {
-        ObjectBuilder::new()
-            .put_opt("rss_bytes", self.rss_bytes)
-            .put_opt("heap_alloc_bytes", self.heap_alloc_bytes)
-            .put_opt("heap_sys_bytes", self.heap_sys_bytes)
-            .put_opt("heap_inuse_bytes", self.heap_inuse_bytes)
-            .put_opt("heap_free_bytes", self.heap_free_bytes)
-            .put_opt("heap_max_alloc_bytes", self.heap_max_alloc_bytes)
-            .put_opt("container_usage_bytes", self.container_usage_bytes)
-            .put_opt("container_limit_bytes", self.container_limit_bytes)
-            .put_opt("percent", self.percent)
-            .build()
-    }
-}
+optional_figures!(MemoryMetrics {
+    rss_bytes: opt_u64,
+    heap_alloc_bytes: opt_u64,
+    heap_sys_bytes: opt_u64,
+    heap_inuse_bytes: opt_u64,
+    heap_free_bytes: opt_u64,
+    heap_max_alloc_bytes: opt_u64,
+    container_usage_bytes: opt_u64,
+    container_limit_bytes: opt_u64,
+    percent: opt_f64,
+});
 
 /// Host metrics (`control/proplet/metrics`), sent periodically by each agent.
 #[derive(Debug, Clone, PartialEq)]
@@ -418,35 +397,17 @@ pub struct ProcessMetrics {
     pub fuel_used: Option<u64>,
 }
 
-impl ProcessMetrics {
-    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
-        Ok(Self {
-            cpu_percent: f.opt_f64("cpu_percent")?,
-            memory_bytes: f.opt_u64("memory_bytes")?,
-            memory_percent: f.opt_f64("memory_percent")?,
-            disk_read_bytes: f.opt_u64("disk_read_bytes")?,
-            disk_write_bytes: f.opt_u64("disk_write_bytes")?,
-            uptime_seconds: f.opt_u64("uptime_seconds")?,
-            thread_count: f.opt_u64("thread_count")?,
-            file_descriptor_count: f.opt_u64("file_descriptor_count")?,
-            fuel_used: f.opt_u64("fuel_used")?,
-        })
-    }
-
-    fn to_json(&self) -> Value {
-        ObjectBuilder::new()
-            .put_opt("cpu_percent", self.cpu_percent)
-            .put_opt("memory_bytes", self.memory_bytes)
-            .put_opt("memory_percent", self.memory_percent)
-            .put_opt("disk_read_bytes", self.disk_read_bytes)
-            .put_opt("disk_write_bytes", self.disk_write_bytes)
-            .put_opt("uptime_seconds", self.uptime_seconds)
-            .put_opt("thread_count", self.thread_count)
-            .put_opt("file_descriptor_count", self.file_descriptor_count)
-            .put_opt("fuel_used", self.fuel_used)
-            .build()
-    }
-}
+optional_figures!(ProcessMetrics {
+    cpu_percent: opt_f64,
+    memory_bytes: opt_u64,
+    memory_percent: opt_f64,
+    disk_read_bytes: opt_u64,
+    disk_write_bytes: opt_u64,
+    uptime_seconds: opt_u64,
+    thread_count: opt_u64,
+    file_descriptor_count: opt_u64,
+    fuel_used: opt_u64,
+});
 
 /// Summary over the samples an agent kept (`aggregated` of [`TaskMetrics`]).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -467,31 +428,15 @@ pub struct AggregatedMetrics {
     pub sample_count: Option<u64>,
 }
 
-impl AggregatedMetrics {
-    fn from_fields(f: Fields<'_>) -> Result<Self, DecodeError> {
-        Ok(Self {
-            avg_cpu_usage: f.opt_f64("avg_cpu_usage")?,
-            max_cpu_usage: f.opt_f64("max_cpu_usage")?,
-            avg_memory_usage: f.opt_f64("avg_memory_usage")?,
-            max_memory_usage: f.opt_f64("max_memory_usage")?,
-            total_disk_read: f.opt_u64("total_disk_read")?,
-            total_disk_write: f.opt_u64("total_disk_write")?,
-            sample_count: f.opt_u64("sample_count")?,
-        })
-    }
-
-    fn to_json(&self) -> Value {
-        ObjectBuilder::new()
-            .put_opt("avg_cpu_usage", self.avg_cpu_usage)
-            .put_opt("max_cpu_usage", self.max_cpu_usage)
-            .put_opt("avg_memory_usage", self.avg_memory_usage)
-            .put_opt("max_memory_usage", self.max_memory_usage)
-            .put_opt("total_disk_read", self.total_disk_read)
-            .put_opt("total_disk_write", self.total_disk_write)
-            .put_opt("sample_count", self.sample_count)
-            .build()
-    }
-}
+optional_figures!(AggregatedMetrics {
+    avg_cpu_usage: opt_f64,
+    max_cpu_usage: opt_f64,
+    avg_memory_usage: opt_f64,
+    max_memory_usage: opt_f64,
+    total_disk_read: opt_u64,
+    total_disk_write: opt_u64,
+    sample_count: opt_u64,
+});
 
 /// Task metrics (`control/proplet/task_metrics`): periodic samples of one running task.
 #[derive(Debug, Clone, PartialEq)]
