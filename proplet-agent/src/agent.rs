@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use propeller_broker::protocol::{
-    decode, AggregatedMetrics, Channel, ChunkAssembler, ChunkProgress, Discovery, Heartbeat,
-    Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice, ProcessMetrics,
-    RegistryChunk, RegistryRequest, ResultValue, StartRequest, StopRequest, TaskMetrics,
-    TaskResult, Timestamp, TopicKind,
+    decode, targets, AggregatedMetrics, Channel, ChunkAssembler, ChunkProgress, Discovery,
+    Heartbeat, Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice,
+    ProcessMetrics, RegistryChunk, RegistryRequest, ResultValue, StartRequest, StopRequest,
+    TaskMetrics, TaskResult, Timestamp, TopicKind,
 };
 use rumqttc::{
     AsyncClient, ConnectReturnCode, Event, EventLoop, LastWill, MqttOptions, Outgoing, Packet, QoS,
@@ -441,7 +441,7 @@ impl Agent {
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
         let target = value.get("proplet_id").and_then(|v| v.as_str());
-        if broadcast || target.is_none_or(|t| t == self.config.client_id) {
+        if targets(broadcast, target, &self.config.client_id) {
             self.report(id, Err(format!("invalid start request: {error}")))
                 .await;
         }

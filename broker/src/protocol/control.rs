@@ -124,8 +124,9 @@ impl Default for MonitoringProfile {
 }
 
 /// Upstream targeting: a broadcast, or a message without a (non-empty) `proplet_id`, is for
-/// every agent; otherwise only for the named one.
-fn targets(broadcast: bool, target: Option<&str>, proplet_id: &str) -> bool {
+/// every agent; otherwise only for the named one. Public for agents that must apply it to a
+/// message that did not decode.
+pub fn targets(broadcast: bool, target: Option<&str>, proplet_id: &str) -> bool {
     match target {
         _ if broadcast => true,
         None | Some("") => true,

@@ -24,7 +24,7 @@ mod topics;
 mod tests;
 
 pub use control::{
-    InvokeRequest, MonitoringProfile, StartRequest, StopRequest, DEFAULT_STOP_STATE,
+    targets, InvokeRequest, MonitoringProfile, StartRequest, StopRequest, DEFAULT_STOP_STATE,
 };
 pub use error::{ChunkError, DecodeError, TopicError};
 pub use fl::{FlRoundId, FlRoundStart, FlUpdate, FlUpdateMessage};
