@@ -1,7 +1,8 @@
 //! Propeller operator: the custom resource types, the pure decision core that every driver
-//! executes, and (in later modules) the Kubernetes and standalone drivers.
+//! executes, and the Kubernetes driver.
 
 pub mod crd;
 pub mod decision;
+pub mod inbox;
 pub mod k8s;
 pub mod validation;

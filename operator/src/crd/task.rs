@@ -162,12 +162,32 @@ pub enum TaskKind {
     Federated,
 }
 
+impl TaskKind {
+    /// The wire and YAML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskKind::Standard => "standard",
+            TaskKind::Federated => "federated",
+        }
+    }
+}
+
 /// Purpose of the task, forwarded to the proplet.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TaskMode {
     Infer,
     Train,
+}
+
+impl TaskMode {
+    /// The wire and YAML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskMode::Infer => "infer",
+            TaskMode::Train => "train",
+        }
+    }
 }
 
 /// Proplet type a task may run on.
@@ -375,4 +395,15 @@ pub struct TaskStatus {
     /// Generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The last value of the rerun annotation that was honoured, so one request runs once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub rerun_token: Option<String>,
 }
+
+/// Annotation that asks for a finished task to run again: set it to any new value, e.g.
+/// `kubectl annotate task NAME propeller.propeller.absmach.eu/rerun="$(date +%s)" --overwrite`.
+pub const RERUN_ANNOTATION: &str = "propeller.propeller.absmach.eu/rerun";
+
+/// Finalizer that lets a deleted task stop on its proplet first.
+pub const TASK_FINALIZER: &str = "propeller.propeller.absmach.eu/task-stop";

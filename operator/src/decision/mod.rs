@@ -12,4 +12,5 @@ pub mod names;
 pub mod propeller_job;
 pub mod recurrence;
 pub mod scheduler;
+pub mod task;
 pub mod task_phase;

@@ -1,7 +1,9 @@
-//! Kubernetes-side building blocks of the operator: desired objects and the broker's
-//! credential table, derived from resources without any API call.
+//! The Kubernetes driver: desired objects, the broker's credential table, and the executors
+//! that apply the decision core's plans through kube-rs.
 
 pub mod credentials;
 pub mod deployment;
 pub mod observations;
+pub mod patch;
 pub mod proplet;
+pub mod task;

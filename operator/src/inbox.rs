@@ -1,0 +1,198 @@
+//! What the broker reported about tasks, held until a status write includes it.
+//!
+//! Results are never dropped because a Task is not (yet) in a driver's cache: they wait here,
+//! keyed by the task id on the wire (the Task's UID), until a reconcile writes them into the
+//! status and consumes them. Task metrics keep only the latest sample, since only the latest
+//! is shown. The dispatch ledger remembers which runs this process already started, so a
+//! retried reconcile never publishes a start twice.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::crd::common::MetricsSample;
+use crate::decision::task::ReportedResult;
+
+/// Results kept per task before further ones are refused (a device flooding one task id).
+pub const MAX_PENDING_RESULTS_PER_TASK: usize = 256;
+
+#[derive(Debug, Default)]
+struct Pending {
+    results: Vec<ReportedResult>,
+    metrics: Option<MetricsSample>,
+}
+
+/// Pending task reports by task UID.
+#[derive(Debug, Default)]
+pub struct TaskInbox {
+    pending: Mutex<HashMap<String, Pending>>,
+}
+
+/// Whether a result was queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queued {
+    /// Queued for the task's next reconcile.
+    Yes,
+    /// Refused: the task already has [`MAX_PENDING_RESULTS_PER_TASK`] unapplied results.
+    Full,
+}
+
+impl TaskInbox {
+    /// An empty inbox.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Pending>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a result for task `uid`.
+    pub fn push_result(&self, uid: &str, result: ReportedResult) -> Queued {
+        let mut pending = self.lock();
+        let entry = pending.entry(uid.to_owned()).or_default();
+        if entry.results.len() >= MAX_PENDING_RESULTS_PER_TASK {
+            return Queued::Full;
+        }
+        entry.results.push(result);
+        Queued::Yes
+    }
+
+    /// Replaces the pending metrics sample of task `uid`.
+    pub fn push_metrics(&self, uid: &str, sample: MetricsSample) {
+        self.lock().entry(uid.to_owned()).or_default().metrics = Some(sample);
+    }
+
+    /// What is pending for `uid`, without consuming it.
+    pub fn peek(&self, uid: &str) -> (Vec<ReportedResult>, Option<MetricsSample>) {
+        self.lock()
+            .get(uid)
+            .map(|p| (p.results.clone(), p.metrics.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Forgets the first `results` results and, if `metrics` is the pending sample, the
+    /// metrics: a status write that included them succeeded.
+    pub fn consume(&self, uid: &str, results: usize, metrics: Option<&MetricsSample>) {
+        let mut pending = self.lock();
+        let Some(entry) = pending.get_mut(uid) else {
+            return;
+        };
+        let n = results.min(entry.results.len());
+        entry.results.drain(..n);
+        if metrics.is_some() && entry.metrics.as_ref() == metrics {
+            entry.metrics = None;
+        }
+        if entry.results.is_empty() && entry.metrics.is_none() {
+            pending.remove(uid);
+        }
+    }
+
+    /// Drops everything pending for a task that no longer exists.
+    pub fn forget(&self, uid: &str) {
+        self.lock().remove(uid);
+    }
+
+    /// Task ids with pending reports (for tests and metrics).
+    pub fn waiting_tasks(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// Runs whose start this process already published, as (task UID, run number).
+#[derive(Debug, Default)]
+pub struct DispatchLedger {
+    sent: Mutex<HashSet<(String, i64)>>,
+}
+
+impl DispatchLedger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashSet<(String, i64)>> {
+        self.sent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether run `run` of task `uid` was started.
+    pub fn contains(&self, uid: &str, run: i64) -> bool {
+        self.lock().contains(&(uid.to_owned(), run))
+    }
+
+    /// Records that run `run` of task `uid` was started; older runs are forgotten.
+    pub fn record(&self, uid: &str, run: i64) {
+        let mut sent = self.lock();
+        sent.retain(|(u, r)| u != uid || *r >= run);
+        sent.insert((uid.to_owned(), run));
+    }
+
+    /// Forgets a deleted task.
+    pub fn forget(&self, uid: &str) {
+        self.lock().retain(|(u, _)| u != uid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn result(from: &str) -> ReportedResult {
+        ReportedResult {
+            client_id: from.into(),
+            value: json!("42"),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn results_wait_until_consumed_and_later_ones_stay() {
+        let inbox = TaskInbox::new();
+        inbox.push_result("u1", result("a"));
+        let (seen, _) = inbox.peek("u1");
+        inbox.push_result("u1", result("b"));
+        inbox.consume("u1", seen.len(), None);
+        let (left, _) = inbox.peek("u1");
+        assert_eq!(left, vec![result("b")]);
+        inbox.consume("u1", 1, None);
+        assert_eq!(inbox.waiting_tasks(), 0);
+    }
+
+    #[test]
+    fn a_flooded_task_refuses_more_results() {
+        let inbox = TaskInbox::new();
+        for _ in 0..MAX_PENDING_RESULTS_PER_TASK {
+            assert_eq!(inbox.push_result("u", result("a")), Queued::Yes);
+        }
+        assert_eq!(inbox.push_result("u", result("a")), Queued::Full);
+    }
+
+    #[test]
+    fn metrics_are_consumed_only_if_unchanged() {
+        let inbox = TaskInbox::new();
+        let first = MetricsSample {
+            memory_bytes: 1,
+            ..MetricsSample::default()
+        };
+        let second = MetricsSample {
+            memory_bytes: 2,
+            ..MetricsSample::default()
+        };
+        inbox.push_metrics("u", first.clone());
+        inbox.push_metrics("u", second.clone());
+        inbox.consume("u", 0, Some(&first));
+        assert_eq!(inbox.peek("u").1, Some(second));
+    }
+
+    #[test]
+    fn the_ledger_remembers_the_current_run_only() {
+        let ledger = DispatchLedger::new();
+        ledger.record("u", 1);
+        assert!(ledger.contains("u", 1));
+        ledger.record("u", 2);
+        assert!(!ledger.contains("u", 1));
+        assert!(ledger.contains("u", 2));
+        ledger.forget("u");
+        assert!(!ledger.contains("u", 2));
+    }
+}
