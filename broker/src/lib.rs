@@ -4,6 +4,8 @@
 //! `server` feature, the embedded broker that authenticates devices and turns their publishes
 //! into typed in-process events.
 
+#[cfg(feature = "http")]
+pub mod http;
 pub mod protocol;
 #[cfg(feature = "server")]
 pub mod server;

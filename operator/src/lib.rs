@@ -5,4 +5,5 @@ pub mod crd;
 pub mod decision;
 pub mod inbox;
 pub mod k8s;
+pub mod metrics;
 pub mod validation;

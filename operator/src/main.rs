@@ -25,6 +25,8 @@ enum Command {
     },
     /// Run the embedded MQTT broker alone and log every typed event (device bring-up).
     Broker(commands::broker::BrokerCommand),
+    /// Run the Kubernetes operator with the MQTT broker in the same process.
+    Run(Box<commands::run::RunCommand>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +52,11 @@ fn main() -> anyhow::Result<()> {
             commands::logging::init();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(commands::broker::run(cmd))?;
+        }
+        Command::Run(cmd) => {
+            commands::logging::init_with(cmd.log_format);
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::run::run(*cmd))?;
         }
     }
     Ok(())

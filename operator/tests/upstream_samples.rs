@@ -6,36 +6,52 @@ mod common;
 use propeller_operator::crd::{FederatedJob, PropellerJob, Proplet, Task, TrainingRound, GROUP};
 use propeller_operator::validation::Admission;
 
+/// Admits and parses every document of our group in `dir` (and `subdirs`); returns how many.
+fn admit_all(dirs: &[std::path::PathBuf]) -> usize {
+    let admission = Admission::new();
+    let mut ours = 0;
+    for dir in dirs {
+        for (file, doc) in &common::yaml_documents(dir) {
+            let api_version = doc["apiVersion"].as_str().unwrap_or_default();
+            if !api_version.starts_with(GROUP) {
+                continue;
+            }
+            ours += 1;
+            let defaulted = admission
+                .admit(doc, None)
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            let kind = doc["kind"].as_str().unwrap();
+            let parsed = match kind {
+                "Proplet" => serde_json::from_value::<Proplet>(defaulted).map(|_| ()),
+                "Task" => serde_json::from_value::<Task>(defaulted).map(|_| ()),
+                "PropellerJob" => serde_json::from_value::<PropellerJob>(defaulted).map(|_| ()),
+                "FederatedJob" => serde_json::from_value::<FederatedJob>(defaulted).map(|_| ()),
+                "TrainingRound" => serde_json::from_value::<TrainingRound>(defaulted).map(|_| ()),
+                other => panic!("{file}: unexpected kind {other}"),
+            };
+            parsed.unwrap_or_else(|e| panic!("{file}: does not parse as {kind}: {e}"));
+        }
+    }
+    ours
+}
+
 #[test]
 fn every_upstream_sample_of_our_kinds_is_admitted_and_parses() {
-    let admission = Admission::new();
-    let docs = common::yaml_documents(&common::upstream_samples_dir());
-    let mut ours = 0;
-    for (file, doc) in &docs {
-        let api_version = doc["apiVersion"].as_str().unwrap_or_default();
-        if !api_version.starts_with(GROUP) {
-            continue;
-        }
-        ours += 1;
-        let defaulted = admission
-            .admit(doc, None)
-            .unwrap_or_else(|e| panic!("{file}: {e}"));
-        let kind = doc["kind"].as_str().unwrap();
-        let parsed = match kind {
-            "Proplet" => serde_json::from_value::<Proplet>(defaulted).map(|_| ()),
-            "Task" => serde_json::from_value::<Task>(defaulted).map(|_| ()),
-            "PropellerJob" => serde_json::from_value::<PropellerJob>(defaulted).map(|_| ()),
-            "FederatedJob" => serde_json::from_value::<FederatedJob>(defaulted).map(|_| ()),
-            "TrainingRound" => serde_json::from_value::<TrainingRound>(defaulted).map(|_| ()),
-            other => panic!("{file}: unexpected kind {other}"),
-        };
-        parsed.unwrap_or_else(|e| panic!("{file}: does not parse as {kind}: {e}"));
-    }
     // 4 Proplets, 16 Tasks, 1 PropellerJob, 1 FederatedJob.
     assert_eq!(
-        ours, 22,
+        admit_all(&[common::upstream_samples_dir()]),
+        22,
         "expected every upstream sample of our kinds to be checked"
     );
+}
+
+#[test]
+fn our_own_samples_pass_the_schema_and_every_cel_rule() {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/samples");
+    let checked = admit_all(&[root.clone(), root.join("quickstart")]);
+    // samples/ holds 9 objects of our kinds; quickstart/ adds a Proplet, a Task and a
+    // PropellerJob.
+    assert_eq!(checked, 12, "sample objects of our kinds");
 }
 
 #[test]

@@ -3,15 +3,13 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tracing::debug;
+use propeller_broker::http::{Handler, Reply, OPENMETRICS};
+use tokio::net::TcpListener;
 
 /// Counters the agent keeps about its work.
 #[derive(Debug, Clone, Default)]
@@ -76,19 +74,9 @@ impl AgentMetrics {
 
 /// Serves the endpoint on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<AgentMetrics>) {
-    let registry = Arc::new(metrics.registry());
-    loop {
-        let Ok((socket, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let (metrics, registry) = (metrics.clone(), registry.clone());
-        tokio::spawn(async move {
-            if let Err(e) = answer(socket, &metrics, &registry).await {
-                debug!(%peer, %e, "telemetry request failed");
-            }
-        });
-    }
+    let registry = metrics.registry();
+    let handler: Handler = Arc::new(move |method, path| reply(method, path, &metrics, &registry));
+    propeller_broker::http::serve(listener, handler).await;
 }
 
 /// Binds the endpoint's listener.
@@ -96,35 +84,9 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-async fn answer(
-    mut socket: TcpStream,
-    metrics: &AgentMetrics,
-    registry: &Registry,
-) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(512);
-    let mut buf = [0u8; 512];
-    let read_head = async {
-        while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-            let n = socket.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            request.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
-    };
-    if tokio::time::timeout(Duration::from_secs(5), read_head)
-        .await
-        .is_err()
-    {
-        return Ok(());
-    }
-    let head = String::from_utf8_lossy(&request);
-    let mut parts = head.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, content_type, body) = match (method, path) {
-        ("GET", "/health") => (
-            "200 OK",
+fn reply(method: &str, path: &str, metrics: &AgentMetrics, registry: &Registry) -> Reply {
+    match (method, path) {
+        ("GET", "/health") => Reply::ok(
             "application/json",
             format!(
                 r#"{{"status":"ok","running_tasks":{}}}"#,
@@ -132,28 +94,16 @@ async fn answer(
             ),
         ),
         ("GET", "/ready") if metrics.mqtt_connected.get() == 1 => {
-            ("200 OK", "application/json", r#"{"status":"ready"}"#.into())
+            Reply::ok("application/json", r#"{"status":"ready"}"#)
         }
-        ("GET", "/ready") => (
-            "503 Service Unavailable",
-            "application/json",
-            r#"{"status":"not connected to the broker"}"#.into(),
-        ),
+        ("GET", "/ready") => Reply::unavailable(r#"{"status":"not connected to the broker"}"#),
         ("GET", "/metrics") => {
             let mut text = String::new();
-            encode(&mut text, registry).map_err(std::io::Error::other)?;
-            (
-                "200 OK",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                text,
-            )
+            match encode(&mut text, registry) {
+                Ok(()) => Reply::ok(OPENMETRICS, text),
+                Err(_) => Reply::unavailable(r#"{"status":"metrics encoding failed"}"#),
+            }
         }
-        _ => ("404 Not Found", "text/plain", "not found\n".into()),
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    socket.write_all(response.as_bytes()).await?;
-    socket.shutdown().await
+        _ => Reply::not_found(),
+    }
 }

@@ -147,7 +147,7 @@ fn log_event(event: &BrokerEvent) {
 
 /// Re-reads the credentials file when its modification time changes. A file that fails to
 /// parse is reported and the previous table stays in force.
-async fn watch_credentials(path: PathBuf, store: CredentialStore) {
+pub(crate) async fn watch_credentials(path: PathBuf, store: CredentialStore) {
     let mut seen = modified(&path);
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {

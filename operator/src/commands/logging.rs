@@ -2,13 +2,31 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`). rumqttd logs every closed
-/// connection at error level, so its logs are off unless `RUST_LOG` asks for them.
+/// Log line format.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// Logs to stderr as text, filtered by `RUST_LOG` (default `info`).
 pub fn init() {
+    init_with(LogFormat::Text);
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`). rumqttd logs every
+/// closed connection at error level, so its logs are off unless `RUST_LOG` asks for them.
+pub fn init_with(format: LogFormat) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttd=off"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
 }

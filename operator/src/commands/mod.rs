@@ -2,3 +2,4 @@
 
 pub mod broker;
 pub mod logging;
+pub mod run;

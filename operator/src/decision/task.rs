@@ -24,9 +24,7 @@ use super::scheduler::{
 };
 use crate::crd::common::MetricsSample;
 use crate::crd::proplet::PropletType;
-use crate::crd::task::{
-    RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER,
-};
+use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
 
 /// Condition: a proplet has been assigned.
 pub const SCHEDULED: &str = "Scheduled";
@@ -310,12 +308,22 @@ fn targets_of(status: &TaskStatus) -> Vec<String> {
     }
 }
 
-fn finish(status: &mut TaskStatus, phase: TaskPhase, error: Option<String>, gen: Option<i64>, now: DateTime<Utc>) {
+fn finish(
+    status: &mut TaskStatus,
+    phase: TaskPhase,
+    error: Option<String>,
+    gen: Option<i64>,
+    now: DateTime<Utc>,
+) {
     status.phase = phase;
     status.finished_at = Some(now);
     status.error = error;
     let (ok, reason, message) = match phase {
-        TaskPhase::Completed => (true, "Succeeded", "the task finished successfully".to_owned()),
+        TaskPhase::Completed => (
+            true,
+            "Succeeded",
+            "the task finished successfully".to_owned(),
+        ),
         TaskPhase::Skipped => (false, "Skipped", status.error.clone().unwrap_or_default()),
         TaskPhase::Interrupted => (false, "Interrupted", "the task was stopped".to_owned()),
         _ => (false, "Failed", status.error.clone().unwrap_or_default()),
@@ -344,7 +352,13 @@ fn reset_for_rerun(status: &mut TaskStatus) {
     remove_condition(&mut status.conditions, COMPLETED);
 }
 
-fn waiting(status: &mut TaskStatus, reason: &'static str, message: String, gen: Option<i64>, now: DateTime<Utc>) {
+fn waiting(
+    status: &mut TaskStatus,
+    reason: &'static str,
+    message: String,
+    gen: Option<i64>,
+    now: DateTime<Utc>,
+) {
     set_condition(
         &mut status.conditions,
         &DesiredCondition::new(SCHEDULED, false, reason, message),
@@ -354,7 +368,12 @@ fn waiting(status: &mut TaskStatus, reason: &'static str, message: String, gen: 
 }
 
 /// Decides what to do for `task` at `now`.
-pub fn plan(task: &Task, observed: &TaskObservations, settings: &TaskSettings, now: DateTime<Utc>) -> TaskPlan {
+pub fn plan(
+    task: &Task,
+    observed: &TaskObservations,
+    settings: &TaskSettings,
+    now: DateTime<Utc>,
+) -> TaskPlan {
     let mut plan = TaskPlan::default();
     let written = task.status.clone().unwrap_or_default();
     let mut desired = written.clone();
@@ -373,7 +392,10 @@ pub fn plan(task: &Task, observed: &TaskObservations, settings: &TaskSettings, n
                 }
             }
             finish(&mut desired, TaskPhase::Interrupted, None, gen, now);
-            plan.notes.push(Note::normal("Stopped", "the task was deleted while it ran; stop sent"));
+            plan.notes.push(Note::normal(
+                "Stopped",
+                "the task was deleted while it ran; stop sent",
+            ));
         }
         if has_finalizer {
             plan.finalizer = Some(FinalizerChange::Remove);
@@ -402,11 +424,15 @@ pub fn plan(task: &Task, observed: &TaskObservations, settings: &TaskSettings, n
             if desired.phase.is_terminal() {
                 reset_for_rerun(&mut desired);
                 desired.next_run = None;
-                plan.notes.push(Note::normal("Rerun", format!("rerun requested ({token})")));
+                plan.notes
+                    .push(Note::normal("Rerun", format!("rerun requested ({token})")));
             } else {
                 plan.notes.push(Note::warning(
                     "RerunIgnored",
-                    format!("rerun request {token} ignored: the task is still {}", desired.phase),
+                    format!(
+                        "rerun request {token} ignored: the task is still {}",
+                        desired.phase
+                    ),
                 ));
             }
             desired.rerun_token = Some(token.clone());
@@ -458,9 +484,11 @@ fn plan_pending(
     let gen = task.metadata.generation;
     let created = desired
         .created_at
-        .or(task.metadata.creation_timestamp.as_ref().map(|t| {
-            DateTime::<Utc>::from_timestamp(t.0.as_second(), 0).unwrap_or(now)
-        }))
+        .or(task
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|t| DateTime::<Utc>::from_timestamp(t.0.as_second(), 0).unwrap_or(now)))
         .unwrap_or(now);
     let mut following = None;
     match gate(&task.spec, desired, created, now) {
@@ -470,24 +498,47 @@ fn plan_pending(
             return;
         }
         ScheduleGate::Exhausted => {
-            waiting(desired, "ScheduleExhausted", "the schedule never fires again".into(), gen, now);
+            waiting(
+                desired,
+                "ScheduleExhausted",
+                "the schedule never fires again".into(),
+                gen,
+                now,
+            );
             return;
         }
         ScheduleGate::Wait { next_run } => {
             desired.next_run = Some(next_run);
-            waiting(desired, "WaitingForSchedule", format!("next run at {}", next_run.to_rfc3339()), gen, now);
+            waiting(
+                desired,
+                "WaitingForSchedule",
+                format!("next run at {}", next_run.to_rfc3339()),
+                gen,
+                now,
+            );
             plan.requeue_at = Some(next_run);
             return;
         }
         ScheduleGate::Due { following: f } => following = Some(f),
     }
     if let Some(path) = &observed.cycle {
-        waiting(desired, "CycleDetected", format!("dependency cycle: {}", path.join(" -> ")), gen, now);
+        waiting(
+            desired,
+            "CycleDetected",
+            format!("dependency cycle: {}", path.join(" -> ")),
+            gen,
+            now,
+        );
         return;
     }
     let run_if = task.spec.run_if.unwrap_or(RunIf::Success);
-    match evaluate(&task.spec.depends_on, run_if, |name| observed.dependencies.get(name).copied()) {
-        Readiness::Wait { missing, unfinished } => {
+    match evaluate(&task.spec.depends_on, run_if, |name| {
+        observed.dependencies.get(name).copied()
+    }) {
+        Readiness::Wait {
+            missing,
+            unfinished,
+        } => {
             let mut parts = Vec::new();
             if !missing.is_empty() {
                 parts.push(format!("missing: {}", missing.join(", ")));
@@ -495,7 +546,13 @@ fn plan_pending(
             if !unfinished.is_empty() {
                 parts.push(format!("unfinished: {}", unfinished.join(", ")));
             }
-            waiting(desired, "DependencyPending", format!("waiting for dependencies ({})", parts.join("; ")), gen, now);
+            waiting(
+                desired,
+                "DependencyPending",
+                format!("waiting for dependencies ({})", parts.join("; ")),
+                gen,
+                now,
+            );
             return;
         }
         Readiness::Skip { reason } => {
@@ -507,7 +564,11 @@ fn plan_pending(
     }
 
     let selector = selector_of(task);
-    let namespace = task.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let namespace = task
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
     let candidates: Vec<CandidateProplet> = observed
         .proplets
         .iter()
@@ -520,9 +581,15 @@ fn plan_pending(
             .map_err(|e| e.to_string())
     } else {
         let mut rr = observed.round_robin.clone();
-        select_proplet(settings.strategy, &namespace, &candidates, &selector, &mut rr)
-            .map(|p| vec![p.name.clone()])
-            .map_err(|e| e.to_string())
+        select_proplet(
+            settings.strategy,
+            &namespace,
+            &candidates,
+            &selector,
+            &mut rr,
+        )
+        .map(|p| vec![p.name.clone()])
+        .map_err(|e| e.to_string())
     };
     let names = match chosen {
         Ok(names) => names,
@@ -546,16 +613,30 @@ fn plan_pending(
     }
     set_condition(
         &mut desired.conditions,
-        &DesiredCondition::new(SCHEDULED, true, "PropletAssigned", format!("assigned to {}", names.join(", "))),
+        &DesiredCondition::new(
+            SCHEDULED,
+            true,
+            "PropletAssigned",
+            format!("assigned to {}", names.join(", ")),
+        ),
         gen,
         now,
     );
-    plan.notes.push(Note::normal("Scheduled", format!("assigned to {}", names.join(", "))));
+    plan.notes.push(Note::normal(
+        "Scheduled",
+        format!("assigned to {}", names.join(", ")),
+    ));
     dispatch(task, observed, now, desired, plan);
 }
 
 /// Sends the starts for a run whose assignment is (about to be) persisted.
-fn dispatch(task: &Task, observed: &TaskObservations, now: DateTime<Utc>, desired: &TaskStatus, plan: &mut TaskPlan) {
+fn dispatch(
+    task: &Task,
+    observed: &TaskObservations,
+    now: DateTime<Utc>,
+    desired: &TaskStatus,
+    plan: &mut TaskPlan,
+) {
     let gen = task.metadata.generation;
     let mut after = desired.clone();
     let mut missing = Vec::new();
@@ -573,7 +654,10 @@ fn dispatch(task: &Task, observed: &TaskObservations, now: DateTime<Utc>, desire
         finish(
             &mut after,
             TaskPhase::Failed,
-            Some(format!("assigned proplet(s) {} no longer exist", missing.join(", "))),
+            Some(format!(
+                "assigned proplet(s) {} no longer exist",
+                missing.join(", ")
+            )),
             gen,
             now,
         );
@@ -585,14 +669,25 @@ fn dispatch(task: &Task, observed: &TaskObservations, now: DateTime<Utc>, desire
     after.started_at = Some(now);
     set_condition(
         &mut after.conditions,
-        &DesiredCondition::new(STARTED, true, "StartSent", "the start was sent to the proplet"),
+        &DesiredCondition::new(
+            STARTED,
+            true,
+            "StartSent",
+            "the start was sent to the proplet",
+        ),
         gen,
         now,
     );
     plan.after_dispatch = Some(after);
 }
 
-fn plan_scheduled(task: &Task, observed: &TaskObservations, now: DateTime<Utc>, desired: &mut TaskStatus, plan: &mut TaskPlan) {
+fn plan_scheduled(
+    task: &Task,
+    observed: &TaskObservations,
+    now: DateTime<Utc>,
+    desired: &mut TaskStatus,
+    plan: &mut TaskPlan,
+) {
     let snapshot = desired.clone();
     dispatch(task, observed, now, &snapshot, plan);
 }
@@ -614,10 +709,16 @@ fn plan_running(
     let broadcast = !desired.broadcast_proplets.is_empty();
     for (i, result) in observed.results.iter().enumerate() {
         plan.consumed_results = i + 1;
-        let Some(from) = targets.iter().find(|name| client_of(observed, name) == result.client_id) else {
+        let Some(from) = targets
+            .iter()
+            .find(|name| client_of(observed, name) == result.client_id)
+        else {
             plan.notes.push(Note::warning(
                 "ResultIgnored",
-                format!("result from {} ignored: the task was not sent there", result.client_id),
+                format!(
+                    "result from {} ignored: the task was not sent there",
+                    result.client_id
+                ),
             ));
             continue;
         };
@@ -636,14 +737,24 @@ fn plan_running(
             let answered = targets.iter().all(|t| per.contains_key(t));
             let failures: Vec<String> = per
                 .iter()
-                .filter_map(|(k, v)| v.get("error").and_then(Value::as_str).map(|e| format!("{k}: {e}")))
+                .filter_map(|(k, v)| {
+                    v.get("error")
+                        .and_then(Value::as_str)
+                        .map(|e| format!("{k}: {e}"))
+                })
                 .collect();
             desired.results = Some(Value::Object(per));
             if answered {
                 if failures.is_empty() {
                     finish(desired, TaskPhase::Completed, None, gen, now);
                 } else {
-                    finish(desired, TaskPhase::Failed, Some(failures.join("; ")), gen, now);
+                    finish(
+                        desired,
+                        TaskPhase::Failed,
+                        Some(failures.join("; ")),
+                        gen,
+                        now,
+                    );
                 }
                 break;
             }
@@ -692,4 +803,39 @@ fn plan_running(
     } else {
         plan.requeue_at = Some(deadline);
     }
+}
+
+/// How a Proplet looks to the Task plan; `active_tasks` is counted by the driver.
+pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -> PropletView {
+    let name = proplet.metadata.name.clone().unwrap_or_default();
+    let conn = &proplet.spec.connection_config;
+    let external = proplet.spec.external.clone().unwrap_or_default();
+    PropletView {
+        candidate: CandidateProplet {
+            name: name.clone(),
+            namespace: proplet
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            phase: proplet.status.as_ref().map(|s| s.phase).unwrap_or_default(),
+            proplet_type: proplet.spec.type_,
+            labels: proplet.metadata.labels.clone().unwrap_or_default(),
+            device_type: external.device_type,
+            capabilities: external.capabilities,
+            active_tasks,
+        },
+        client_id: conn.client().unwrap_or(&name).to_owned(),
+        domain: conn.domain().unwrap_or_default().to_owned(),
+        channel: conn.channel_id.clone(),
+    }
+}
+
+/// Whether `task` occupies proplet `name` now (it counts towards the proplet's `taskCount`).
+pub fn occupies(task: &Task, name: &str) -> bool {
+    task.status.as_ref().is_some_and(|s| {
+        matches!(s.phase, TaskPhase::Scheduled | TaskPhase::Running)
+            && (s.assigned_proplet.as_deref() == Some(name)
+                || s.broadcast_proplets.iter().any(|p| p == name))
+    })
 }

@@ -6,4 +6,5 @@ pub mod deployment;
 pub mod observations;
 pub mod patch;
 pub mod proplet;
+pub mod runtime;
 pub mod task;

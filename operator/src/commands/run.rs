@@ -1,0 +1,317 @@
+//! `propeller run`: the Kubernetes operator with the MQTT broker in the same process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::registry::Registry;
+use propeller_broker::http::{Handler, Reply, OPENMETRICS};
+use propeller_broker::protocol::parse_duration;
+use propeller_broker::server::{
+    CredentialSource, CredentialStore, EmbeddedBroker, LayeredCredentials,
+};
+use propeller_operator::decision::scheduler::Strategy;
+use propeller_operator::decision::task::TaskSettings;
+use propeller_operator::k8s::proplet::PropletSettings;
+use propeller_operator::k8s::runtime::{self, Runtime, Settings};
+use propeller_operator::metrics::ControllerMetrics;
+use tracing::{info, warn};
+
+use super::broker::{watch_credentials, BrokerArgs};
+use super::logging::LogFormat;
+
+fn duration(text: &str) -> Result<Duration, String> {
+    if let Ok(secs) = text.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    parse_duration(text).map_err(|e| e.to_string())
+}
+
+/// Flags of `propeller run`; every one also reads a `PROPELLER_*` variable.
+#[derive(Args, Debug)]
+pub struct RunCommand {
+    /// Watch only this namespace (every namespace when unset).
+    #[arg(long, env = "PROPELLER_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
+    /// Accept device reports only from this topic domain (any when unset).
+    #[arg(long, env = "PROPELLER_DOMAIN_ID")]
+    pub domain_id: Option<String>,
+    /// Accept device reports only from this topic channel (any when unset).
+    #[arg(long, env = "PROPELLER_CHANNEL_ID")]
+    pub channel_id: Option<String>,
+    /// An external proplet is Offline once its last heartbeat is this old.
+    #[arg(long, env = "PROPELLER_LAST_SEEN_THRESHOLD", default_value = "30s", value_parser = duration)]
+    pub last_seen_threshold: Duration,
+    /// How often every proplet's liveness is re-evaluated even without events.
+    #[arg(long, env = "PROPELLER_LIVELINESS_INTERVAL", default_value = "10s", value_parser = duration)]
+    pub liveliness_interval: Duration,
+    /// Heartbeat-only status changes are written at most this often per proplet.
+    #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub status_flush_interval: Duration,
+    /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
+    #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
+    pub scheduler: Strategy,
+    /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
+    #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = duration)]
+    pub task_timeout: Duration,
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "PROPELLER_METRICS_LISTEN", default_value = "0.0.0.0:8080")]
+    pub metrics_listen: SocketAddr,
+    /// Reconcile and accept MQTT only while holding the leader Lease.
+    #[arg(long, env = "PROPELLER_LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// Name of the leader Lease.
+    #[arg(long, env = "PROPELLER_LEASE_NAME", default_value = "propeller-leader")]
+    pub lease_name: String,
+    /// Namespace of the leader Lease (the client's default namespace when unset).
+    #[arg(long, env = "PROPELLER_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// Log line format.
+    #[arg(long, env = "PROPELLER_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Optional TOML file of extra MQTT clients (services); re-read when it changes.
+    #[arg(long, env = "PROPELLER_CREDENTIALS")]
+    pub credentials: Option<PathBuf>,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+}
+
+/// What the health endpoint reports; the registry is replaced once the broker's meters exist.
+#[derive(Default)]
+struct Health {
+    ready: AtomicBool,
+    registry: RwLock<Arc<Registry>>,
+}
+
+impl Health {
+    fn set_registry(&self, registry: Registry) {
+        *self.registry.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(registry);
+    }
+
+    fn registry(&self) -> Arc<Registry> {
+        self.registry
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+fn handler(health: Arc<Health>) -> Handler {
+    Arc::new(move |method, path| match (method, path) {
+        ("GET", "/healthz") => Reply::ok("application/json", r#"{"status":"ok"}"#),
+        ("GET", "/readyz") if health.ready.load(Ordering::Relaxed) => {
+            Reply::ok("application/json", r#"{"status":"ready"}"#)
+        }
+        ("GET", "/readyz") => Reply::unavailable(r#"{"status":"not leading"}"#),
+        ("GET", "/metrics") => {
+            let mut text = String::new();
+            match encode(&mut text, &health.registry()) {
+                Ok(()) => Reply::ok(OPENMETRICS, text),
+                Err(_) => Reply::unavailable(r#"{"status":"metrics encoding failed"}"#),
+            }
+        }
+        _ => Reply::not_found(),
+    })
+}
+
+/// Runs the operator until SIGTERM or Ctrl-C.
+pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or kubeconfig)")?;
+    let health = Arc::new(Health::default());
+    let controller_metrics = Arc::new(ControllerMetrics::default());
+    let proplet_logins = Arc::new(CredentialStore::new());
+    let service_logins = CredentialStore::new();
+    if let Some(path) = &cmd.credentials {
+        let table = propeller_broker::server::load_credentials_file(path)?;
+        service_logins.replace_all(table);
+        tokio::spawn(watch_credentials(path.clone(), service_logins.clone()));
+    }
+    let logins: Arc<dyn CredentialSource> = Arc::new(LayeredCredentials::new(vec![
+        proplet_logins.clone(),
+        Arc::new(service_logins),
+    ]));
+
+    let listener = tokio::net::TcpListener::bind(cmd.metrics_listen)
+        .await
+        .with_context(|| format!("binding the metrics address {}", cmd.metrics_listen))?;
+    let mut registry = Registry::with_prefix("propeller");
+    controller_metrics.register(&mut registry);
+    health.set_registry(registry);
+    let http = tokio::spawn(propeller_broker::http::serve(
+        listener,
+        handler(health.clone()),
+    ));
+
+    let shutdown = async {
+        let terminate = async {
+            #[cfg(unix)]
+            if let Ok(mut s) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            {
+                s.recv().await;
+                return;
+            }
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate => {}
+        }
+    };
+    let shutdown: ShutdownFuture = Box::pin(shutdown);
+    let shutdown = futures::FutureExt::shared(shutdown);
+
+    let mut lease_task = None;
+    if cmd.leader_elect {
+        let namespace = cmd
+            .lease_namespace
+            .clone()
+            .unwrap_or_else(|| client.default_namespace().to_owned());
+        let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into());
+        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &cmd.lease_name)
+            .with_namespace(namespace)
+            .with_identity(identity)
+            .build()
+            .await
+            .context("setting up leader election")?;
+        let (mut leading, task) = manager.watch().await;
+        info!(lease = %cmd.lease_name, "waiting to become the leader");
+        // Health and metrics answer while waiting; readiness stays false.
+        loop {
+            if *leading.borrow_and_update() {
+                break;
+            }
+            tokio::select! {
+                changed = leading.changed() => changed.context("leader election stopped")?,
+                _ = shutdown.clone() => return Ok(()),
+            }
+        }
+        info!("leading");
+        lease_task = Some((leading, task));
+    }
+    let result = serve(
+        cmd,
+        client,
+        health,
+        controller_metrics,
+        proplet_logins,
+        logins,
+        shutdown,
+        lease_task,
+    )
+    .await;
+    http.abort();
+    result
+}
+
+type ShutdownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+type LeaseWatch = (
+    tokio::sync::watch::Receiver<bool>,
+    tokio::task::JoinHandle<
+        Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>,
+    >,
+);
+
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    cmd: RunCommand,
+    client: kube::Client,
+    health: Arc<Health>,
+    controller_metrics: Arc<ControllerMetrics>,
+    proplet_logins: Arc<CredentialStore>,
+    logins: Arc<dyn CredentialSource>,
+    shutdown: futures::future::Shared<ShutdownFuture>,
+    lease: Option<LeaseWatch>,
+) -> anyhow::Result<()> {
+    let mut broker = EmbeddedBroker::start(cmd.broker.to_config()?, logins)
+        .await
+        .context("starting the MQTT broker")?;
+    if let Some(addr) = broker.tcp_addr() {
+        info!(%addr, "mqtt listening");
+    }
+    let mut registry = Registry::with_prefix("propeller");
+    controller_metrics.register(&mut registry);
+    broker.metrics().register(&mut registry);
+    health.set_registry(registry);
+    let raw_events = broker
+        .take_events()
+        .context("broker event stream unavailable")?;
+    let events = filter_events(raw_events, cmd.domain_id.clone(), cmd.channel_id.clone());
+    let settings = Settings {
+        watch_namespace: cmd.watch_namespace.clone().filter(|s| !s.is_empty()),
+        proplet: PropletSettings {
+            last_seen_threshold: cmd.last_seen_threshold,
+            status_flush_interval: cmd.status_flush_interval,
+        },
+        task: TaskSettings {
+            strategy: cmd.scheduler,
+            default_timeout: cmd.task_timeout,
+        },
+    };
+    let rt = Runtime {
+        client,
+        settings,
+        publisher: broker.publisher(),
+        events,
+        credentials: proplet_logins,
+        metrics: controller_metrics,
+        reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
+        resync: cmd.liveliness_interval,
+    };
+    health.ready.store(true, Ordering::Relaxed);
+    let lost_lease = async move {
+        match lease {
+            Some((mut leading, _task)) => loop {
+                if leading.changed().await.is_err() || !*leading.borrow_and_update() {
+                    warn!("leadership lost; stopping so another replica takes over");
+                    return;
+                }
+            },
+            None => std::future::pending::<()>().await,
+        }
+    };
+    let stop = futures::FutureExt::shared(Box::pin(async move {
+        tokio::select! {
+            _ = shutdown => info!("shutting down"),
+            _ = lost_lease => {}
+        }
+    }));
+    runtime::run(rt, stop).await;
+    health.ready.store(false, Ordering::Relaxed);
+    broker.shutdown();
+    Ok(())
+}
+
+fn filter_events(
+    mut raw: tokio::sync::mpsc::UnboundedReceiver<propeller_broker::server::BrokerEvent>,
+    domain: Option<String>,
+    channel: Option<String>,
+) -> tokio::sync::mpsc::UnboundedReceiver<propeller_broker::server::BrokerEvent> {
+    if domain.is_none() && channel.is_none() {
+        return raw;
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(event) = raw.recv().await {
+            let domain_ok = domain.is_none() || event.domain == domain || event.domain.is_none();
+            let channel_ok =
+                channel.is_none() || event.channel == channel || event.channel.is_none();
+            if domain_ok && channel_ok {
+                if tx.send(event).is_err() {
+                    return;
+                }
+            } else {
+                tracing::debug!(client = %event.client_id, "event outside the configured domain/channel ignored");
+            }
+        }
+    });
+    rx
+}

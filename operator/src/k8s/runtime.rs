@@ -1,0 +1,652 @@
+//! The Kubernetes driver at run time: a kube-rs `Controller` per kind, the broker's events
+//! turned into reconcile triggers, and the state the reconcilers share.
+//!
+//! The MQTT side never calls the API server. The event router records what a device said
+//! (liveness, results, metrics) in in-memory stores and names the object whose reconcile
+//! should run; the reconcile reads the stores, plans, writes, and only then forgets what it
+//! wrote. A result for a Task the cache does not know yet waits in the inbox until the Task
+//! appears, when its own watch event reconciles it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Client, Resource, ResourceExt};
+use propeller_broker::protocol::ResultValue;
+use propeller_broker::server::{BrokerEvent, CredentialStore, EventKind, Publisher};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tracing::{debug, info, warn};
+
+use crate::crd::common::MetricsSample;
+use crate::crd::proplet::{Proplet, PropletPhase};
+use crate::crd::task::{Task, TaskPhase};
+use crate::decision::dag::{cycle_through, Graph};
+use crate::decision::liveness::DeploymentObservation;
+use crate::decision::scheduler::RoundRobinState;
+use crate::decision::task::{
+    occupies, plan as plan_task, proplet_view, Note, ReportedResult, TaskObservations, TaskSettings,
+};
+use crate::inbox::{DispatchLedger, Queued, TaskInbox};
+
+use super::credentials::credential_table;
+use super::deployment::PROPLET_LABEL;
+use super::observations::ObservationStore;
+use super::patch::finalizers_patch;
+use super::proplet::{
+    apply as apply_proplet, plan as plan_proplet, PropletObservations, PropletSettings,
+};
+use super::task::{apply as apply_task, TaskApplyError, TaskEffects};
+use crate::metrics::ControllerMetrics;
+
+/// Finalizer that lets the operator revoke a deleted Proplet's broker login.
+pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-cleanup";
+
+/// How often an object is looked at again with no event at all.
+pub const RESYNC: Duration = Duration::from_secs(300);
+
+/// Settings of the Kubernetes driver.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Watch only this namespace; every namespace when `None`.
+    pub watch_namespace: Option<String>,
+    /// Proplet plan settings.
+    pub proplet: PropletSettings,
+    /// Task plan settings.
+    pub task: TaskSettings,
+}
+
+/// Why a reconcile failed; the controller retries with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// An API call failed.
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    /// Applying a Task plan failed.
+    #[error(transparent)]
+    Task(#[from] TaskApplyError),
+}
+
+/// State shared by the reconcilers and the event router.
+pub struct Shared {
+    /// API client.
+    pub client: Client,
+    /// Driver settings.
+    pub settings: Settings,
+    /// Sends commands to devices.
+    pub publisher: Publisher,
+    /// Liveness reports not yet written.
+    pub liveness: ObservationStore,
+    /// Task reports not yet written.
+    pub inbox: TaskInbox,
+    /// Starts already published.
+    pub ledger: DispatchLedger,
+    /// The scheduler's rotation.
+    pub round_robin: Mutex<RoundRobinState>,
+    /// When each Proplet's status was last written (`namespace/name`).
+    pub proplet_writes: Mutex<HashMap<String, DateTime<Utc>>>,
+    /// Cached Proplets.
+    pub proplets: Store<Proplet>,
+    /// Cached Tasks.
+    pub tasks: Store<Task>,
+    /// Cached proplet Deployments.
+    pub deployments: Store<Deployment>,
+    /// Broker logins derived from Proplets.
+    pub credentials: Arc<CredentialStore>,
+    /// Emits Kubernetes Events.
+    pub recorder: Recorder,
+    /// Asks the Task controller to reconcile a task.
+    pub task_trigger: UnboundedSender<ObjectRef<Task>>,
+    /// Asks the Proplet controller to reconcile a proplet.
+    pub proplet_trigger: UnboundedSender<ObjectRef<Proplet>>,
+    /// Reconcile counters.
+    pub metrics: Arc<ControllerMetrics>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// The readiness figures of a proplet's Deployment.
+pub fn observe_deployment(d: &Deployment) -> DeploymentObservation {
+    let status = d.status.clone().unwrap_or_default();
+    let condition = |type_: &str| {
+        status
+            .conditions
+            .as_ref()
+            .and_then(|cs| cs.iter().find(|c| c.type_ == type_))
+            .map(|c| c.status == "True")
+    };
+    DeploymentObservation {
+        exists: true,
+        desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+        replicas: status.replicas.unwrap_or(0),
+        ready: status.ready_replicas.unwrap_or(0),
+        available: status.available_replicas.unwrap_or(0),
+        available_condition: condition("Available"),
+        stalled: condition("Progressing") == Some(false),
+    }
+}
+
+impl Shared {
+    fn active_tasks(&self, proplet: &Proplet) -> u32 {
+        let name = proplet.name_any();
+        let ns = proplet.namespace();
+        let count = self
+            .tasks
+            .state()
+            .iter()
+            .filter(|t| t.namespace() == ns && occupies(t, &name))
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
+    fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
+        self.proplets.find(|p| {
+            p.spec
+                .connection_config
+                .client()
+                .unwrap_or(p.metadata.name.as_deref().unwrap_or_default())
+                == client_id
+        })
+    }
+
+    fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
+        self.tasks.find(|t| t.metadata.uid.as_deref() == Some(uid))
+    }
+
+    async fn note(&self, reference: &k8s_openapi::api::core::v1::ObjectReference, note: &Note) {
+        let event = Event {
+            type_: if note.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: note.reason.to_owned(),
+            note: Some(note.message.chars().take(1000).collect()),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, reference).await {
+            debug!(%e, reason = note.reason, "could not record an event");
+        }
+    }
+
+    /// Rebuilds the broker's credential table from the cached Proplets, reading the Secrets
+    /// they reference.
+    async fn refresh_credentials(&self) {
+        let proplets: Vec<Proplet> = self
+            .proplets
+            .state()
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| (**p).clone())
+            .collect();
+        let mut secrets: HashMap<(String, String), Secret> = HashMap::new();
+        for p in &proplets {
+            let Some(crate::crd::proplet::ClientKeySource::Secret(selector)) =
+                p.spec.connection_config.key_source()
+            else {
+                continue;
+            };
+            let ns = p.namespace().unwrap_or_else(|| "default".into());
+            let key = (ns.clone(), selector.name.clone());
+            if secrets.contains_key(&key) {
+                continue;
+            }
+            let api: Api<Secret> = Api::namespaced(self.client.clone(), &ns);
+            match api.get_opt(&selector.name).await {
+                Ok(Some(secret)) => {
+                    secrets.insert(key, secret);
+                }
+                Ok(None) => {}
+                Err(e) => warn!(%e, secret = %selector.name, "cannot read a proplet's Secret"),
+            }
+        }
+        let read = |ns: &str, name: &str, key: &str| {
+            let secret = secrets.get(&(ns.to_owned(), name.to_owned()))?;
+            if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
+                return String::from_utf8(v.0.clone()).ok();
+            }
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(key))
+                .cloned()
+        };
+        let (table, problems) = credential_table(&proplets, read);
+        for problem in problems {
+            warn!(proplet = %problem.proplet, "{}", problem.message);
+        }
+        self.credentials.replace_all(table);
+    }
+}
+
+/// Reconciles one Proplet (what the controller calls).
+pub async fn reconcile_proplet(
+    proplet: Arc<Proplet>,
+    ctx: Arc<Shared>,
+) -> Result<Action, ReconcileError> {
+    let started = Instant::now();
+    let result = reconcile_proplet_inner(&proplet, &ctx).await;
+    ctx.metrics
+        .observe("proplet", started.elapsed(), result.is_ok());
+    result
+}
+
+async fn reconcile_proplet_inner(
+    proplet: &Proplet,
+    ctx: &Shared,
+) -> Result<Action, ReconcileError> {
+    let ns = proplet.namespace().unwrap_or_else(|| "default".into());
+    let name = proplet.name_any();
+    let key = format!("{ns}/{name}");
+    let api: Api<Proplet> = Api::namespaced(ctx.client.clone(), &ns);
+    let client_id = proplet
+        .spec
+        .connection_config
+        .client()
+        .unwrap_or(&name)
+        .to_owned();
+    let mut finalizers = proplet.finalizers().to_vec();
+    let has_finalizer = finalizers.iter().any(|f| f == PROPLET_FINALIZER);
+    if proplet.metadata.deletion_timestamp.is_some() {
+        ctx.refresh_credentials().await;
+        lock(&ctx.proplet_writes).remove(&key);
+        if has_finalizer {
+            finalizers.retain(|f| f != PROPLET_FINALIZER);
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(finalizers_patch(
+                    &finalizers,
+                    proplet.metadata.resource_version.as_deref(),
+                )),
+            )
+            .await?;
+        }
+        return Ok(Action::await_change());
+    }
+    let mut proplet = proplet.clone();
+    if !has_finalizer {
+        finalizers.push(PROPLET_FINALIZER.to_owned());
+        proplet = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(finalizers_patch(
+                    &finalizers,
+                    proplet.metadata.resource_version.as_deref(),
+                )),
+            )
+            .await?;
+    }
+    ctx.refresh_credentials().await;
+    let now = Utc::now();
+    let deployment_ref =
+        ObjectRef::<Deployment>::new(&crate::decision::names::proplet_deployment_name(&name))
+            .within(&ns);
+    let observed = PropletObservations {
+        external: ctx.liveness.peek(&client_id),
+        deployment: ctx
+            .deployments
+            .get(&deployment_ref)
+            .map(|d| observe_deployment(&d)),
+        last_write: lock(&ctx.proplet_writes).get(&key).copied(),
+    };
+    let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
+    let task_count = i64::from(ctx.active_tasks(&proplet));
+    let written_count = proplet.status.as_ref().map_or(0, |s| s.task_count);
+    if plan.status.is_none() && task_count != written_count {
+        plan.status = Some(proplet.status.clone().unwrap_or_default());
+    }
+    if let Some(status) = plan.status.as_mut() {
+        status.task_count = task_count;
+    }
+    if let Some(problem) = &plan.problem {
+        ctx.note(
+            &proplet.object_ref(&()),
+            &Note {
+                warning: true,
+                reason: "InvalidDeployment",
+                message: problem.to_string(),
+            },
+        )
+        .await;
+    }
+    apply_proplet(&ctx.client, &proplet, &plan).await?;
+    if let Some(status) = &plan.status {
+        ctx.liveness.clear_written(&client_id, &observed.external);
+        lock(&ctx.proplet_writes).insert(key, now);
+        let before = proplet.status.as_ref().map(|s| s.phase);
+        if status.phase == PropletPhase::Running && before != Some(PropletPhase::Running) {
+            // Tasks waiting for a proplet get their chance now.
+            for task in ctx.tasks.state() {
+                let waiting = task
+                    .status
+                    .as_ref()
+                    .is_none_or(|s| s.phase == TaskPhase::Pending);
+                if task.namespace().as_deref() == Some(ns.as_str()) && waiting {
+                    let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
+                }
+            }
+        }
+        if before != Some(status.phase) {
+            ctx.note(
+                &proplet.object_ref(&()),
+                &Note {
+                    warning: status.phase == PropletPhase::Offline,
+                    reason: "PhaseChanged",
+                    message: format!("proplet is now {}", status.phase),
+                },
+            )
+            .await;
+        }
+    }
+    let wait = plan
+        .requeue_at
+        .and_then(|at| (at - now).to_std().ok())
+        .map_or(RESYNC, |d| d.min(RESYNC) + Duration::from_millis(100));
+    Ok(Action::requeue(wait))
+}
+
+/// Reconciles one Task (what the controller calls).
+pub async fn reconcile_task(task: Arc<Task>, ctx: Arc<Shared>) -> Result<Action, ReconcileError> {
+    let started = Instant::now();
+    let result = reconcile_task_inner(&task, &ctx).await;
+    ctx.metrics
+        .observe("task", started.elapsed(), result.is_ok());
+    result
+}
+
+fn dependency_graph(tasks: &[Arc<Task>], namespace: &str) -> Graph {
+    tasks
+        .iter()
+        .filter(|t| t.namespace().as_deref() == Some(namespace))
+        .map(|t| (t.name_any(), t.spec.depends_on.clone()))
+        .collect()
+}
+
+async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, ReconcileError> {
+    let ns = task.namespace().unwrap_or_else(|| "default".into());
+    let uid = task.metadata.uid.clone().unwrap_or_default();
+    let all_tasks = ctx.tasks.state();
+    let mut dependencies = BTreeMap::new();
+    for dep in &task.spec.depends_on {
+        if let Some(t) = all_tasks
+            .iter()
+            .find(|t| t.namespace().as_deref() == Some(ns.as_str()) && t.name_any() == *dep)
+        {
+            dependencies.insert(
+                dep.clone(),
+                t.status.as_ref().map(|s| s.phase).unwrap_or_default(),
+            );
+        }
+    }
+    let cycle = if task.spec.depends_on.is_empty() {
+        None
+    } else {
+        cycle_through(&dependency_graph(&all_tasks, &ns), &task.name_any())
+    };
+    let proplets = ctx
+        .proplets
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .map(|p| proplet_view(p, ctx.active_tasks(p)))
+        .collect();
+    let (results, metrics) = ctx.inbox.peek(&uid);
+    let run = task.status.as_ref().and_then(|s| s.run_count).unwrap_or(0);
+    let observed = TaskObservations {
+        proplets,
+        dependencies,
+        cycle,
+        results,
+        metrics,
+        dispatched: ctx.ledger.contains(&uid, run),
+        round_robin: lock(&ctx.round_robin).clone(),
+    };
+    let now = Utc::now();
+    let plan = plan_task(task, &observed, &ctx.settings.task, now);
+    let effects = TaskEffects {
+        publisher: &ctx.publisher,
+        ledger: &ctx.ledger,
+        inbox: &ctx.inbox,
+    };
+    apply_task(&ctx.client, task, &plan, &effects).await?;
+    if let Some(chosen) = &plan.chosen {
+        lock(&ctx.round_robin).record(&ns, chosen);
+    }
+    let reference = task.object_ref(&());
+    for note in &plan.notes {
+        ctx.note(&reference, note).await;
+    }
+    let finished = plan
+        .after_dispatch
+        .as_ref()
+        .or(plan.status.as_ref())
+        .is_some_and(|s| s.phase.is_terminal());
+    if finished {
+        // Dependents may run now, and the proplet has one task less.
+        let name = task.name_any();
+        for other in &all_tasks {
+            if other.namespace().as_deref() == Some(ns.as_str())
+                && other.spec.depends_on.contains(&name)
+            {
+                let _ = ctx.task_trigger.send(ObjectRef::from_obj(&**other));
+            }
+        }
+    }
+    if plan.status.is_some() || plan.after_dispatch.is_some() {
+        for proplet in observed.proplets.iter().filter(|p| {
+            plan.starts.iter().any(|s| s.proplet == p.candidate.name)
+                || task.status.as_ref().is_some_and(|s| {
+                    s.assigned_proplet.as_deref() == Some(p.candidate.name.as_str())
+                })
+        }) {
+            let _ = ctx
+                .proplet_trigger
+                .send(ObjectRef::new(&proplet.candidate.name).within(&ns));
+        }
+    }
+    let wait = plan
+        .requeue_at
+        .and_then(|at| (at - now).to_std().ok())
+        .map_or(RESYNC, |d| d.min(RESYNC) + Duration::from_millis(100));
+    Ok(Action::requeue(wait))
+}
+
+fn error_policy<K>(_: Arc<K>, error: &ReconcileError, _: Arc<Shared>) -> Action {
+    warn!(%error, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(2))
+}
+
+/// Routes broker events into the stores and triggers until the event stream ends.
+pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<Shared>) {
+    while let Some(event) = events.recv().await {
+        route_event(&event, &ctx);
+    }
+}
+
+/// Handles one broker event: record it, then trigger the object it concerns.
+pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
+    let now = Utc::now();
+    match &event.kind {
+        EventKind::Heartbeat(_) | EventKind::Discovered(_) | EventKind::Offline(_) => {
+            ctx.liveness.record(event, now);
+            if let Some(p) = ctx.proplet_by_client(&event.client_id) {
+                let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
+            } else {
+                debug!(client = %event.client_id, "liveness from a client with no Proplet");
+            }
+        }
+        EventKind::Result(result) => {
+            let value = match &result.results {
+                ResultValue::Text(s) => serde_json::Value::String(s.clone()),
+                ResultValue::Json(v) => v.clone(),
+            };
+            let reported = ReportedResult {
+                client_id: event.client_id.clone(),
+                value,
+                error: result.error.clone(),
+            };
+            if ctx.inbox.push_result(&result.task_id, reported) == Queued::Full {
+                warn!(task = %result.task_id, client = %event.client_id, "too many unapplied results; refusing more");
+            }
+            trigger_task(ctx, &result.task_id);
+        }
+        EventKind::TaskMetrics(m) => {
+            let sample = MetricsSample {
+                timestamp: Some(now),
+                cpu_milli_percent: m.metrics.cpu_percent.map_or(0, |c| (c * 1000.0) as i64),
+                memory_milli_percent: m.metrics.memory_percent.map_or(0, |c| (c * 1000.0) as i64),
+                memory_bytes: m
+                    .metrics
+                    .memory_bytes
+                    .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+            };
+            ctx.inbox.push_metrics(&m.task_id, sample);
+            trigger_task(ctx, &m.task_id);
+        }
+        _ => {}
+    }
+}
+
+fn trigger_task(ctx: &Shared, uid: &str) {
+    match ctx.task_by_uid(uid) {
+        Some(task) => {
+            let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
+        }
+        None => debug!(task = %uid, "report for a task not in the cache yet; it waits"),
+    }
+}
+
+/// Everything `run` needs from the caller.
+pub struct Runtime {
+    /// API client.
+    pub client: Client,
+    /// Driver settings.
+    pub settings: Settings,
+    /// The embedded broker's publisher.
+    pub publisher: Publisher,
+    /// The embedded broker's events.
+    pub events: UnboundedReceiver<BrokerEvent>,
+    /// The credential store the broker consults for proplets.
+    pub credentials: Arc<CredentialStore>,
+    /// Reconcile counters.
+    pub metrics: Arc<ControllerMetrics>,
+    /// Name reported on Events.
+    pub reporter: String,
+    /// How often every proplet is re-evaluated without events (the liveliness interval).
+    pub resync: Duration,
+}
+
+/// Runs the Proplet and Task controllers and the event router until `shutdown` resolves.
+pub async fn run(
+    rt: Runtime,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + Clone + 'static,
+) {
+    let ns = rt.settings.watch_namespace.clone();
+    let client = rt.client.clone();
+    let (deployment_reader, deployment_writer) = reflector::store::<Deployment>();
+    let deployment_stream = reflector::reflector(
+        deployment_writer,
+        watcher(
+            scoped::<Deployment>(&client, ns.as_deref()),
+            watcher::Config::default().labels(PROPLET_LABEL),
+        ),
+    )
+    .applied_objects()
+    .default_backoff();
+    let proplet_controller = Controller::new(
+        scoped::<Proplet>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .owns_stream(deployment_stream);
+    let task_controller = Controller::new(
+        scoped::<Task>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    );
+    let (task_tx, task_rx) = unbounded_channel();
+    let (proplet_tx, proplet_rx) = unbounded_channel();
+    let shared = Arc::new(Shared {
+        client: client.clone(),
+        settings: rt.settings,
+        publisher: rt.publisher,
+        liveness: ObservationStore::new(),
+        inbox: TaskInbox::new(),
+        ledger: DispatchLedger::new(),
+        round_robin: Mutex::new(RoundRobinState::default()),
+        proplet_writes: Mutex::new(HashMap::new()),
+        proplets: proplet_controller.store(),
+        tasks: task_controller.store(),
+        deployments: deployment_reader,
+        credentials: rt.credentials,
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "propeller".into(),
+                instance: Some(rt.reporter),
+            },
+        ),
+        task_trigger: task_tx,
+        proplet_trigger: proplet_tx,
+        metrics: rt.metrics,
+    });
+    let router = tokio::spawn(route_events(rt.events, shared.clone()));
+    let resync = rt.resync.max(Duration::from_secs(1));
+    let ticks = futures::stream::unfold(tokio::time::interval(resync), |mut tick| async move {
+        tick.tick().await;
+        Some(((), tick))
+    });
+    let proplets = proplet_controller
+        .reconcile_on(tokio_stream_of(proplet_rx))
+        .reconcile_all_on(ticks)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile_proplet, error_policy, shared.clone())
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                debug!(%e, "proplet controller");
+            }
+        });
+    let tasks = task_controller
+        .reconcile_on(tokio_stream_of(task_rx))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile_task, error_policy, shared.clone())
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                debug!(%e, "task controller");
+            }
+        });
+    info!("controllers running");
+    tokio::join!(proplets, tasks);
+    router.abort();
+    info!("controllers stopped");
+}
+
+fn tokio_stream_of<T: Send + 'static>(
+    rx: UnboundedReceiver<T>,
+) -> impl futures::Stream<Item = T> + Send {
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+}

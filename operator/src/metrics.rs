@@ -1,0 +1,108 @@
+//! The operator's own Prometheus meters: reconciles per controller and outcome, how long they
+//! took, and how many proplets and tasks are in each phase.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Labels of a reconcile.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReconcileLabels {
+    /// `proplet`, `task`, …
+    pub controller: String,
+    /// `ok` or `error`.
+    pub outcome: String,
+}
+
+/// Label of a per-phase gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// The phase, as written in status.
+    pub phase: String,
+}
+
+/// Meters shared by every controller.
+#[derive(Debug)]
+pub struct ControllerMetrics {
+    reconciles: Family<ReconcileLabels, Counter>,
+    durations: Family<ReconcileLabels, Histogram>,
+    /// Proplets by `status.phase`.
+    pub proplets: Family<PhaseLabels, Gauge>,
+    /// Tasks by `status.phase`.
+    pub tasks: Family<PhaseLabels, Gauge>,
+}
+
+fn duration_histogram() -> Histogram {
+    Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0])
+}
+
+impl Default for ControllerMetrics {
+    fn default() -> Self {
+        Self {
+            reconciles: Family::default(),
+            durations: Family::new_with_constructor(duration_histogram),
+            proplets: Family::default(),
+            tasks: Family::default(),
+        }
+    }
+}
+
+impl ControllerMetrics {
+    /// Registers every meter under `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "reconciles",
+            "Reconciles by controller and outcome",
+            self.reconciles.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Time spent in one reconcile",
+            self.durations.clone(),
+        );
+        registry.register("proplets", "Proplets by phase", self.proplets.clone());
+        registry.register("tasks", "Tasks by phase", self.tasks.clone());
+    }
+
+    /// Counts one reconcile of `controller`.
+    pub fn observe(&self, controller: &str, took: Duration, ok: bool) {
+        let labels = ReconcileLabels {
+            controller: controller.to_owned(),
+            outcome: if ok { "ok" } else { "error" }.to_owned(),
+        };
+        self.reconciles.get_or_create(&labels).inc();
+        self.durations
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+
+    /// How many reconciles of `controller` ended with `ok`.
+    pub fn reconciles(&self, controller: &str, ok: bool) -> u64 {
+        self.reconciles
+            .get_or_create(&ReconcileLabels {
+                controller: controller.to_owned(),
+                outcome: if ok { "ok" } else { "error" }.to_owned(),
+            })
+            .get()
+    }
+
+    /// Replaces a per-phase gauge family's values with `counts`.
+    pub fn set_phases<'a>(
+        family: &Family<PhaseLabels, Gauge>,
+        all_phases: impl IntoIterator<Item = &'a str>,
+        counts: &std::collections::BTreeMap<String, i64>,
+    ) {
+        for phase in all_phases {
+            family
+                .get_or_create(&PhaseLabels {
+                    phase: phase.to_owned(),
+                })
+                .set(counts.get(phase).copied().unwrap_or(0));
+        }
+    }
+}

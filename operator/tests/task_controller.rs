@@ -1,0 +1,440 @@
+//! The Proplet and Task reconcilers driven by a real device over MQTT (our embedded broker and
+//! a rumqttc client on 127.0.0.1) against kube-rs's mocked API (tower-test): heartbeat →
+//! proplet Running, start published once, result → completed status patch.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, store::Writer, ObjectRef};
+use kube::runtime::watcher;
+use propeller_broker::server::{
+    BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind,
+};
+use propeller_operator::crd::proplet::Proplet;
+use propeller_operator::crd::task::Task;
+use propeller_operator::decision::scheduler::{RoundRobinState, Strategy};
+use propeller_operator::decision::task::TaskSettings;
+use propeller_operator::inbox::{DispatchLedger, TaskInbox};
+use propeller_operator::k8s::observations::ObservationStore;
+use propeller_operator::k8s::proplet::PropletSettings;
+use propeller_operator::k8s::runtime::{
+    reconcile_proplet, reconcile_task, route_event, Settings, Shared,
+};
+use propeller_operator::metrics::ControllerMetrics;
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+const WAIT: Duration = Duration::from_secs(10);
+const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
+
+/// One request the operator sent.
+#[derive(Debug, Clone)]
+struct Sent {
+    method: Method,
+    path: String,
+    query: String,
+    body: Value,
+}
+
+/// A stand-in API server: records every request and answers with the object the patch
+/// produced (merge-patched onto the last known state), with a fresh resourceVersion.
+struct FakeApi {
+    sent: Arc<Mutex<Vec<Sent>>>,
+    objects: Arc<Mutex<Vec<(String, Value)>>>,
+}
+
+fn merge(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        _ => *target = patch.clone(),
+    }
+}
+
+impl FakeApi {
+    fn start(objects: Vec<(String, Value)>) -> (kube::Client, Self) {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let objects = Arc::new(Mutex::new(objects));
+        let (sent2, objects2) = (sent.clone(), objects.clone());
+        tokio::spawn(async move {
+            let mut version = 100;
+            while let Some((request, respond)) = handle.next_request().await {
+                let method = request.method().clone();
+                let path = request.uri().path().to_owned();
+                let query = request.uri().query().unwrap_or_default().to_owned();
+                let bytes = request
+                    .into_body()
+                    .collect_bytes()
+                    .await
+                    .unwrap_or_default();
+                let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                sent2.lock().unwrap().push(Sent {
+                    method: method.clone(),
+                    path: path.clone(),
+                    query,
+                    body: body.clone(),
+                });
+                version += 1;
+                let base = path.trim_end_matches("/status").to_owned();
+                let mut reply = body.clone();
+                let mut objects = objects2.lock().unwrap();
+                if let Some((_, obj)) = objects.iter_mut().find(|(p, _)| *p == base) {
+                    let mut patch = body.clone();
+                    if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+                        meta.remove("resourceVersion");
+                    }
+                    merge(obj, &patch);
+                    obj["metadata"]["resourceVersion"] = json!(version.to_string());
+                    reply = obj.clone();
+                }
+                let response = Response::builder()
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap_or_default()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        (
+            kube::Client::new(service, "default"),
+            Self { sent, objects },
+        )
+    }
+
+    fn take(&self) -> Vec<Sent> {
+        std::mem::take(&mut *self.sent.lock().unwrap())
+    }
+
+    fn object<K: serde::de::DeserializeOwned>(&self, path: &str) -> K {
+        let objects = self.objects.lock().unwrap();
+        let (_, v) = objects.iter().find(|(p, _)| p == path).unwrap();
+        serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+const PROPLET_PATH: &str = "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/proplets/edge";
+const TASK_PATH: &str = "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/tasks/add";
+
+fn proplet_json() -> Value {
+    json!({
+        "apiVersion": "propeller.propeller.absmach.eu/v1",
+        "kind": "Proplet",
+        "metadata": {"name": "edge", "namespace": "iot", "uid": "p-uid", "generation": 1, "resourceVersion": "1"},
+        "spec": {
+            "type": "external",
+            "connectionConfig": {"mqttAddress": "tcp://127.0.0.1:1883", "domainId": "d1", "channelId": "c1", "clientId": "edge", "clientKey": "edge-key"}
+        }
+    })
+}
+
+fn task_json() -> Value {
+    json!({
+        "apiVersion": "propeller.propeller.absmach.eu/v1",
+        "kind": "Task",
+        "metadata": {"name": "add", "namespace": "iot", "uid": "task-uid-1", "generation": 1, "resourceVersion": "1"},
+        "spec": {"name": "add", "functionName": "add", "file": ADD_WASM, "inputs": [10, 32],
+                 "propletSelector": {"propletId": "edge"}}
+    })
+}
+
+fn paths(sent: &[Sent]) -> Vec<(String, String)> {
+    sent.iter()
+        .map(|s| (s.method.to_string(), s.path.clone()))
+        .collect()
+}
+
+struct Device {
+    client: AsyncClient,
+    eventloop: EventLoop,
+}
+
+impl Device {
+    async fn connect(port: u16) -> Self {
+        let mut opts = MqttOptions::new("edge", "127.0.0.1", port);
+        opts.set_credentials("edge", "edge-key");
+        opts.set_keep_alive(Duration::from_secs(5));
+        let (client, mut eventloop) = AsyncClient::new(opts, 16);
+        client
+            .subscribe("m/d1/c/c1/control/manager/start", QoS::AtLeastOnce)
+            .await
+            .unwrap();
+        let until_subscribed = async {
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::SubAck(_))) => return,
+                    Ok(_) => {}
+                    Err(e) => panic!("device connection failed: {e}"),
+                }
+            }
+        };
+        tokio::time::timeout(WAIT, until_subscribed).await.unwrap();
+        Self { client, eventloop }
+    }
+
+    async fn publish(&mut self, path: &str, payload: Value) {
+        self.client
+            .publish(
+                format!("m/d1/c/c1/{path}"),
+                QoS::AtLeastOnce,
+                false,
+                payload.to_string(),
+            )
+            .await
+            .unwrap();
+        let until_acked = async {
+            loop {
+                if let Ok(Event::Incoming(Packet::PubAck(_))) = self.eventloop.poll().await {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(WAIT, until_acked).await.unwrap();
+    }
+
+    /// Start messages received within `within`.
+    async fn starts(&mut self, within: Duration) -> Vec<Value> {
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        while let Ok(polled) = tokio::time::timeout_at(deadline, self.eventloop.poll()).await {
+            if let Ok(Event::Incoming(Packet::Publish(p))) = polled {
+                got.push(serde_json::from_slice(&p.payload).unwrap());
+            }
+        }
+        got
+    }
+}
+
+async fn next_event(events: &mut UnboundedReceiver<BrokerEvent>) -> BrokerEvent {
+    tokio::time::timeout(WAIT, events.recv())
+        .await
+        .expect("no broker event in time")
+        .expect("event stream closed")
+}
+
+fn store_of<K>(obj: K) -> (reflector::Store<K>, Writer<K>)
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let (reader, mut writer) = reflector::store::<K>();
+    writer.apply_watcher_event(&watcher::Event::Apply(obj));
+    (reader, writer)
+}
+
+#[tokio::test]
+async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
+    let (client, api) = FakeApi::start(vec![
+        (PROPLET_PATH.into(), proplet_json()),
+        (TASK_PATH.into(), task_json()),
+    ]);
+    let logins = Arc::new(CredentialStore::new());
+    logins.insert("edge", Credential::proplet("edge-key"));
+    let mut broker = EmbeddedBroker::start(BrokerConfig::loopback(), logins.clone())
+        .await
+        .unwrap();
+    let mut events = broker.take_events().unwrap();
+    let port = broker.tcp_addr().unwrap().port();
+
+    let proplet: Proplet = serde_json::from_value(proplet_json()).unwrap();
+    let task: Task = serde_json::from_value(task_json()).unwrap();
+    let (proplets, mut proplet_writer) = store_of(proplet.clone());
+    let (tasks, mut task_writer) = store_of(task.clone());
+    let (deployments, _) = reflector::store();
+    let (task_tx, mut task_rx) = unbounded_channel();
+    let (proplet_tx, mut proplet_rx) = unbounded_channel();
+    let shared = Arc::new(Shared {
+        client: client.clone(),
+        settings: Settings {
+            watch_namespace: None,
+            proplet: PropletSettings {
+                last_seen_threshold: Duration::from_secs(30),
+                status_flush_interval: Duration::from_secs(5),
+            },
+            task: TaskSettings {
+                strategy: Strategy::RoundRobin,
+                default_timeout: Duration::from_secs(3600),
+            },
+        },
+        publisher: broker.publisher(),
+        liveness: ObservationStore::new(),
+        inbox: TaskInbox::new(),
+        ledger: DispatchLedger::new(),
+        round_robin: Mutex::new(RoundRobinState::default()),
+        proplet_writes: Mutex::new(Default::default()),
+        proplets,
+        tasks,
+        deployments,
+        credentials: logins.clone(),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "propeller".into(),
+                instance: None,
+            },
+        ),
+        task_trigger: task_tx,
+        proplet_trigger: proplet_tx,
+        metrics: Arc::new(ControllerMetrics::default()),
+    });
+
+    // 1. The device heartbeats; the event names its Proplet, and nothing was written yet.
+    let mut device = Device::connect(port).await;
+    device
+        .publish(
+            "control/proplet/alive",
+            json!({"status": "alive", "proplet_id": "edge", "namespace": "iot"}),
+        )
+        .await;
+    loop {
+        let event = next_event(&mut events).await;
+        let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
+        route_event(&event, &shared);
+        if heartbeat {
+            break;
+        }
+    }
+    assert_eq!(
+        proplet_rx.try_recv().ok(),
+        Some(ObjectRef::new("edge").within("iot"))
+    );
+    assert!(api.take().is_empty(), "the MQTT path must not call the API");
+
+    // 2. The Proplet reconcile adds its finalizer and writes Running.
+    reconcile_proplet(Arc::new(proplet), shared.clone())
+        .await
+        .unwrap();
+    let sent = api.take();
+    let patches: Vec<&Sent> = sent.iter().filter(|s| s.method == Method::PATCH).collect();
+    assert_eq!(patches[0].path, PROPLET_PATH);
+    assert_eq!(
+        patches[0].body["metadata"]["finalizers"],
+        json!(["propeller.propeller.absmach.eu/proplet-cleanup"])
+    );
+    assert_eq!(patches[1].path, format!("{PROPLET_PATH}/status"));
+    assert_eq!(patches[1].body["status"]["phase"], "Running");
+    assert_eq!(patches[1].body["status"]["alive"], true);
+    // The pending task is triggered because a proplet became Running.
+    assert_eq!(
+        task_rx.try_recv().ok(),
+        Some(ObjectRef::new("add").within("iot"))
+    );
+    let running: Proplet = api.object(PROPLET_PATH);
+    proplet_writer.apply_watcher_event(&watcher::Event::Apply(running));
+
+    // 3. The Task reconcile: finalizer, conditional `scheduled` write, one start, `running`.
+    reconcile_task(Arc::new(task), shared.clone())
+        .await
+        .unwrap();
+    let sent = api.take();
+    let task_patches: Vec<&Sent> = sent
+        .iter()
+        .filter(|s| s.method == Method::PATCH && s.path.starts_with(TASK_PATH))
+        .collect();
+    assert_eq!(
+        paths(
+            &task_patches
+                .iter()
+                .map(|s| (*s).clone())
+                .collect::<Vec<_>>()
+        ),
+        vec![
+            ("PATCH".to_owned(), TASK_PATH.to_owned()),
+            ("PATCH".to_owned(), format!("{TASK_PATH}/status")),
+            ("PATCH".to_owned(), format!("{TASK_PATH}/status")),
+        ]
+    );
+    assert_eq!(
+        task_patches[0].body["metadata"]["finalizers"],
+        json!(["propeller.propeller.absmach.eu/task-stop"])
+    );
+    let scheduled = &task_patches[1].body;
+    // Conditional on the version the finalizer write returned, not the stale one.
+    let version = scheduled["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(!version.is_empty() && version != "1", "{version}");
+    assert_eq!(scheduled["status"]["phase"], "scheduled");
+    assert_eq!(scheduled["status"]["assignedProplet"], "edge");
+    assert_eq!(scheduled["status"]["runCount"], 1);
+    assert_eq!(task_patches[2].body["status"]["phase"], "running");
+    assert!(task_patches[2].body["status"]["startedAt"].is_string());
+    assert!(sent.iter().any(|s| s.method == Method::POST
+        && s.path.ends_with("/namespaces/iot/events")
+        && s.body["reason"] == "Scheduled"));
+    let starts = device.starts(Duration::from_millis(500)).await;
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert_eq!(starts[0]["id"], "task-uid-1");
+    assert_eq!(starts[0]["proplet_id"], "edge");
+    assert_eq!(starts[0]["name"], "add");
+    assert_eq!(starts[0]["inputs"], json!(["10", "32"]));
+    assert_eq!(starts[0]["env"]["TASK_ID"], "task-uid-1");
+
+    // 4. A retried reconcile of the same run (as if the `running` write had failed) publishes
+    //    nothing and only repeats the write.
+    let mut stale: Value = serde_json::to_value(api.object::<Task>(TASK_PATH)).unwrap();
+    stale["status"]["phase"] = json!("scheduled");
+    let stale: Task = serde_json::from_value(stale).unwrap();
+    reconcile_task(Arc::new(stale), shared.clone())
+        .await
+        .unwrap();
+    let retried = api.take();
+    assert!(
+        retried
+            .iter()
+            .any(|s| s.path == format!("{TASK_PATH}/status")
+                && s.body["status"]["phase"] == "running")
+    );
+    assert!(device.starts(Duration::from_millis(500)).await.is_empty());
+
+    // 5. The device's result is queued, triggers the task, and completes it.
+    let current: Task = api.object(TASK_PATH);
+    task_writer.apply_watcher_event(&watcher::Event::Apply(current.clone()));
+    device
+        .publish(
+            "control/proplet/results",
+            json!({"task_id": "task-uid-1", "proplet_id": "edge", "results": "42", "error": null}),
+        )
+        .await;
+    loop {
+        let event = next_event(&mut events).await;
+        let result = matches!(event.kind, EventKind::Result(_));
+        route_event(&event, &shared);
+        if result {
+            break;
+        }
+    }
+    while let Ok(r) = task_rx.try_recv() {
+        assert_eq!(r, ObjectRef::new("add").within("iot"));
+    }
+    assert!(api.take().is_empty(), "the MQTT path must not call the API");
+    assert_eq!(shared.inbox.waiting_tasks(), 1);
+    reconcile_task(Arc::new(current), shared.clone())
+        .await
+        .unwrap();
+    let sent = api.take();
+    let done = sent
+        .iter()
+        .find(|s| s.path == format!("{TASK_PATH}/status"))
+        .expect("a status patch");
+    assert_eq!(done.body["status"]["phase"], "completed");
+    assert_eq!(done.body["status"]["results"], "42");
+    assert!(done.body["status"]["finishedAt"].is_string());
+    assert_eq!(
+        shared.inbox.waiting_tasks(),
+        0,
+        "the written result is consumed"
+    );
+    assert!(shared.metrics.reconciles("task", true) >= 3);
+    let _ = done.query.len();
+    broker.shutdown();
+}
