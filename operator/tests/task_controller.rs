@@ -2,125 +2,25 @@
 //! a rumqttc client on 127.0.0.1) against kube-rs's mocked API (tower-test): heartbeat →
 //! proplet Running, start published once, result → completed status patch.
 
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Request, Response};
-use kube::client::Body;
-use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, store::Writer, ObjectRef};
+use common::{FakeApi, Sent};
+use http::Method;
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use propeller_broker::server::{
-    BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind,
-};
+use propeller_broker::server::{BrokerEvent, Credential, EventKind};
 use propeller_operator::crd::proplet::Proplet;
 use propeller_operator::crd::task::Task;
-use propeller_operator::decision::scheduler::{RoundRobinState, Strategy};
-use propeller_operator::decision::task::TaskSettings;
-use propeller_operator::inbox::{DispatchLedger, TaskInbox};
-use propeller_operator::k8s::observations::ObservationStore;
-use propeller_operator::k8s::proplet::PropletSettings;
-use propeller_operator::k8s::runtime::{
-    reconcile_proplet, reconcile_task, route_event, Settings, Shared,
-};
-use propeller_operator::metrics::ControllerMetrics;
+use propeller_operator::k8s::runtime::{reconcile_proplet, reconcile_task, route_event};
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 const WAIT: Duration = Duration::from_secs(10);
 const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
-
-/// One request the operator sent.
-#[derive(Debug, Clone)]
-struct Sent {
-    method: Method,
-    path: String,
-    query: String,
-    body: Value,
-}
-
-/// A stand-in API server: records every request and answers with the object the patch
-/// produced (merge-patched onto the last known state), with a fresh resourceVersion.
-struct FakeApi {
-    sent: Arc<Mutex<Vec<Sent>>>,
-    objects: Arc<Mutex<Vec<(String, Value)>>>,
-}
-
-fn merge(target: &mut Value, patch: &Value) {
-    match (target.as_object_mut(), patch.as_object()) {
-        (Some(t), Some(p)) => {
-            for (k, v) in p {
-                if v.is_null() {
-                    t.remove(k);
-                } else {
-                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
-                }
-            }
-        }
-        _ => *target = patch.clone(),
-    }
-}
-
-impl FakeApi {
-    fn start(objects: Vec<(String, Value)>) -> (kube::Client, Self) {
-        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        let objects = Arc::new(Mutex::new(objects));
-        let (sent2, objects2) = (sent.clone(), objects.clone());
-        tokio::spawn(async move {
-            let mut version = 100;
-            while let Some((request, respond)) = handle.next_request().await {
-                let method = request.method().clone();
-                let path = request.uri().path().to_owned();
-                let query = request.uri().query().unwrap_or_default().to_owned();
-                let bytes = request
-                    .into_body()
-                    .collect_bytes()
-                    .await
-                    .unwrap_or_default();
-                let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-                sent2.lock().unwrap().push(Sent {
-                    method: method.clone(),
-                    path: path.clone(),
-                    query,
-                    body: body.clone(),
-                });
-                version += 1;
-                let base = path.trim_end_matches("/status").to_owned();
-                let mut reply = body.clone();
-                let mut objects = objects2.lock().unwrap();
-                if let Some((_, obj)) = objects.iter_mut().find(|(p, _)| *p == base) {
-                    let mut patch = body.clone();
-                    if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
-                        meta.remove("resourceVersion");
-                    }
-                    merge(obj, &patch);
-                    obj["metadata"]["resourceVersion"] = json!(version.to_string());
-                    reply = obj.clone();
-                }
-                let response = Response::builder()
-                    .body(Body::from(serde_json::to_vec(&reply).unwrap_or_default()))
-                    .unwrap();
-                respond.send_response(response);
-            }
-        });
-        (
-            kube::Client::new(service, "default"),
-            Self { sent, objects },
-        )
-    }
-
-    fn take(&self) -> Vec<Sent> {
-        std::mem::take(&mut *self.sent.lock().unwrap())
-    }
-
-    fn object<K: serde::de::DeserializeOwned>(&self, path: &str) -> K {
-        let objects = self.objects.lock().unwrap();
-        let (_, v) = objects.iter().find(|(p, _)| p == path).unwrap();
-        serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}"))
-    }
-}
 
 const PROPLET_PATH: &str = "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/proplets/edge";
 const TASK_PATH: &str = "/apis/propeller.propeller.absmach.eu/v1/namespaces/iot/tasks/add";
@@ -221,71 +121,26 @@ async fn next_event(events: &mut UnboundedReceiver<BrokerEvent>) -> BrokerEvent 
         .expect("event stream closed")
 }
 
-fn store_of<K>(obj: K) -> (reflector::Store<K>, Writer<K>)
-where
-    K: kube::Resource + Clone + 'static,
-    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
-{
-    let (reader, mut writer) = reflector::store::<K>();
-    writer.apply_watcher_event(&watcher::Event::Apply(obj));
-    (reader, writer)
-}
-
 #[tokio::test]
 async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     let (client, api) = FakeApi::start(vec![
         (PROPLET_PATH.into(), proplet_json()),
         (TASK_PATH.into(), task_json()),
     ]);
-    let logins = Arc::new(CredentialStore::new());
-    logins.insert("edge", Credential::proplet("edge-key"));
-    let mut broker = EmbeddedBroker::start(BrokerConfig::loopback(), logins.clone())
-        .await
-        .unwrap();
-    let mut events = broker.take_events().unwrap();
-    let port = broker.tcp_addr().unwrap().port();
-
     let proplet: Proplet = serde_json::from_value(proplet_json()).unwrap();
     let task: Task = serde_json::from_value(task_json()).unwrap();
-    let (proplets, mut proplet_writer) = store_of(proplet.clone());
-    let (tasks, mut task_writer) = store_of(task.clone());
-    let (deployments, _) = reflector::store();
-    let (task_tx, mut task_rx) = unbounded_channel();
-    let (proplet_tx, mut proplet_rx) = unbounded_channel();
-    let shared = Arc::new(Shared {
-        client: client.clone(),
-        settings: Settings {
-            watch_namespace: None,
-            proplet: PropletSettings {
-                last_seen_threshold: Duration::from_secs(30),
-                status_flush_interval: Duration::from_secs(5),
-            },
-            task: TaskSettings {
-                strategy: Strategy::RoundRobin,
-                default_timeout: Duration::from_secs(3600),
-            },
-        },
-        publisher: broker.publisher(),
-        liveness: ObservationStore::new(),
-        inbox: TaskInbox::new(),
-        ledger: DispatchLedger::new(),
-        round_robin: Mutex::new(RoundRobinState::default()),
-        proplet_writes: Mutex::new(Default::default()),
-        proplets,
-        tasks,
-        deployments,
-        credentials: logins.clone(),
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "propeller".into(),
-                instance: None,
-            },
-        ),
-        task_trigger: task_tx,
-        proplet_trigger: proplet_tx,
-        metrics: Arc::new(ControllerMetrics::default()),
-    });
+    let common::Harness {
+        shared,
+        triggers,
+        proplets: mut proplet_writer,
+        tasks: mut task_writer,
+        mut broker,
+        logins,
+    } = common::Harness::start(client, vec![proplet.clone()], vec![task.clone()]).await;
+    logins.insert("edge", Credential::proplet("edge-key"));
+    let mut events = broker.take_events().unwrap();
+    let port = broker.tcp_addr().unwrap().port();
+    let (mut task_rx, mut proplet_rx) = (triggers.tasks, triggers.proplets);
 
     // 1. The device heartbeats; the event names its Proplet, and nothing was written yet.
     let mut device = Device::connect(port).await;

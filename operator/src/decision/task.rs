@@ -463,7 +463,10 @@ pub fn plan(
     if let Some(after) = plan.after_dispatch.as_mut() {
         after.observed_generation = gen;
     }
-    if desired != written || plan.after_dispatch.is_some() {
+    // The executor forgets consumed reports only after a status write, so consuming one
+    // (even an ignored result) must write, or it would be re-read at every reconcile.
+    let consumed = plan.consumed_results > 0 || plan.consumed_metrics;
+    if desired != written || plan.after_dispatch.is_some() || consumed {
         desired.updated_at = Some(now);
         plan.status = Some(desired);
     }
@@ -790,7 +793,14 @@ fn plan_running(
         .and_then(|s| u64::try_from(s).ok())
         .map_or(settings.default_timeout, Duration::from_secs);
     let started = desired.started_at.unwrap_or(now);
-    let deadline = started + chrono::Duration::from_std(limit).unwrap_or(chrono::Duration::MAX);
+    // A limit beyond the representable calendar (e.g. `--task-timeout` set absurdly high to
+    // mean "never") has no deadline, rather than overflowing the addition.
+    let Some(deadline) = chrono::Duration::from_std(limit)
+        .ok()
+        .and_then(|d| started.checked_add_signed(d))
+    else {
+        return;
+    };
     if now >= deadline {
         let message = format!("no result within the time limit of {}s", limit.as_secs());
         for name in &targets {
@@ -838,4 +848,1056 @@ pub fn occupies(task: &Task, name: &str) -> bool {
             && (s.assigned_proplet.as_deref() == Some(name)
                 || s.broadcast_proplets.iter().any(|p| p == name))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::common::find_condition;
+    use crate::crd::proplet::{Proplet, PropletPhase};
+    use crate::decision::scheduler::filter_candidates;
+    use chrono::TimeZone;
+    use serde_json::json;
+
+    fn at(h: u32, m: u32, s: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 3, 14, h, m, s)
+            .single()
+            .unwrap_or_else(|| panic!("invalid test time {h}:{m}:{s}"))
+    }
+
+    fn now() -> DateTime<Utc> {
+        at(10, 0, 0)
+    }
+
+    fn settings() -> TaskSettings {
+        TaskSettings {
+            strategy: Strategy::RoundRobin,
+            default_timeout: Duration::from_secs(3600),
+        }
+    }
+
+    fn task_value() -> Value {
+        json!({
+            "apiVersion": "propeller.propeller.absmach.eu/v1",
+            "kind": "Task",
+            "metadata": {"name": "add", "namespace": "iot", "uid": "task-uid-1", "generation": 1},
+            "spec": {
+                "name": "add",
+                "functionName": "add",
+                "imageUrl": "oci://registry.example/add:1",
+                "inputs": [10, "32"],
+                "env": {"LOG": "debug"}
+            }
+        })
+    }
+
+    fn task_from(v: Value) -> Task {
+        serde_json::from_value(v).unwrap_or_else(|e| panic!("invalid test task: {e}"))
+    }
+
+    /// A task as a user creates it: no finalizer, no status.
+    fn new_task() -> Task {
+        task_from(task_value())
+    }
+
+    /// Adds the finalizer and `status` to a task value.
+    fn finalized(mut v: Value, status: Value) -> Value {
+        v["metadata"]["finalizers"] = json!([TASK_FINALIZER]);
+        v["status"] = status;
+        v
+    }
+
+    /// A task that already carries the finalizer and this status.
+    fn task_with_status(status: Value) -> Task {
+        task_from(finalized(task_value(), status))
+    }
+
+    fn proplet_value(name: &str, client: &str) -> Value {
+        json!({
+            "apiVersion": "propeller.propeller.absmach.eu/v1",
+            "kind": "Proplet",
+            "metadata": {"name": name, "namespace": "iot", "uid": format!("{name}-uid"), "generation": 1},
+            "spec": {
+                "type": "external",
+                "connectionConfig": {
+                    "mqttAddress": "tcp://127.0.0.1:1883",
+                    "domainId": "d1",
+                    "channelId": "c1",
+                    "clientId": client,
+                    "clientKey": "secret"
+                }
+            },
+            "status": {"phase": "Running"}
+        })
+    }
+
+    fn proplet_from(v: Value) -> Proplet {
+        serde_json::from_value(v).unwrap_or_else(|e| panic!("invalid test proplet: {e}"))
+    }
+
+    /// A Running external proplet of namespace `iot`.
+    fn proplet(name: &str, client: &str) -> PropletView {
+        proplet_view(&proplet_from(proplet_value(name, client)), 0)
+    }
+
+    fn observing(proplets: Vec<PropletView>) -> TaskObservations {
+        TaskObservations {
+            proplets,
+            ..TaskObservations::default()
+        }
+    }
+
+    fn running_status(proplet: &str, started: DateTime<Utc>) -> Value {
+        json!({
+            "phase": "running",
+            "assignedProplet": proplet,
+            "createdAt": at(9, 0, 0),
+            "startedAt": started,
+            "runCount": 1,
+            "observedGeneration": 1
+        })
+    }
+
+    fn result(client: &str, value: Value, error: Option<&str>) -> ReportedResult {
+        ReportedResult {
+            client_id: client.into(),
+            value,
+            error: error.map(str::to_owned),
+        }
+    }
+
+    fn written(plan: &TaskPlan) -> &TaskStatus {
+        plan.status
+            .as_ref()
+            .unwrap_or_else(|| panic!("the plan writes no status: {plan:?}"))
+    }
+
+    fn after(plan: &TaskPlan) -> &TaskStatus {
+        plan.after_dispatch
+            .as_ref()
+            .unwrap_or_else(|| panic!("the plan has no after-dispatch status: {plan:?}"))
+    }
+
+    /// (status, reason, message) of a condition.
+    fn condition<'a>(status: &'a TaskStatus, type_: &str) -> (&'a str, &'a str, &'a str) {
+        find_condition(&status.conditions, type_)
+            .map(|c| (c.status.as_str(), c.reason.as_str(), c.message.as_str()))
+            .unwrap_or_else(|| panic!("no {type_} condition in {status:?}"))
+    }
+
+    fn reasons(plan: &TaskPlan) -> Vec<(bool, &'static str)> {
+        plan.notes.iter().map(|n| (n.warning, n.reason)).collect()
+    }
+
+    // 1. A new task: finalizer, assignment, start, running.
+
+    #[test]
+    fn new_task_gets_finalizer_is_scheduled_and_started_on_the_matching_proplet() {
+        let task = new_task();
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
+
+        assert_eq!(plan.finalizer, Some(FinalizerChange::Add));
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Scheduled);
+        assert_eq!(status.assigned_proplet.as_deref(), Some("edge"));
+        assert!(status.broadcast_proplets.is_empty());
+        assert_eq!(status.run_count, Some(1));
+        assert_eq!(status.created_at, Some(now()));
+        assert_eq!(status.updated_at, Some(now()));
+        assert_eq!(status.observed_generation, Some(1));
+        assert_eq!(status.started_at, None);
+        assert_eq!(
+            condition(status, SCHEDULED),
+            ("True", "PropletAssigned", "assigned to edge")
+        );
+
+        assert_eq!(plan.starts.len(), 1, "{:?}", plan.starts);
+        let start = &plan.starts[0];
+        assert_eq!(start.proplet, "edge");
+        assert_eq!(start.domain, "d1");
+        assert_eq!(start.channel, "c1");
+        let req = &start.request;
+        assert_eq!(req.id, "task-uid-1");
+        assert_eq!(req.name, "add");
+        assert_eq!(req.state, 1);
+        assert_eq!(req.proplet_id.as_deref(), Some("edge-client"));
+        assert!(!req.broadcast);
+        assert_eq!(req.inputs, vec!["10".to_owned(), "32".to_owned()]);
+        assert_eq!(
+            req.image_url.as_deref(),
+            Some("oci://registry.example/add:1")
+        );
+        assert_eq!(
+            req.env.get("PROPLET_ID").map(String::as_str),
+            Some("edge-client")
+        );
+        assert_eq!(
+            req.env.get("TASK_ID").map(String::as_str),
+            Some("task-uid-1")
+        );
+        assert_eq!(req.env.get("LOG").map(String::as_str), Some("debug"));
+        assert_eq!(req.kind.as_deref(), Some("standard"));
+        assert_eq!(req.priority, Some(50));
+
+        let running = after(&plan);
+        assert_eq!(running.phase, TaskPhase::Running);
+        assert_eq!(running.started_at, Some(now()));
+        assert_eq!(running.assigned_proplet.as_deref(), Some("edge"));
+        assert_eq!(running.run_count, Some(1));
+        assert_eq!(running.updated_at, Some(now()));
+        assert_eq!(running.observed_generation, Some(1));
+        assert_eq!(condition(running, STARTED).0, "True");
+        assert_eq!(condition(running, STARTED).1, "StartSent");
+        assert_eq!(condition(running, SCHEDULED).0, "True");
+
+        assert_eq!(plan.chosen.as_deref(), Some("edge"));
+        assert!(plan.stops.is_empty());
+        assert_eq!(plan.requeue_at, None);
+        assert_eq!(reasons(&plan), vec![(false, "Scheduled")]);
+    }
+
+    #[test]
+    fn finalized_task_is_not_given_the_finalizer_again() {
+        let task = task_with_status(json!({"phase": "pending", "createdAt": at(9, 0, 0)}));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(plan.finalizer, None);
+        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
+        assert_eq!(written(&plan).created_at, Some(at(9, 0, 0)));
+    }
+
+    #[test]
+    fn k8s_proplets_are_not_candidates_for_mqtt_dispatch() {
+        let mut k8s = proplet("cluster", "cluster-client");
+        k8s.candidate.proplet_type = PropletType::K8s;
+        let plan = plan(
+            &new_task(),
+            &observing(vec![k8s, proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(written(&plan).assigned_proplet.as_deref(), Some("edge"));
+        assert_eq!(plan.starts.len(), 1);
+        assert_eq!(plan.starts[0].proplet, "edge");
+    }
+
+    // 2. A scheduled task is only ever sent to its assigned proplet, and never twice.
+
+    #[test]
+    fn scheduled_task_already_dispatched_is_not_republished() {
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "b", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        let mut observed = observing(vec![proplet("a", "a-client"), proplet("b", "b-client")]);
+        observed.dispatched = true;
+        let plan = plan(&task, &observed, &settings(), now());
+
+        assert!(plan.starts.is_empty(), "{:?}", plan.starts);
+        assert_eq!(plan.chosen, None);
+        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
+        let running = after(&plan);
+        assert_eq!(running.phase, TaskPhase::Running);
+        assert_eq!(running.assigned_proplet.as_deref(), Some("b"));
+        assert_eq!(running.started_at, Some(now()));
+        assert_eq!(running.run_count, Some(1), "a retry is not another run");
+        assert_eq!(condition(running, STARTED).0, "True");
+    }
+
+    #[test]
+    fn scheduled_task_is_sent_only_to_its_assigned_proplet_not_the_round_robin_pick() {
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "b", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        // With no round-robin memory the scheduler would pick "a".
+        let observed = observing(vec![proplet("a", "a-client"), proplet("b", "b-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
+
+        assert_eq!(plan.starts.len(), 1, "{:?}", plan.starts);
+        assert_eq!(plan.starts[0].proplet, "b");
+        assert_eq!(
+            plan.starts[0].request.proplet_id.as_deref(),
+            Some("b-client")
+        );
+        assert_eq!(plan.chosen, None);
+        let running = after(&plan);
+        assert_eq!(running.phase, TaskPhase::Running);
+        assert_eq!(running.assigned_proplet.as_deref(), Some("b"));
+        assert_eq!(running.run_count, Some(1));
+    }
+
+    // 3. The assigned proplet vanished before the start.
+
+    #[test]
+    fn scheduled_task_whose_proplet_vanished_fails_instead_of_moving() {
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "gone", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        assert!(plan.starts.is_empty(), "{:?}", plan.starts);
+        assert_eq!(plan.chosen, None);
+        let failed = after(&plan);
+        assert_eq!(failed.phase, TaskPhase::Failed);
+        assert_eq!(failed.finished_at, Some(now()));
+        assert_eq!(failed.assigned_proplet.as_deref(), Some("gone"));
+        let error = failed.error.as_deref().unwrap_or_default();
+        assert!(error.contains("gone"), "{error}");
+        let (ok, reason, message) = condition(failed, COMPLETED);
+        assert_eq!((ok, reason), ("False", "Failed"));
+        assert!(message.contains("gone"), "{message}");
+    }
+
+    // 4. Nowhere to run.
+
+    #[test]
+    fn task_without_proplets_stays_pending_and_retries() {
+        let plan = plan(&new_task(), &observing(vec![]), &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(status.assigned_proplet, None);
+        assert_eq!(status.run_count, None);
+        assert_eq!(
+            condition(status, SCHEDULED),
+            (
+                "False",
+                "NoCandidates",
+                "no proplets exist in namespace iot"
+            )
+        );
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        assert_eq!(plan.chosen, None);
+        let retry = chrono::Duration::from_std(NO_CANDIDATE_RETRY)
+            .unwrap_or_else(|e| panic!("retry interval: {e}"));
+        assert_eq!(plan.requeue_at, Some(now() + retry));
+    }
+
+    #[test]
+    fn task_without_candidates_reports_the_schedulers_explanation() {
+        let mut v = task_value();
+        v["spec"]["propletSelector"] = json!({"matchLabels": {"zone": "north"}});
+        let task = task_from(v);
+        let mut offline = proplet("a", "a-client");
+        offline.candidate.phase = PropletPhase::Offline;
+        let unlabelled = proplet("b", "b-client");
+        let candidates = [offline.candidate.clone(), unlabelled.candidate.clone()];
+        let expected = filter_candidates("iot", &candidates, &selector_of(&task))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| panic!("the scheduler found a candidate"));
+
+        let plan = plan(
+            &task,
+            &observing(vec![offline, unlabelled]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        let (ok, reason, message) = condition(status, SCHEDULED);
+        assert_eq!((ok, reason), ("False", "NoCandidates"));
+        assert_eq!(message, expected);
+        assert!(message.contains('a') && message.contains('b'), "{message}");
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        let retry = chrono::Duration::from_std(NO_CANDIDATE_RETRY)
+            .unwrap_or_else(|e| panic!("retry interval: {e}"));
+        assert_eq!(plan.requeue_at, Some(now() + retry));
+    }
+
+    // 5. Dependencies.
+
+    fn dependent_task(depends_on: Value, run_if: Option<&str>) -> Task {
+        let mut v = task_value();
+        v["spec"]["dependsOn"] = depends_on;
+        v["spec"]["workflowId"] = json!("wf");
+        if let Some(r) = run_if {
+            v["spec"]["runIf"] = json!(r);
+        }
+        task_from(v)
+    }
+
+    #[test]
+    fn unmet_dependencies_keep_the_task_pending_without_requeue() {
+        let task = dependent_task(json!(["a", "b"]), None);
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.dependencies.insert("a".into(), TaskPhase::Running);
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(
+            condition(status, SCHEDULED),
+            (
+                "False",
+                "DependencyPending",
+                "waiting for dependencies (missing: b; unfinished: a)"
+            )
+        );
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        assert_eq!(plan.requeue_at, None, "dependency changes trigger the task");
+    }
+
+    #[test]
+    fn failed_dependency_with_run_if_success_skips_the_task() {
+        let task = dependent_task(json!(["a"]), Some("success"));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.dependencies.insert("a".into(), TaskPhase::Failed);
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Skipped);
+        assert_eq!(status.finished_at, Some(now()));
+        let error = status.error.as_deref().unwrap_or_default();
+        assert!(error.contains("a failed"), "{error}");
+        let (ok, reason, message) = condition(status, COMPLETED);
+        assert_eq!((ok, reason, message), ("False", "Skipped", error));
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        assert_eq!(reasons(&plan), vec![(false, "Skipped")]);
+    }
+
+    #[test]
+    fn completed_dependencies_let_the_task_run() {
+        let task = dependent_task(json!(["a"]), None);
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed
+            .dependencies
+            .insert("a".into(), TaskPhase::Completed);
+        let plan = plan(&task, &observed, &settings(), now());
+        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
+        assert_eq!(plan.starts.len(), 1);
+    }
+
+    #[test]
+    fn dependency_cycle_is_reported_and_blocks_dispatch() {
+        let task = dependent_task(json!(["a"]), None);
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed
+            .dependencies
+            .insert("a".into(), TaskPhase::Completed);
+        observed.cycle = Some(vec!["a".into(), "add".into(), "a".into()]);
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(
+            condition(status, SCHEDULED),
+            ("False", "CycleDetected", "dependency cycle: a -> add -> a")
+        );
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.requeue_at, None);
+    }
+
+    // 6. Schedules.
+
+    #[test]
+    fn invalid_cron_schedule_is_reported() {
+        let mut v = task_value();
+        v["spec"]["schedule"] = json!("not a cron");
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        let (ok, reason, message) = condition(status, SCHEDULED);
+        assert_eq!((ok, reason), ("False", "InvalidSchedule"));
+        assert!(message.starts_with("spec.schedule:"), "{message}");
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.requeue_at, None);
+    }
+
+    #[test]
+    fn future_schedule_waits_for_its_tick() {
+        let mut v = task_value();
+        v["spec"]["schedule"] = json!("0 12 * * *");
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(status.next_run, Some(at(12, 0, 0)));
+        let (ok, reason, message) = condition(status, SCHEDULED);
+        assert_eq!((ok, reason), ("False", "WaitingForSchedule"));
+        assert!(message.contains("2026-03-14T12:00:00"), "{message}");
+        assert_eq!(plan.requeue_at, Some(at(12, 0, 0)));
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+    }
+
+    #[test]
+    fn due_schedule_dispatches() {
+        let mut v = finalized(
+            task_value(),
+            json!({"phase": "pending", "createdAt": at(9, 0, 0), "nextRun": at(12, 0, 0)}),
+        );
+        v["spec"]["schedule"] = json!("0 12 * * *");
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            at(12, 0, 1),
+        );
+        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
+        assert_eq!(plan.starts.len(), 1);
+        assert_eq!(after(&plan).phase, TaskPhase::Running);
+    }
+
+    // 7. Results of an ordinary task.
+
+    #[test]
+    fn result_from_the_assigned_proplet_completes_the_task() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![result("edge-client", json!("42"), Some(""))];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Completed);
+        assert_eq!(status.results, Some(json!("42")));
+        assert_eq!(status.error, None, "an empty error is no error");
+        assert_eq!(status.finished_at, Some(now()));
+        assert_eq!(status.updated_at, Some(now()));
+        assert_eq!(condition(status, COMPLETED).0, "True");
+        assert_eq!(condition(status, COMPLETED).1, "Succeeded");
+        assert_eq!(plan.consumed_results, 1);
+        assert!(plan.starts.is_empty() && plan.stops.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        assert_eq!(plan.requeue_at, None);
+        assert_eq!(reasons(&plan), vec![(false, "Completed")]);
+    }
+
+    #[test]
+    fn result_with_an_error_fails_the_task() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![result("edge-client", json!(""), Some("wasm trap"))];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.error.as_deref(), Some("wasm trap"));
+        assert_eq!(status.finished_at, Some(now()));
+        assert_eq!(
+            condition(status, COMPLETED),
+            ("False", "Failed", "wasm trap")
+        );
+        assert_eq!(plan.consumed_results, 1);
+        assert_eq!(reasons(&plan), vec![(true, "Failed")]);
+    }
+
+    #[test]
+    fn result_from_another_client_is_ignored_but_consumed() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![
+            proplet("edge", "edge-client"),
+            proplet("other", "other-client"),
+        ]);
+        // The proplet's resource name is not its identity either.
+        observed.results = vec![
+            result("other-client", json!("1"), None),
+            result("edge", json!("2"), None),
+        ];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        assert_eq!(plan.consumed_results, 2);
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Running);
+        assert_eq!(status.results, None);
+        assert_eq!(status.finished_at, None);
+        assert_eq!(
+            status.updated_at,
+            Some(now()),
+            "consumed results need a status write before the executor forgets them"
+        );
+        assert_eq!(
+            reasons(&plan),
+            vec![(true, "ResultIgnored"), (true, "ResultIgnored")]
+        );
+        assert!(plan.notes[0].message.contains("other-client"));
+        assert_eq!(plan.requeue_at, Some(at(10, 50, 0)), "the time limit");
+    }
+
+    #[test]
+    fn ignored_result_does_not_hide_a_later_valid_one() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![
+            result("intruder", json!("bad"), None),
+            result("edge-client", json!("42"), None),
+        ];
+        let plan = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan.consumed_results, 2);
+        assert_eq!(written(&plan).phase, TaskPhase::Completed);
+        assert_eq!(written(&plan).results, Some(json!("42")));
+    }
+
+    // 8. Broadcast tasks.
+
+    fn broadcast_value() -> Value {
+        let mut v = task_value();
+        v["spec"]["broadcast"] = json!(true);
+        v
+    }
+
+    fn broadcast_running(results: Value) -> Task {
+        let mut status = json!({
+            "phase": "running",
+            "broadcastProplets": ["a", "b"],
+            "createdAt": at(9, 0, 0),
+            "startedAt": at(9, 50, 0),
+            "runCount": 1,
+            "observedGeneration": 1
+        });
+        if !results.is_null() {
+            status["results"] = results;
+        }
+        task_from(finalized(broadcast_value(), status))
+    }
+
+    fn two_proplets() -> TaskObservations {
+        observing(vec![proplet("a", "a-client"), proplet("b", "b-client")])
+    }
+
+    #[test]
+    fn broadcast_task_is_sent_to_every_candidate() {
+        let plan = plan(
+            &task_from(broadcast_value()),
+            &two_proplets(),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Scheduled);
+        assert_eq!(status.broadcast_proplets, vec!["a", "b"]);
+        assert_eq!(status.assigned_proplet, None);
+        assert_eq!(status.run_count, Some(1));
+        let targets: Vec<(&str, Option<&str>)> = plan
+            .starts
+            .iter()
+            .map(|s| (s.proplet.as_str(), s.request.proplet_id.as_deref()))
+            .collect();
+        assert_eq!(
+            targets,
+            vec![("a", Some("a-client")), ("b", Some("b-client"))]
+        );
+        assert_eq!(plan.chosen, None, "broadcasts do not move the round robin");
+        let running = after(&plan);
+        assert_eq!(running.phase, TaskPhase::Running);
+        assert_eq!(running.broadcast_proplets, vec!["a", "b"]);
+    }
+
+    #[test]
+    fn broadcast_task_keeps_running_until_every_proplet_answered() {
+        let task = broadcast_running(Value::Null);
+        let mut observed = two_proplets();
+        observed.results = vec![result("a-client", json!("1"), None)];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Running);
+        assert_eq!(status.results, Some(json!({"a": {"results": "1"}})));
+        assert_eq!(status.finished_at, None);
+        assert_eq!(plan.consumed_results, 1);
+    }
+
+    #[test]
+    fn broadcast_task_completes_with_the_last_answer() {
+        let task = broadcast_running(json!({"a": {"results": "1"}}));
+        let mut observed = two_proplets();
+        observed.results = vec![result("b-client", json!("2"), None)];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Completed);
+        assert_eq!(
+            status.results,
+            Some(json!({"a": {"results": "1"}, "b": {"results": "2"}}))
+        );
+        assert_eq!(status.error, None);
+        assert_eq!(status.finished_at, Some(now()));
+        assert_eq!(condition(status, COMPLETED).0, "True");
+        assert_eq!(plan.consumed_results, 1);
+    }
+
+    #[test]
+    fn broadcast_task_fails_when_a_proplet_reported_an_error() {
+        let task = broadcast_running(Value::Null);
+        let mut observed = two_proplets();
+        observed.results = vec![
+            result("a-client", json!("1"), None),
+            result("b-client", json!(""), Some("out of memory")),
+        ];
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.error.as_deref(), Some("b: out of memory"));
+        assert_eq!(
+            status.results,
+            Some(json!({
+                "a": {"results": "1"},
+                "b": {"results": "", "error": "out of memory"}
+            }))
+        );
+        assert_eq!(plan.consumed_results, 2);
+    }
+
+    // 9. Time limits.
+
+    #[test]
+    fn running_task_past_its_time_limit_fails_and_is_stopped() {
+        let task = task_with_status(running_status("edge", at(8, 0, 0)));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.finished_at, Some(now()));
+        let error = status.error.as_deref().unwrap_or_default();
+        assert!(error.contains("time limit"), "{error}");
+        assert!(error.contains("3600s"), "{error}");
+        assert_eq!(plan.stops.len(), 1, "{:?}", plan.stops);
+        let stop = &plan.stops[0];
+        assert_eq!((stop.domain.as_str(), stop.channel.as_str()), ("d1", "c1"));
+        assert_eq!(stop.request.id, "task-uid-1");
+        assert_eq!(stop.request.proplet_id.as_deref(), Some("edge-client"));
+        assert!(!stop.request.broadcast);
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.requeue_at, None);
+        assert_eq!(reasons(&plan), vec![(true, "TimedOut")]);
+    }
+
+    #[test]
+    fn daemon_task_has_no_time_limit() {
+        let mut v = finalized(task_value(), running_status("edge", at(8, 0, 0)));
+        v["spec"]["daemon"] = json!(true);
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(plan.status, None, "a daemon keeps running: {plan:?}");
+        assert!(plan.stops.is_empty());
+        assert_eq!(plan.requeue_at, None);
+    }
+
+    #[test]
+    fn running_task_before_its_deadline_is_requeued_at_the_deadline() {
+        let task = task_with_status(running_status("edge", at(9, 30, 0)));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert!(plan.stops.is_empty());
+        assert_eq!(plan.status, None, "nothing changed");
+        assert_eq!(plan.requeue_at, Some(at(10, 30, 0)));
+    }
+
+    #[test]
+    fn spec_timeout_overrides_the_default() {
+        let mut v = finalized(task_value(), running_status("edge", at(9, 30, 0)));
+        v["spec"]["timeoutSeconds"] = json!(600);
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(written(&plan).phase, TaskPhase::Failed);
+        assert!(written(&plan)
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("600s")));
+        assert_eq!(plan.stops.len(), 1);
+    }
+
+    #[test]
+    fn huge_default_timeout_never_expires_and_does_not_panic() {
+        let task = task_with_status(running_status("edge", at(9, 30, 0)));
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        for limit in [Duration::MAX, Duration::from_secs(10_000_000_000_000)] {
+            let settings = TaskSettings {
+                default_timeout: limit,
+                ..settings()
+            };
+            let plan = plan(&task, &observed, &settings, now());
+            assert_eq!(plan.status, None, "{limit:?}");
+            assert!(plan.stops.is_empty());
+            assert_eq!(plan.requeue_at, None);
+        }
+    }
+
+    // 10. Deletion.
+
+    fn deleted(mut v: Value) -> Task {
+        v["metadata"]["deletionTimestamp"] = json!("2026-03-14T09:59:00Z");
+        task_from(v)
+    }
+
+    #[test]
+    fn deleting_a_running_task_stops_it_and_releases_the_finalizer() {
+        let task = deleted(finalized(
+            task_value(),
+            running_status("edge", at(9, 50, 0)),
+        ));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        assert_eq!(plan.finalizer, Some(FinalizerChange::Remove));
+        assert_eq!(plan.stops.len(), 1, "{:?}", plan.stops);
+        assert_eq!(plan.stops[0].request.id, "task-uid-1");
+        assert_eq!(
+            plan.stops[0].request.proplet_id.as_deref(),
+            Some("edge-client")
+        );
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Interrupted);
+        assert_eq!(status.finished_at, Some(now()));
+        assert_eq!(condition(status, COMPLETED).1, "Interrupted");
+        assert!(plan.starts.is_empty());
+        assert_eq!(plan.after_dispatch, None);
+        assert_eq!(reasons(&plan), vec![(false, "Stopped")]);
+    }
+
+    #[test]
+    fn deleting_a_finished_task_only_releases_the_finalizer() {
+        let task = deleted(finalized(
+            task_value(),
+            json!({
+                "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+                "finishedAt": at(9, 30, 0), "results": "42", "observedGeneration": 1
+            }),
+        ));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(
+            plan,
+            TaskPlan {
+                finalizer: Some(FinalizerChange::Remove),
+                ..TaskPlan::default()
+            }
+        );
+    }
+
+    // 11. Reruns.
+
+    fn completed_with_annotation(token: &str, recorded: Option<&str>) -> Task {
+        let mut status = json!({
+            "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "startedAt": at(9, 10, 0), "finishedAt": at(9, 30, 0), "updatedAt": at(9, 30, 0),
+            "results": "42", "runCount": 1, "observedGeneration": 1,
+            "conditions": [{
+                "type": "Completed", "status": "True", "reason": "Succeeded",
+                "message": "the task finished successfully", "lastTransitionTime": "2026-03-14T09:30:00Z"
+            }]
+        });
+        if let Some(r) = recorded {
+            status["rerunToken"] = json!(r);
+        }
+        let mut v = finalized(task_value(), status);
+        v["metadata"]["annotations"] = json!({ RERUN_ANNOTATION: token });
+        task_from(v)
+    }
+
+    #[test]
+    fn rerun_annotation_runs_a_finished_task_again() {
+        let task = completed_with_annotation("1", None);
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.rerun_token.as_deref(), Some("1"));
+        assert_eq!(status.phase, TaskPhase::Scheduled);
+        assert_eq!(status.results, None);
+        assert_eq!(status.error, None);
+        assert_eq!(status.finished_at, None);
+        assert_eq!(status.run_count, Some(2));
+        assert!(find_condition(&status.conditions, COMPLETED).is_none());
+        assert_eq!(plan.starts.len(), 1);
+        assert_eq!(plan.starts[0].proplet, "edge");
+        let running = after(&plan);
+        assert_eq!(running.phase, TaskPhase::Running);
+        assert_eq!(running.started_at, Some(now()));
+        assert_eq!(running.rerun_token.as_deref(), Some("1"));
+        assert_eq!(reasons(&plan), vec![(false, "Rerun"), (false, "Scheduled")]);
+    }
+
+    #[test]
+    fn rerun_annotation_is_honoured_once_per_value() {
+        let task = completed_with_annotation("1", Some("1"));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(plan, TaskPlan::default());
+    }
+
+    #[test]
+    fn rerun_request_on_a_running_task_is_recorded_and_ignored() {
+        let mut v = finalized(task_value(), running_status("edge", at(9, 50, 0)));
+        v["metadata"]["annotations"] = json!({ RERUN_ANNOTATION: "7" });
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Running);
+        assert_eq!(status.rerun_token.as_deref(), Some("7"));
+        assert_eq!(status.run_count, Some(1));
+        assert!(plan.starts.is_empty());
+        assert_eq!(reasons(&plan), vec![(true, "RerunIgnored")]);
+        assert!(plan.notes[0].message.contains("running"));
+    }
+
+    // 12. Metrics.
+
+    #[test]
+    fn metrics_of_a_running_task_are_written() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let sample = MetricsSample {
+            timestamp: Some(at(9, 59, 0)),
+            cpu_milli_percent: 12_500,
+            memory_milli_percent: 3_000,
+            memory_bytes: 1 << 20,
+        };
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.metrics = Some(sample.clone());
+
+        let plan = plan(&task, &observed, &settings(), now());
+
+        assert!(plan.consumed_metrics);
+        let status = written(&plan);
+        assert_eq!(status.latest_metrics, Some(sample.clone()));
+        assert_eq!(status.phase, TaskPhase::Running);
+        assert_eq!(status.updated_at, Some(now()));
+
+        // The same sample again still writes, so the executor can drop it from its inbox.
+        let mut v = finalized(task_value(), running_status("edge", at(9, 50, 0)));
+        v["status"]["latestMetrics"] =
+            serde_json::to_value(&sample).unwrap_or_else(|e| panic!("metrics sample: {e}"));
+        let again = super::plan(&task_from(v), &observed, &settings(), now());
+        assert!(again.consumed_metrics);
+        assert_eq!(written(&again).latest_metrics, Some(sample));
+    }
+
+    // 13. Helpers.
+
+    #[test]
+    fn occupies_counts_only_scheduled_and_running_tasks_on_that_proplet() {
+        let running = task_with_status(running_status("edge", at(9, 50, 0)));
+        assert!(occupies(&running, "edge"));
+        assert!(!occupies(&running, "other"));
+        let scheduled = task_with_status(json!({"phase": "scheduled", "assignedProplet": "edge"}));
+        assert!(occupies(&scheduled, "edge"));
+        let broadcast = broadcast_running(Value::Null);
+        assert!(occupies(&broadcast, "a") && occupies(&broadcast, "b"));
+        assert!(!occupies(&broadcast, "c"));
+        let done = task_with_status(json!({"phase": "completed", "assignedProplet": "edge"}));
+        assert!(!occupies(&done, "edge"));
+        assert!(!occupies(&new_task(), "edge"));
+    }
+
+    #[test]
+    fn proplet_view_takes_identity_and_topics_from_the_connection_config() {
+        let mut v = proplet_value("edge", "edge-client");
+        v["metadata"]["labels"] = json!({"zone": "north"});
+        v["spec"]["external"] = json!({"deviceType": "esp32", "capabilities": ["wasm", "gpu"]});
+        v["spec"]["connectionConfig"]["domainId"] = json!("dom-7");
+        v["spec"]["connectionConfig"]["channelId"] = json!("chan-9");
+        let view = proplet_view(&proplet_from(v), 3);
+
+        assert_eq!(view.client_id, "edge-client");
+        assert_eq!(view.domain, "dom-7");
+        assert_eq!(view.channel, "chan-9");
+        let c = &view.candidate;
+        assert_eq!(c.name, "edge");
+        assert_eq!(c.namespace, "iot");
+        assert_eq!(c.phase, PropletPhase::Running);
+        assert_eq!(c.proplet_type, PropletType::External);
+        assert_eq!(c.labels.get("zone").map(String::as_str), Some("north"));
+        assert_eq!(c.device_type.as_deref(), Some("esp32"));
+        assert_eq!(c.capabilities, vec!["wasm", "gpu"]);
+        assert_eq!(c.active_tasks, 3);
+    }
+
+    #[test]
+    fn proplet_view_accepts_upstream_aliases_and_defaults() {
+        let mut v = proplet_value("edge", "unused");
+        let conn = &mut v["spec"]["connectionConfig"];
+        conn["domainId"] = Value::Null;
+        conn["tenantId"] = json!("tenant-1");
+        conn["clientId"] = Value::Null;
+        conn["entityId"] = json!("entity-1");
+        v["status"] = Value::Null;
+        let view = proplet_view(&proplet_from(v.clone()), 0);
+        assert_eq!(view.client_id, "entity-1");
+        assert_eq!(view.domain, "tenant-1");
+        assert_eq!(view.candidate.phase, PropletPhase::Initializing);
+
+        v["spec"]["connectionConfig"]["entityId"] = Value::Null;
+        let view = proplet_view(&proplet_from(v), 0);
+        assert_eq!(
+            view.client_id, "edge",
+            "without a client id the name is used"
+        );
+    }
 }

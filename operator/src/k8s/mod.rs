@@ -3,6 +3,7 @@
 
 pub mod credentials;
 pub mod deployment;
+pub mod jobs;
 pub mod observations;
 pub mod patch;
 pub mod proplet;

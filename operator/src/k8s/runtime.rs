@@ -27,6 +27,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
 use crate::crd::common::MetricsSample;
+use crate::crd::federated::{FederatedJob, TrainingRound};
+use crate::crd::job::PropellerJob;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::dag::{cycle_through, Graph};
@@ -107,6 +109,8 @@ pub struct Shared {
     pub task_trigger: UnboundedSender<ObjectRef<Task>>,
     /// Asks the Proplet controller to reconcile a proplet.
     pub proplet_trigger: UnboundedSender<ObjectRef<Proplet>>,
+    /// Asks the TrainingRound controller to reconcile a round.
+    pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
     /// Reconcile counters.
     pub metrics: Arc<ControllerMetrics>,
 }
@@ -147,7 +151,73 @@ pub fn observe_deployment(d: &Deployment) -> DeploymentObservation {
     }
 }
 
+/// The caches a [`Shared`] reads.
+pub struct Caches {
+    /// Proplets.
+    pub proplets: Store<Proplet>,
+    /// Tasks.
+    pub tasks: Store<Task>,
+    /// Proplet Deployments.
+    pub deployments: Store<Deployment>,
+}
+
+/// The receiving ends of the reconcile triggers.
+pub struct Triggers {
+    /// Tasks to reconcile.
+    pub tasks: UnboundedReceiver<ObjectRef<Task>>,
+    /// Proplets to reconcile.
+    pub proplets: UnboundedReceiver<ObjectRef<Proplet>>,
+    /// Rounds to reconcile.
+    pub rounds: UnboundedReceiver<ObjectRef<TrainingRound>>,
+}
+
 impl Shared {
+    /// Fresh shared state over `caches`, with empty stores and new trigger channels.
+    pub fn new(
+        client: Client,
+        settings: Settings,
+        publisher: Publisher,
+        credentials: Arc<CredentialStore>,
+        metrics: Arc<ControllerMetrics>,
+        reporter: Option<String>,
+        caches: Caches,
+    ) -> (Self, Triggers) {
+        let (task_tx, task_rx) = unbounded_channel();
+        let (proplet_tx, proplet_rx) = unbounded_channel();
+        let (round_tx, round_rx) = unbounded_channel();
+        let shared = Shared {
+            recorder: Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "propeller".into(),
+                    instance: reporter,
+                },
+            ),
+            client,
+            settings,
+            publisher,
+            liveness: ObservationStore::new(),
+            inbox: TaskInbox::new(),
+            ledger: DispatchLedger::new(),
+            round_robin: Mutex::new(RoundRobinState::default()),
+            proplet_writes: Mutex::new(HashMap::new()),
+            proplets: caches.proplets,
+            tasks: caches.tasks,
+            deployments: caches.deployments,
+            credentials,
+            task_trigger: task_tx,
+            proplet_trigger: proplet_tx,
+            round_trigger: round_tx,
+            metrics,
+        };
+        let triggers = Triggers {
+            tasks: task_rx,
+            proplets: proplet_rx,
+            rounds: round_rx,
+        };
+        (shared, triggers)
+    }
+
     fn active_tasks(&self, proplet: &Proplet) -> u32 {
         let name = proplet.name_any();
         let ns = proplet.namespace();
@@ -586,32 +656,21 @@ pub async fn run(
         scoped::<Task>(&client, ns.as_deref()),
         watcher::Config::default(),
     );
-    let (task_tx, task_rx) = unbounded_channel();
-    let (proplet_tx, proplet_rx) = unbounded_channel();
-    let shared = Arc::new(Shared {
-        client: client.clone(),
-        settings: rt.settings,
-        publisher: rt.publisher,
-        liveness: ObservationStore::new(),
-        inbox: TaskInbox::new(),
-        ledger: DispatchLedger::new(),
-        round_robin: Mutex::new(RoundRobinState::default()),
-        proplet_writes: Mutex::new(HashMap::new()),
+    let caches = Caches {
         proplets: proplet_controller.store(),
         tasks: task_controller.store(),
         deployments: deployment_reader,
-        credentials: rt.credentials,
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "propeller".into(),
-                instance: Some(rt.reporter),
-            },
-        ),
-        task_trigger: task_tx,
-        proplet_trigger: proplet_tx,
-        metrics: rt.metrics,
-    });
+    };
+    let (shared, triggers) = Shared::new(
+        client.clone(),
+        rt.settings,
+        rt.publisher,
+        rt.credentials,
+        rt.metrics,
+        Some(rt.reporter),
+        caches,
+    );
+    let shared = Arc::new(shared);
     let router = tokio::spawn(route_events(rt.events, shared.clone()));
     let resync = rt.resync.max(Duration::from_secs(1));
     let ticks = futures::stream::unfold(tokio::time::interval(resync), |mut tick| async move {
@@ -619,7 +678,7 @@ pub async fn run(
         Some(((), tick))
     });
     let proplets = proplet_controller
-        .reconcile_on(tokio_stream_of(proplet_rx))
+        .reconcile_on(tokio_stream_of(triggers.proplets))
         .reconcile_all_on(ticks)
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_proplet, error_policy, shared.clone())
@@ -629,16 +688,74 @@ pub async fn run(
             }
         });
     let tasks = task_controller
-        .reconcile_on(tokio_stream_of(task_rx))
-        .graceful_shutdown_on(shutdown)
+        .reconcile_on(tokio_stream_of(triggers.tasks))
+        .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_task, error_policy, shared.clone())
         .for_each(|r| async move {
             if let Err(e) = r {
                 debug!(%e, "task controller");
             }
         });
+    let jobs = Controller::new(
+        scoped::<PropellerJob>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .owns(
+        scoped::<Task>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .graceful_shutdown_on(shutdown.clone())
+    .run(
+        super::jobs::reconcile_propeller_job,
+        error_policy,
+        shared.clone(),
+    )
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            debug!(%e, "propellerjob controller");
+        }
+    });
+    let federated = Controller::new(
+        scoped::<FederatedJob>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .owns(
+        scoped::<TrainingRound>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .graceful_shutdown_on(shutdown.clone())
+    .run(
+        super::jobs::reconcile_federated_job,
+        error_policy,
+        shared.clone(),
+    )
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            debug!(%e, "federatedjob controller");
+        }
+    });
+    let rounds = Controller::new(
+        scoped::<TrainingRound>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .owns(
+        scoped::<Task>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .reconcile_on(tokio_stream_of(triggers.rounds))
+    .graceful_shutdown_on(shutdown.clone())
+    .run(
+        super::jobs::reconcile_training_round,
+        error_policy,
+        shared.clone(),
+    )
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            debug!(%e, "traininground controller");
+        }
+    });
     info!("controllers running");
-    tokio::join!(proplets, tasks);
+    tokio::join!(proplets, tasks, jobs, federated, rounds);
     router.abort();
     info!("controllers stopped");
 }

@@ -1,4 +1,5 @@
 //! Helpers shared by the operator's integration tests.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 
@@ -34,4 +35,243 @@ pub fn yaml_documents(dir: &std::path::Path) -> Vec<(String, serde_json::Value)>
         }
     }
     out
+}
+
+use std::sync::{Arc, Mutex};
+
+use http::{Method, Request, Response};
+use kube::client::Body;
+use serde_json::{json, Value};
+
+/// One request the operator sent.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub method: Method,
+    pub path: String,
+    pub query: String,
+    pub body: Value,
+}
+
+/// A stand-in API server: records every request and answers with the object the patch
+/// produced (merge-patched onto the last known state), with a fresh resourceVersion.
+pub struct FakeApi {
+    sent: Arc<Mutex<Vec<Sent>>>,
+    objects: Arc<Mutex<Vec<(String, Value)>>>,
+}
+
+fn merge(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        _ => *target = patch.clone(),
+    }
+}
+
+impl FakeApi {
+    pub fn start(objects: Vec<(String, Value)>) -> (kube::Client, Self) {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let objects = Arc::new(Mutex::new(objects));
+        let (sent2, objects2) = (sent.clone(), objects.clone());
+        tokio::spawn(async move {
+            let mut version = 100;
+            while let Some((request, respond)) = handle.next_request().await {
+                let method = request.method().clone();
+                let path = request.uri().path().to_owned();
+                let query = request.uri().query().unwrap_or_default().to_owned();
+                let bytes = request
+                    .into_body()
+                    .collect_bytes()
+                    .await
+                    .unwrap_or_default();
+                let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                sent2.lock().unwrap().push(Sent {
+                    method: method.clone(),
+                    path: path.clone(),
+                    query,
+                    body: body.clone(),
+                });
+                version += 1;
+                let mut objects = objects2.lock().unwrap();
+                let (status, reply) = answer(&mut objects, &method, &path, &body, version);
+                let response = Response::builder()
+                    .status(status)
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap_or_default()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        (
+            kube::Client::new(service, "default"),
+            Self { sent, objects },
+        )
+    }
+
+    pub fn take(&self) -> Vec<Sent> {
+        std::mem::take(&mut *self.sent.lock().unwrap())
+    }
+
+    pub fn object<K: serde::de::DeserializeOwned>(&self, path: &str) -> K {
+        let objects = self.objects.lock().unwrap();
+        let (_, v) = objects.iter().find(|(p, _)| p == path).unwrap();
+        serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Collections the fake server lists on GET.
+const COLLECTIONS: &[&str] = &[
+    "tasks",
+    "proplets",
+    "propellerjobs",
+    "federatedjobs",
+    "trainingrounds",
+    "configmaps",
+    "secrets",
+    "deployments",
+];
+
+fn not_found(path: &str) -> (u16, Value) {
+    (
+        404,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+               "message": format!("{path} not found"), "code": 404}),
+    )
+}
+
+/// What the fake API server answers: PATCH merges into the stored object, POST stores a new
+/// one (409 if it exists), GET reads one object or lists a collection, anything else echoes.
+fn answer(
+    objects: &mut Vec<(String, Value)>,
+    method: &Method,
+    path: &str,
+    body: &Value,
+    version: u64,
+) -> (u16, Value) {
+    let base = path.trim_end_matches("/status").to_owned();
+    if *method == Method::PATCH {
+        if let Some((_, obj)) = objects.iter_mut().find(|(p, _)| *p == base) {
+            let mut patch = body.clone();
+            if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
+                meta.remove("resourceVersion");
+            }
+            merge(obj, &patch);
+            obj["metadata"]["resourceVersion"] = json!(version.to_string());
+            return (200, obj.clone());
+        }
+        return (200, body.clone());
+    }
+    let last = path.rsplit('/').next().unwrap_or_default();
+    if *method == Method::POST && COLLECTIONS.contains(&last) {
+        let name = body["metadata"]["name"].as_str().unwrap_or_default();
+        let key = format!("{path}/{name}");
+        if objects.iter().any(|(p, _)| *p == key) {
+            return (
+                409,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                       "reason": "AlreadyExists", "message": "exists", "code": 409}),
+            );
+        }
+        let mut obj = body.clone();
+        obj["metadata"]["uid"] = json!(format!("uid-{name}"));
+        obj["metadata"]["resourceVersion"] = json!(version.to_string());
+        objects.push((key, obj.clone()));
+        return (201, obj);
+    }
+    if *method == Method::GET {
+        if let Some((_, obj)) = objects.iter().find(|(p, _)| *p == path) {
+            return (200, obj.clone());
+        }
+        if COLLECTIONS.contains(&last) {
+            let prefix = format!("{path}/");
+            let items: Vec<Value> = objects
+                .iter()
+                .filter(|(p, _)| p.starts_with(&prefix) && !p[prefix.len()..].contains('/'))
+                .map(|(_, o)| o.clone())
+                .collect();
+            return (
+                200,
+                json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": version.to_string()}, "items": items}),
+            );
+        }
+        return not_found(path);
+    }
+    (200, body.clone())
+}
+
+/// Shared reconciler state over a fake API, a real loopback broker, and caches holding
+/// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
+pub struct Harness {
+    pub shared: std::sync::Arc<propeller_operator::k8s::runtime::Shared>,
+    pub triggers: propeller_operator::k8s::runtime::Triggers,
+    pub proplets:
+        kube::runtime::reflector::store::Writer<propeller_operator::crd::proplet::Proplet>,
+    pub tasks: kube::runtime::reflector::store::Writer<propeller_operator::crd::task::Task>,
+    pub broker: propeller_broker::server::EmbeddedBroker,
+    pub logins: Arc<propeller_broker::server::CredentialStore>,
+}
+
+impl Harness {
+    pub async fn start(
+        client: kube::Client,
+        proplets: Vec<propeller_operator::crd::proplet::Proplet>,
+        tasks: Vec<propeller_operator::crd::task::Task>,
+    ) -> Self {
+        use kube::runtime::{reflector, watcher};
+        use propeller_operator::k8s::runtime::{Caches, Settings, Shared};
+        let logins = Arc::new(propeller_broker::server::CredentialStore::new());
+        let broker = propeller_broker::server::EmbeddedBroker::start(
+            propeller_broker::server::BrokerConfig::loopback(),
+            logins.clone(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("broker: {e}"));
+        let (proplet_reader, mut proplet_writer) = reflector::store();
+        for p in proplets {
+            proplet_writer.apply_watcher_event(&watcher::Event::Apply(p));
+        }
+        let (task_reader, mut task_writer) = reflector::store();
+        for t in tasks {
+            task_writer.apply_watcher_event(&watcher::Event::Apply(t));
+        }
+        let (deployments, _) = reflector::store();
+        let settings = Settings {
+            watch_namespace: None,
+            proplet: propeller_operator::k8s::proplet::PropletSettings {
+                last_seen_threshold: std::time::Duration::from_secs(30),
+                status_flush_interval: std::time::Duration::from_secs(5),
+            },
+            task: propeller_operator::decision::task::TaskSettings {
+                strategy: propeller_operator::decision::scheduler::Strategy::RoundRobin,
+                default_timeout: std::time::Duration::from_secs(3600),
+            },
+        };
+        let (shared, triggers) = Shared::new(
+            client,
+            settings,
+            broker.publisher(),
+            logins.clone(),
+            Arc::new(propeller_operator::metrics::ControllerMetrics::default()),
+            None,
+            Caches {
+                proplets: proplet_reader,
+                tasks: task_reader,
+                deployments,
+            },
+        );
+        Self {
+            shared: Arc::new(shared),
+            triggers,
+            proplets: proplet_writer,
+            tasks: task_writer,
+            broker,
+            logins,
+        }
+    }
 }
