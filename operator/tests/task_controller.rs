@@ -60,12 +60,17 @@ struct Device {
 
 impl Device {
     async fn connect(port: u16) -> Self {
+        Self::connect_to(port, "m/d1/c/c1/control/manager/start").await
+    }
+
+    /// Connects as `edge` and subscribes to `topic`.
+    async fn connect_to(port: u16, topic: &str) -> Self {
         let mut opts = MqttOptions::new("edge", "127.0.0.1", port);
         opts.set_credentials("edge", "edge-key");
         opts.set_keep_alive(Duration::from_secs(5));
         let (client, mut eventloop) = AsyncClient::new(opts, 16);
         client
-            .subscribe("m/d1/c/c1/control/manager/start", QoS::AtLeastOnce)
+            .subscribe(topic, QoS::AtLeastOnce)
             .await
             .unwrap();
         let until_subscribed = async {
@@ -101,7 +106,7 @@ impl Device {
         tokio::time::timeout(WAIT, until_acked).await.unwrap();
     }
 
-    /// Start messages received within `within`.
+    /// Messages received on the subscribed topic within `within`.
     async fn starts(&mut self, within: Duration) -> Vec<Value> {
         let mut got = Vec::new();
         let deadline = tokio::time::Instant::now() + within;
@@ -292,4 +297,39 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     assert!(shared.metrics.reconciles("task", true) >= 3);
     let _ = done.query.len();
     broker.shutdown();
+}
+
+#[tokio::test]
+async fn deleting_a_running_task_stops_it_on_its_proplet_then_releases_the_finalizer() {
+    let mut task = task_json();
+    task["metadata"]["finalizers"] = json!(["propeller.propeller.absmach.eu/task-stop"]);
+    task["metadata"]["deletionTimestamp"] = json!("2026-11-22T10:00:00Z");
+    task["status"] = json!({"phase": "running", "assignedProplet": "edge", "runCount": 1});
+    let mut proplet = proplet_json();
+    proplet["status"] = json!({"phase": "Running"});
+    let (client, api) = FakeApi::start(vec![(TASK_PATH.into(), task.clone())]);
+    let task: Task = serde_json::from_value(task).unwrap();
+    let proplet: Proplet = serde_json::from_value(proplet).unwrap();
+    let h = common::Harness::start(client, vec![proplet], vec![task.clone()]).await;
+    h.logins.insert("edge", Credential::proplet("edge-key"));
+    let port = h.broker.tcp_addr().unwrap().port();
+    let mut device = Device::connect_to(port, "m/d1/c/c1/control/manager/stop").await;
+
+    reconcile_task(Arc::new(task), h.shared.clone()).await.unwrap();
+    let sent = api.take();
+    let status = sent
+        .iter()
+        .find(|s| s.path == format!("{TASK_PATH}/status"))
+        .expect("a status patch");
+    assert_eq!(status.body["status"]["phase"], "interrupted");
+    let release = sent
+        .iter()
+        .rev()
+        .find(|s| s.path == TASK_PATH)
+        .expect("a finalizer patch");
+    assert_eq!(release.body["metadata"]["finalizers"], json!([]));
+    let stops = device.starts(Duration::from_millis(500)).await;
+    assert_eq!(stops.len(), 1, "{stops:?}");
+    assert_eq!(stops[0]["id"], "task-uid-1");
+    assert_eq!(stops[0]["proplet_id"], "edge");
 }
