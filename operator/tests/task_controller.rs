@@ -69,10 +69,7 @@ impl Device {
         opts.set_credentials("edge", "edge-key");
         opts.set_keep_alive(Duration::from_secs(5));
         let (client, mut eventloop) = AsyncClient::new(opts, 16);
-        client
-            .subscribe(topic, QoS::AtLeastOnce)
-            .await
-            .unwrap();
+        client.subscribe(topic, QoS::AtLeastOnce).await.unwrap();
         let until_subscribed = async {
             loop {
                 match eventloop.poll().await {
@@ -315,7 +312,9 @@ async fn deleting_a_running_task_stops_it_on_its_proplet_then_releases_the_final
     let port = h.broker.tcp_addr().unwrap().port();
     let mut device = Device::connect_to(port, "m/d1/c/c1/control/manager/stop").await;
 
-    reconcile_task(Arc::new(task), h.shared.clone()).await.unwrap();
+    reconcile_task(Arc::new(task), h.shared.clone())
+        .await
+        .unwrap();
     let sent = api.take();
     let status = sent
         .iter()

@@ -12,12 +12,37 @@ use std::sync::Mutex;
 use chrono::{DateTime, Utc};
 use propeller_broker::server::{BrokerEvent, EventKind};
 
+use crate::crd::common::{MetricsSample, PropletResources};
+use crate::crd::proplet::PropletMetadata;
 use crate::decision::liveness::{ExternalObservation, ALIVE_HISTORY_LEN};
 
-/// Pending liveness observations per MQTT client id.
+use super::proplet::DeviceReport;
+
+/// Pending liveness observations and the latest device reports, per MQTT client id.
 #[derive(Debug, Default)]
 pub struct ObservationStore {
     pending: Mutex<HashMap<String, ExternalObservation>>,
+    reports: Mutex<HashMap<String, DeviceReport>>,
+}
+
+fn metadata_of(m: &propeller_broker::protocol::PropletMetadata) -> PropletMetadata {
+    PropletMetadata {
+        description: m.description.clone(),
+        tags: m.tags.clone(),
+        location: m.location.clone(),
+        ip: m.ip.clone(),
+        environment: m.environment.clone(),
+        os: m.os.clone(),
+        hostname: m.hostname.clone(),
+        cpu_arch: m.cpu_arch.clone(),
+        total_memory_bytes: m.total_memory_bytes.and_then(|b| i64::try_from(b).ok()),
+        proplet_version: m.proplet_version.clone(),
+        wasm_runtime: m.wasm_runtime.clone(),
+    }
+}
+
+fn milli(percent: Option<f64>) -> i64 {
+    percent.map_or(0, |p| (p * 1000.0).round() as i64)
 }
 
 impl ObservationStore {
@@ -33,6 +58,7 @@ impl ObservationStore {
     /// Records a liveness event received at `now`; returns the client id whose proplet
     /// should be reconciled, or `None` for events that are not about liveness.
     pub fn record(&self, event: &BrokerEvent, now: DateTime<Utc>) -> Option<String> {
+        self.record_report(event, now);
         let mut pending = self.lock();
         match &event.kind {
             EventKind::Heartbeat(_) | EventKind::Discovered(_) => {
@@ -48,6 +74,57 @@ impl ObservationStore {
             _ => return None,
         }
         Some(event.client_id.clone())
+    }
+
+    fn record_report(&self, event: &BrokerEvent, now: DateTime<Utc>) {
+        let mut reports = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        let (metadata, metrics) = match &event.kind {
+            EventKind::Discovered(d) => (d.metadata.as_ref(), None),
+            EventKind::Heartbeat(h) => (h.metadata.as_ref(), h.metrics.as_ref()),
+            _ => return,
+        };
+        let report = reports.entry(event.client_id.clone()).or_default();
+        if let Some(m) = metadata {
+            report.metadata = Some(metadata_of(m));
+        }
+        if let Some(m) = metrics {
+            report.metrics = Some(MetricsSample {
+                timestamp: Some(now),
+                cpu_milli_percent: milli(m.cpu_percent),
+                memory_milli_percent: milli(m.memory_percent),
+                memory_bytes: m
+                    .memory_bytes
+                    .and_then(|b| i64::try_from(b).ok())
+                    .unwrap_or(0),
+            });
+            let total = report.metadata.as_ref().and_then(|m| m.total_memory_bytes);
+            if let (Some(total), Some(used)) = (total, m.memory_percent) {
+                let free = (total as f64 * (1.0 - used / 100.0)).max(0.0) as i64;
+                report.available = Some(PropletResources {
+                    memory: Some(free.to_string()),
+                    ..PropletResources::default()
+                });
+            }
+        }
+    }
+
+    /// The latest device report of `client_id`.
+    pub fn report(&self, client_id: &str) -> DeviceReport {
+        self.reports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(client_id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Forgets a proplet that was deleted.
+    pub fn forget(&self, client_id: &str) {
+        self.lock().remove(client_id);
+        self.reports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(client_id);
     }
 
     /// The observation pending for `client_id` (empty if none).
@@ -137,6 +214,46 @@ mod tests {
         assert_eq!(left.offline_at, None);
         store.clear_written("pi", &left);
         assert_eq!(store.peek("pi"), ExternalObservation::default());
+    }
+
+    #[test]
+    fn heartbeat_metadata_and_metrics_become_the_latest_device_report() {
+        let store = ObservationStore::new();
+        let described = event(
+            "pi",
+            EventKind::Heartbeat(Heartbeat {
+                proplet_id: "pi".into(),
+                namespace: None,
+                metadata: Some(propeller_broker::protocol::PropletMetadata {
+                    os: Some("linux".into()),
+                    total_memory_bytes: Some(1000),
+                    ..Default::default()
+                }),
+                metrics: Some(propeller_broker::protocol::HeartbeatMetrics {
+                    cpu_percent: Some(12.5),
+                    memory_bytes: Some(64),
+                    memory_percent: Some(25.0),
+                }),
+            }),
+        );
+        store.record(&described, at(0));
+        // A later heartbeat without metadata keeps the metadata already reported.
+        store.record(&beat("pi"), at(1));
+        let report = store.report("pi");
+        assert_eq!(
+            report.metadata.as_ref().and_then(|m| m.os.as_deref()),
+            Some("linux")
+        );
+        let metrics = report.metrics.unwrap_or_default();
+        assert_eq!(metrics.cpu_milli_percent, 12_500);
+        assert_eq!(metrics.memory_milli_percent, 25_000);
+        assert_eq!(metrics.memory_bytes, 64);
+        assert_eq!(
+            report.available.and_then(|a| a.memory),
+            Some("750".to_owned())
+        );
+        store.forget("pi");
+        assert_eq!(store.report("pi"), DeviceReport::default());
     }
 
     #[test]

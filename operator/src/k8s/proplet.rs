@@ -8,7 +8,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
-use crate::crd::proplet::{Proplet, PropletStatus, PropletType};
+use crate::crd::common::{MetricsSample, PropletResources};
+use crate::crd::proplet::{Proplet, PropletMetadata, PropletStatus, PropletType};
 use crate::decision::liveness::{
     evaluate_external, evaluate_k8s, write_due, DeploymentObservation, ExternalObservation,
 };
@@ -36,6 +37,19 @@ pub struct PropletObservations {
     pub deployment: Option<DeploymentObservation>,
     /// When this driver last wrote the status.
     pub last_write: Option<DateTime<Utc>>,
+    /// The latest description and figures the device reported.
+    pub report: DeviceReport,
+}
+
+/// The latest description and resource figures a device reported; each replaces the last.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceReport {
+    /// From discovery or a heartbeat that carried metadata.
+    pub metadata: Option<PropletMetadata>,
+    /// From the latest heartbeat or proplet-metrics message.
+    pub metrics: Option<MetricsSample>,
+    /// Memory the device has free, from its total memory and memory use.
+    pub available: Option<PropletResources>,
 }
 
 /// What to do for one proplet now.
@@ -84,6 +98,32 @@ pub fn plan(
                 generation,
                 now,
             );
+        }
+    }
+    let report = &observed.report;
+    if report.metadata.is_some() {
+        desired.metadata = report.metadata.clone();
+    }
+    if report.metrics.is_some() {
+        desired.latest_metrics = report.metrics.clone();
+    }
+    match proplet.spec.type_ {
+        PropletType::K8s => {
+            let spec = proplet.spec.resources.as_ref();
+            let quantity = |key: &str| spec.and_then(|r| r.get(key)).map(|q| q.0.clone());
+            let from_spec = PropletResources {
+                cpu: quantity("cpu"),
+                memory: quantity("memory"),
+                ..PropletResources::default()
+            };
+            if from_spec != PropletResources::default() {
+                desired.available_resources = Some(from_spec);
+            }
+        }
+        PropletType::External => {
+            if report.available.is_some() {
+                desired.available_resources = report.available.clone();
+            }
         }
     }
     desired.observed_generation = generation;

@@ -341,6 +341,7 @@ async fn reconcile_proplet_inner(
     let has_finalizer = finalizers.iter().any(|f| f == PROPLET_FINALIZER);
     if proplet.metadata.deletion_timestamp.is_some() {
         ctx.refresh_credentials().await;
+        ctx.liveness.forget(&client_id);
         lock(&ctx.proplet_writes).remove(&key);
         if has_finalizer {
             finalizers.retain(|f| f != PROPLET_FINALIZER);
@@ -382,6 +383,7 @@ async fn reconcile_proplet_inner(
             .get(&deployment_ref)
             .map(|d| observe_deployment(&d)),
         last_write: lock(&ctx.proplet_writes).get(&key).copied(),
+        report: ctx.liveness.report(&client_id),
     };
     let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
     let task_count = i64::from(ctx.active_tasks(&proplet));
