@@ -332,3 +332,66 @@ async fn deleting_a_running_task_stops_it_on_its_proplet_then_releases_the_final
     assert_eq!(stops[0]["id"], "task-uid-1");
     assert_eq!(stops[0]["proplet_id"], "edge");
 }
+
+#[tokio::test]
+async fn a_task_for_a_k8s_proplet_creates_its_config_map_and_job_after_the_assignment() {
+    let mut task = task_json();
+    task["spec"] = json!({"name": "add", "imageUrl": "registry.local/add:1", "inputs": [10, 32],
+                          "propletSelector": {"propletId": "cluster"}});
+    let proplet = json!({
+        "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+        "metadata": {"name": "cluster", "namespace": "iot", "uid": "c-uid"},
+        "spec": {"type": "k8s", "k8s": {"image": "proplet:1"},
+                 "connectionConfig": {"mqttAddress": "tcp://propeller:1883", "domainId": "d1", "channelId": "c1", "clientId": "cluster", "clientKey": "k"}},
+        "status": {"phase": "Running"}
+    });
+    let (client, api) = FakeApi::start(vec![(TASK_PATH.into(), task.clone())]);
+    let task: Task = serde_json::from_value(task).unwrap();
+    let proplet: Proplet = serde_json::from_value(proplet).unwrap();
+    let h = common::Harness::start(client, vec![proplet], vec![task.clone()]).await;
+
+    reconcile_task(Arc::new(task), h.shared.clone())
+        .await
+        .unwrap();
+    let sent = api.take();
+    let order: Vec<String> = sent
+        .iter()
+        .filter(|s| !s.path.contains("/events"))
+        .map(|s| {
+            format!(
+                "{} {}",
+                s.method,
+                s.path.rsplit('/').take(2).collect::<Vec<_>>().join("<")
+            )
+        })
+        .collect();
+    assert_eq!(
+        order,
+        vec![
+            "PATCH add<tasks",
+            "PATCH status<add",
+            "POST configmaps<iot",
+            "POST jobs<iot",
+            "PATCH status<add",
+        ]
+    );
+    let job = sent
+        .iter()
+        .find(|s| s.path.ends_with("/jobs"))
+        .expect("a Job");
+    assert_eq!(job.body["metadata"]["name"], "add-job");
+    assert_eq!(
+        job.body["metadata"]["ownerReferences"][0]["uid"],
+        "task-uid-1"
+    );
+    assert_eq!(
+        job.body["spec"]["template"]["spec"]["containers"][0]["image"],
+        "registry.local/add:1"
+    );
+    let config = sent
+        .iter()
+        .find(|s| s.path.ends_with("/configmaps"))
+        .expect("a ConfigMap");
+    assert_eq!(config.body["metadata"]["name"], "add-config");
+    assert_eq!(config.body["data"]["INPUTS"], "10,32");
+}

@@ -86,6 +86,25 @@ pub struct TaskObservations {
     pub dispatched: bool,
     /// Round-robin memory of the scheduler.
     pub round_robin: RoundRobinState,
+    /// The Kubernetes Job of a task running on a `k8s` proplet, once the driver saw it.
+    pub job: Option<JobOutcome>,
+}
+
+/// What the driver saw of the Kubernetes Job that runs a task on a `k8s` proplet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Still running (or not started).
+    Running,
+    /// Finished successfully; the result found by the extraction order, if any.
+    Succeeded {
+        /// The extracted result.
+        result: Option<String>,
+    },
+    /// Failed for good.
+    Failed {
+        /// Why, from the Job's conditions.
+        message: String,
+    },
 }
 
 /// Where one start goes.
@@ -162,6 +181,8 @@ pub struct TaskPlan {
     pub status: Option<TaskStatus>,
     /// Starts to publish once `status` is persisted.
     pub starts: Vec<StartCommand>,
+    /// Create the task's ConfigMap and Job (a `k8s` proplet) once `status` is persisted.
+    pub create_job: bool,
     /// Status to write after the starts went out.
     pub after_dispatch: Option<TaskStatus>,
     /// Stops to publish.
@@ -365,6 +386,24 @@ fn waiting(
         gen,
         now,
     );
+}
+
+/// Whether a proplet of this type can run `task`: a `k8s` proplet runs it as a Kubernetes Job
+/// of `imageUrl`, so it needs an image and cannot take part in a broadcast.
+pub fn runs_on(task: &Task, proplet_type: PropletType) -> bool {
+    match proplet_type {
+        PropletType::External => true,
+        PropletType::K8s => task.spec.image_url.is_some() && !task.spec.broadcast,
+    }
+}
+
+fn runs_as_job(observed: &TaskObservations, status: &TaskStatus) -> bool {
+    status.broadcast_proplets.is_empty()
+        && status
+            .assigned_proplet
+            .as_deref()
+            .and_then(|name| view(observed, name))
+            .is_some_and(|v| v.candidate.proplet_type == PropletType::K8s)
 }
 
 /// Decides what to do for `task` at `now`.
@@ -575,7 +614,7 @@ fn plan_pending(
     let candidates: Vec<CandidateProplet> = observed
         .proplets
         .iter()
-        .filter(|p| p.candidate.proplet_type == PropletType::External)
+        .filter(|p| runs_on(task, p.candidate.proplet_type))
         .map(|p| p.candidate.clone())
         .collect();
     let chosen: Result<Vec<String>, String> = if task.spec.broadcast {
@@ -643,12 +682,18 @@ fn dispatch(
     let gen = task.metadata.generation;
     let mut after = desired.clone();
     let mut missing = Vec::new();
-    if !observed.dispatched {
-        for name in targets_of(desired) {
-            match view(observed, &name) {
-                Some(target) => plan.starts.push(start_for(task, target)),
-                None => missing.push(name),
+    for name in targets_of(desired) {
+        match view(observed, &name) {
+            Some(target) if target.candidate.proplet_type == PropletType::K8s => {
+                // Creating the Job is idempotent (it has a fixed name), so it needs no ledger.
+                plan.create_job = true;
             }
+            Some(target) => {
+                if !observed.dispatched {
+                    plan.starts.push(start_for(task, target));
+                }
+            }
+            None => missing.push(name),
         }
     }
     if !missing.is_empty() {
@@ -665,6 +710,7 @@ fn dispatch(
             now,
         );
         plan.starts.clear();
+        plan.create_job = false;
         plan.after_dispatch = Some(after);
         return;
     }
@@ -708,10 +754,26 @@ fn plan_running(
         desired.latest_metrics = Some(m.clone());
         plan.consumed_metrics = true;
     }
+    if runs_as_job(observed, desired) {
+        match &observed.job {
+            Some(JobOutcome::Succeeded { result }) => {
+                desired.results = Some(Value::String(result.clone().unwrap_or_default()));
+                finish(desired, TaskPhase::Completed, None, gen, now);
+            }
+            Some(JobOutcome::Failed { message }) => {
+                finish(desired, TaskPhase::Failed, Some(message.clone()), gen, now);
+            }
+            Some(JobOutcome::Running) | None => {}
+        }
+    }
     let targets = targets_of(desired);
     let broadcast = !desired.broadcast_proplets.is_empty();
+    let finished_by_job = desired.phase.is_terminal();
     for (i, result) in observed.results.iter().enumerate() {
         plan.consumed_results = i + 1;
+        if finished_by_job {
+            continue;
+        }
         let Some(from) = targets
             .iter()
             .find(|name| client_of(observed, name) == result.client_id)
@@ -1072,11 +1134,17 @@ mod tests {
     }
 
     #[test]
-    fn k8s_proplets_are_not_candidates_for_mqtt_dispatch() {
+    fn k8s_proplets_do_not_take_tasks_without_an_image() {
+        let mut v = task_value();
+        if let Some(spec) = v["spec"].as_object_mut() {
+            spec.remove("imageUrl");
+            spec.insert("file".into(), json!("AGFzbQEAAAA="));
+        }
+        let inline = task_from(v);
         let mut k8s = proplet("cluster", "cluster-client");
         k8s.candidate.proplet_type = PropletType::K8s;
         let plan = plan(
-            &new_task(),
+            &inline,
             &observing(vec![k8s, proplet("edge", "edge-client")]),
             &settings(),
             now(),
@@ -1898,6 +1966,63 @@ mod tests {
         assert_eq!(
             view.client_id, "edge",
             "without a client id the name is used"
+        );
+    }
+
+    // The k8s path: a task with an image on a `k8s` proplet runs as a Job.
+
+    fn k8s_proplet(name: &str) -> PropletView {
+        let mut v = proplet(name, name);
+        v.candidate.proplet_type = PropletType::K8s;
+        v
+    }
+
+    fn image_task(status: Option<Value>) -> Task {
+        let mut v = task_value();
+        if let Some(spec) = v["spec"].as_object_mut() {
+            spec.remove("file");
+            spec.insert("imageUrl".into(), json!("registry.local/add:1"));
+        }
+        match status {
+            Some(s) => task_from(finalized(v, s)),
+            None => task_from(v),
+        }
+    }
+
+    #[test]
+    fn a_task_with_an_image_on_a_k8s_proplet_creates_its_job_instead_of_publishing() {
+        let plan = plan(
+            &image_task(None),
+            &observing(vec![k8s_proplet("cluster")]),
+            &settings(),
+            now(),
+        );
+        assert!(plan.create_job);
+        assert!(plan.starts.is_empty());
+        assert_eq!(written(&plan).assigned_proplet.as_deref(), Some("cluster"));
+        assert_eq!(after(&plan).phase, TaskPhase::Running);
+    }
+
+    #[test]
+    fn the_jobs_outcome_finishes_a_task_on_a_k8s_proplet() {
+        let task = image_task(Some(running_status("cluster", at(9, 59, 0))));
+        let mut observed = observing(vec![k8s_proplet("cluster")]);
+        observed.job = Some(JobOutcome::Running);
+        assert!(plan(&task, &observed, &settings(), now()).status.is_none());
+        observed.job = Some(JobOutcome::Succeeded {
+            result: Some("7".into()),
+        });
+        let done = plan(&task, &observed, &settings(), now());
+        assert_eq!(written(&done).phase, TaskPhase::Completed);
+        assert_eq!(written(&done).results, Some(json!("7")));
+        observed.job = Some(JobOutcome::Failed {
+            message: "Job failed: BackoffLimitExceeded".into(),
+        });
+        let failed = plan(&task, &observed, &settings(), now());
+        assert_eq!(written(&failed).phase, TaskPhase::Failed);
+        assert_eq!(
+            written(&failed).error.as_deref(),
+            Some("Job failed: BackoffLimitExceeded")
         );
     }
 }

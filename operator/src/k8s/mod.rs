@@ -9,3 +9,4 @@ pub mod patch;
 pub mod proplet;
 pub mod runtime;
 pub mod task;
+pub mod task_job;

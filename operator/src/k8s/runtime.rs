@@ -479,7 +479,7 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     } else {
         cycle_through(&dependency_graph(&all_tasks, &ns), &task.name_any())
     };
-    let proplets = ctx
+    let proplets: Vec<crate::decision::task::PropletView> = ctx
         .proplets
         .state()
         .iter()
@@ -487,6 +487,22 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
         .map(|p| proplet_view(p, ctx.active_tasks(p)))
         .collect();
     let (results, metrics) = ctx.inbox.peek(&uid);
+    let on_k8s = task.status.as_ref().is_some_and(|s| {
+        s.phase == TaskPhase::Running
+            && s.assigned_proplet.as_deref().is_some_and(|name| {
+                proplets
+                    .iter()
+                    .any(|p: &crate::decision::task::PropletView| {
+                        p.candidate.name == name
+                            && p.candidate.proplet_type == crate::crd::proplet::PropletType::K8s
+                    })
+            })
+    });
+    let job = if on_k8s {
+        super::task_job::observe(&ctx.client, task).await?
+    } else {
+        None
+    };
     let run = task.status.as_ref().and_then(|s| s.run_count).unwrap_or(0);
     let observed = TaskObservations {
         proplets,
@@ -496,6 +512,7 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
         metrics,
         dispatched: ctx.ledger.contains(&uid, run),
         round_robin: lock(&ctx.round_robin).clone(),
+        job,
     };
     let now = Utc::now();
     let plan = plan_task(task, &observed, &ctx.settings.task, now);

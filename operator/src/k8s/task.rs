@@ -81,6 +81,9 @@ pub async fn apply(
             .flatten();
         fx.inbox.consume(uid, plan.consumed_results, metrics);
     }
+    if plan.create_job {
+        super::task_job::create(client, task).await?;
+    }
     if !plan.starts.is_empty() {
         let run = current.run_count.unwrap_or(0);
         if !fx.ledger.contains(uid, run) {
