@@ -14,7 +14,10 @@ use kube::runtime::watcher;
 use propeller_broker::server::{BrokerEvent, Credential, EventKind};
 use propeller_operator::crd::proplet::Proplet;
 use propeller_operator::crd::task::Task;
-use propeller_operator::k8s::runtime::{reconcile_proplet, reconcile_task, route_event};
+use propeller_operator::k8s::runtime::{
+    count_phases, reconcile_proplet, reconcile_task, route_event,
+};
+use propeller_operator::metrics::PhaseLabels;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -256,6 +259,21 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     // 5. The device's result is queued, triggers the task, and completes it.
     let current: Task = api.object(TASK_PATH);
     task_writer.apply_watcher_event(&watcher::Event::Apply(current.clone()));
+    count_phases(&shared);
+    let gauge = |family: &prometheus_client::metrics::family::Family<
+        PhaseLabels,
+        prometheus_client::metrics::gauge::Gauge,
+    >,
+                 phase: &str| {
+        family
+            .get_or_create(&PhaseLabels {
+                phase: phase.into(),
+            })
+            .get()
+    };
+    assert_eq!(gauge(&shared.metrics.tasks, "running"), 1);
+    assert_eq!(gauge(&shared.metrics.tasks, "pending"), 0);
+    assert_eq!(gauge(&shared.metrics.proplets, "Running"), 1);
     device
         .publish(
             "control/proplet/results",
@@ -394,4 +412,41 @@ async fn a_task_for_a_k8s_proplet_creates_its_config_map_and_job_after_the_assig
         .expect("a ConfigMap");
     assert_eq!(config.body["metadata"]["name"], "add-config");
     assert_eq!(config.body["data"]["INPUTS"], "10,32");
+}
+
+#[tokio::test]
+async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() {
+    use propeller_broker::protocol::{FlUpdate, FlUpdateMessage, TopicSegment};
+    let (client, api) = FakeApi::start(vec![]);
+    let task: Task = serde_json::from_value(task_json()).unwrap();
+    let h = common::Harness::start(client, vec![], vec![task]).await;
+    let mut triggers = h.triggers;
+    let update = FlUpdateMessage {
+        round_id: TopicSegment::new("round-1", "round").unwrap(),
+        proplet_id: TopicSegment::new("edge", "proplet").unwrap(),
+        envelope: FlUpdate {
+            task_id: Some("task-uid-1".into()),
+            job_id: Some("mnist".into()),
+            num_samples: Some(3),
+            update_b64: Some(b"[1.0]".to_vec()),
+            ..FlUpdate::default()
+        },
+    };
+    let event = BrokerEvent {
+        client_id: "edge".into(),
+        domain: Some("d1".into()),
+        channel: Some("c1".into()),
+        kind: EventKind::FlUpdate(Box::new(update)),
+    };
+    route_event(&event, &h.shared);
+    let (results, _) = h.shared.inbox.peek("task-uid-1");
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].client_id, "edge");
+    assert_eq!(results[0].value["job_id"], "mnist");
+    assert_eq!(results[0].value["num_samples"], 3);
+    assert_eq!(
+        triggers.tasks.try_recv().ok(),
+        Some(ObjectRef::new("add").within("iot"))
+    );
+    assert!(api.take().is_empty(), "the MQTT path must not call the API");
 }

@@ -616,8 +616,53 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
             ctx.inbox.push_metrics(&m.task_id, sample);
             trigger_task(ctx, &m.task_id);
         }
+        EventKind::FlUpdate(update) => {
+            // An update on the FL topic counts as the participant task's result when it
+            // names the task; aggregation reads results, so nothing else is needed.
+            match update.envelope.task_id.as_deref().filter(|t| !t.is_empty()) {
+                Some(task_id) => {
+                    let reported = ReportedResult {
+                        client_id: event.client_id.clone(),
+                        value: update.envelope.to_json(),
+                        error: update.envelope.error.clone(),
+                    };
+                    if ctx.inbox.push_result(task_id, reported) == Queued::Full {
+                        warn!(task = %task_id, "too many unapplied FL updates; refusing more");
+                    }
+                    trigger_task(ctx, task_id);
+                }
+                None => warn!(
+                    client = %event.client_id,
+                    "FL update without task_id cannot be matched to a task; send it as the task's result"
+                ),
+            }
+        }
         _ => {}
     }
+}
+
+/// Sets the per-phase gauges from the caches.
+pub fn count_phases(ctx: &Shared) {
+    let mut proplets = BTreeMap::new();
+    for p in ctx.proplets.state() {
+        let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
+        *proplets.entry(phase.to_string()).or_insert(0) += 1;
+    }
+    let mut tasks = BTreeMap::new();
+    for t in ctx.tasks.state() {
+        let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
+        *tasks.entry(phase.to_string()).or_insert(0) += 1;
+    }
+    ControllerMetrics::set_phases(
+        &ctx.metrics.proplets,
+        ["Initializing", "Running", "Offline"],
+        &proplets,
+    );
+    ControllerMetrics::set_phases(
+        &ctx.metrics.tasks,
+        TaskPhase::ALL.iter().map(|p| p.as_str()),
+        &tasks,
+    );
 }
 
 fn trigger_task(ctx: &Shared, uid: &str) {
@@ -691,6 +736,16 @@ pub async fn run(
     );
     let shared = Arc::new(shared);
     let router = tokio::spawn(route_events(rt.events, shared.clone()));
+    let gauges = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                count_phases(&shared);
+            }
+        })
+    };
     let resync = rt.resync.max(Duration::from_secs(1));
     let ticks = futures::stream::unfold(tokio::time::interval(resync), |mut tick| async move {
         tick.tick().await;
@@ -776,6 +831,7 @@ pub async fn run(
     info!("controllers running");
     tokio::join!(proplets, tasks, jobs, federated, rounds);
     router.abort();
+    gauges.abort();
     info!("controllers stopped");
 }
 
