@@ -3,7 +3,10 @@
 
 pub mod crd;
 pub mod decision;
+pub mod executor;
 pub mod inbox;
 pub mod k8s;
 pub mod metrics;
+pub mod standalone;
+pub mod state;
 pub mod validation;

@@ -27,6 +27,58 @@ enum Command {
     Broker(commands::broker::BrokerCommand),
     /// Run the Kubernetes operator with the MQTT broker in the same process.
     Run(Box<commands::run::RunCommand>),
+    /// Run without Kubernetes: broker, reconcilers and a durable store on this machine.
+    Standalone(Box<commands::standalone::StandaloneCommand>),
+    /// Create or update the resources of a manifest (file, directory, or - for stdin).
+    Apply {
+        /// Manifest file, directory of manifests, or `-`.
+        #[arg(short = 'f', long = "filename")]
+        file: std::path::PathBuf,
+        #[command(flatten)]
+        client: commands::standalone::ClientArgs,
+    },
+    /// List resources of a kind, or show one.
+    Get {
+        /// Kind: proplet, task, pjob, federatedjob, traininground, secret.
+        kind: String,
+        /// One resource by name.
+        name: Option<String>,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
+        /// Output: wide, yaml or json (a table when unset).
+        #[arg(short = 'o', long)]
+        output: Option<String>,
+        /// Keep printing as the resources change.
+        #[arg(short = 'w', long)]
+        watch: bool,
+        #[command(flatten)]
+        client: commands::standalone::ClientArgs,
+    },
+    /// Show one resource's spec, status and conditions.
+    Describe {
+        /// Kind.
+        kind: String,
+        /// Name.
+        name: String,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
+        #[command(flatten)]
+        client: commands::standalone::ClientArgs,
+    },
+    /// Delete one resource (and what it owns).
+    Delete {
+        /// Kind.
+        kind: String,
+        /// Name.
+        name: String,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
+        #[command(flatten)]
+        client: commands::standalone::ClientArgs,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,6 +104,55 @@ fn main() -> anyhow::Result<()> {
             commands::logging::init();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(commands::broker::run(cmd))?;
+        }
+        Command::Standalone(cmd) => {
+            commands::logging::init();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::standalone::run(*cmd))?;
+        }
+        Command::Apply { file, client } => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::standalone::apply(&client, &file))?;
+        }
+        Command::Get {
+            kind,
+            name,
+            namespace,
+            output,
+            watch,
+            client,
+        } => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::standalone::get(
+                &client,
+                &kind,
+                name.as_deref(),
+                &namespace,
+                output.as_deref(),
+                watch,
+            ))?;
+        }
+        Command::Describe {
+            kind,
+            name,
+            namespace,
+            client,
+        } => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::standalone::describe_one(
+                &client, &kind, &name, &namespace,
+            ))?;
+        }
+        Command::Delete {
+            kind,
+            name,
+            namespace,
+            client,
+        } => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(commands::standalone::delete(
+                &client, &kind, &name, &namespace,
+            ))?;
         }
         Command::Run(cmd) => {
             commands::logging::init_with(cmd.log_format);

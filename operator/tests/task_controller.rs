@@ -292,7 +292,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
         assert_eq!(r, ObjectRef::new("add").within("iot"));
     }
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
-    assert_eq!(shared.inbox.waiting_tasks(), 1);
+    assert_eq!(shared.state.inbox.waiting_tasks(), 1);
     reconcile_task(Arc::new(current), shared.clone())
         .await
         .unwrap();
@@ -305,7 +305,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     assert_eq!(done.body["status"]["results"], "42");
     assert!(done.body["status"]["finishedAt"].is_string());
     assert_eq!(
-        shared.inbox.waiting_tasks(),
+        shared.state.inbox.waiting_tasks(),
         0,
         "the written result is consumed"
     );
@@ -439,7 +439,7 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
         kind: EventKind::FlUpdate(Box::new(update)),
     };
     route_event(&event, &h.shared);
-    let (results, _) = h.shared.inbox.peek("task-uid-1");
+    let (results, _) = h.shared.state.inbox.peek("task-uid-1");
     assert_eq!(results.len(), 1);
     assert_eq!(results[0].client_id, "edge");
     assert_eq!(results[0].value["job_id"], "mnist");

@@ -3,3 +3,4 @@
 pub mod broker;
 pub mod logging;
 pub mod run;
+pub mod standalone;

@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use super::broker::{watch_credentials, BrokerArgs};
 use super::logging::LogFormat;
 
-fn duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn duration(text: &str) -> Result<Duration, String> {
     if let Ok(secs) = text.parse::<u64>() {
         return Ok(Duration::from_secs(secs));
     }

@@ -903,6 +903,73 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
     }
 }
 
+/// How many tasks occupy `proplet` (its `taskCount`, and the least-loaded score).
+pub fn active_tasks<'a>(
+    proplet: &crate::crd::proplet::Proplet,
+    tasks: impl IntoIterator<Item = &'a Task>,
+) -> u32 {
+    let name = proplet.metadata.name.as_deref().unwrap_or_default();
+    let ns = &proplet.metadata.namespace;
+    let count = tasks
+        .into_iter()
+        .filter(|t| t.metadata.namespace == *ns && occupies(t, name))
+        .count();
+    u32::try_from(count).unwrap_or(u32::MAX)
+}
+
+/// The part of a task's observations that comes from a driver's caches: its dependencies'
+/// phases, a dependency cycle through it, and the proplets of its namespace. The inbox,
+/// ledger, scheduler memory and Job are added by the driver.
+pub fn observe_caches(
+    task: &Task,
+    tasks: &[&Task],
+    proplets: &[&crate::crd::proplet::Proplet],
+) -> TaskObservations {
+    let ns = task.metadata.namespace.clone();
+    let same_ns: Vec<&Task> = tasks
+        .iter()
+        .copied()
+        .filter(|t| t.metadata.namespace == ns)
+        .collect();
+    let name_of = |t: &Task| t.metadata.name.clone().unwrap_or_default();
+    let mut dependencies = BTreeMap::new();
+    for dep in &task.spec.depends_on {
+        if let Some(t) = same_ns.iter().find(|t| name_of(t) == *dep) {
+            dependencies.insert(
+                dep.clone(),
+                t.status.as_ref().map(|s| s.phase).unwrap_or_default(),
+            );
+        }
+    }
+    let cycle = if task.spec.depends_on.is_empty() {
+        None
+    } else {
+        let graph: super::dag::Graph = same_ns
+            .iter()
+            .map(|t| (name_of(t), t.spec.depends_on.clone()))
+            .collect();
+        super::dag::cycle_through(&graph, &name_of(task))
+    };
+    let proplets = proplets
+        .iter()
+        .filter(|p| p.metadata.namespace == ns)
+        .map(|p| proplet_view(p, active_tasks(p, tasks.iter().copied())))
+        .collect();
+    TaskObservations {
+        proplets,
+        dependencies,
+        cycle,
+        ..TaskObservations::default()
+    }
+}
+
+/// Whether `task` runs now as a Job on a `k8s` proplet (the driver should look at the Job).
+pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
+    task.status
+        .as_ref()
+        .is_some_and(|s| s.phase == TaskPhase::Running && runs_as_job(observed, s))
+}
+
 /// Whether `task` occupies proplet `name` now (it counts towards the proplet's `taskCount`).
 pub fn occupies(task: &Task, name: &str) -> bool {
     task.status.as_ref().is_some_and(|s| {

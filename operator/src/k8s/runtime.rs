@@ -8,10 +8,10 @@
 //! appears, when its own watch event reconciles it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
@@ -21,32 +21,28 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
-use propeller_broker::protocol::ResultValue;
-use propeller_broker::server::{BrokerEvent, CredentialStore, EventKind, Publisher};
+use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
-use crate::crd::common::MetricsSample;
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
-use crate::decision::dag::{cycle_through, Graph};
 use crate::decision::liveness::DeploymentObservation;
-use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{
-    occupies, plan as plan_task, proplet_view, Note, ReportedResult, TaskObservations, TaskSettings,
+    active_tasks, awaits_job, observe_caches, plan as plan_task, Note, TaskSettings,
 };
-use crate::inbox::{DispatchLedger, Queued, TaskInbox};
+use crate::state::{lock, Concerns, DriverState};
 
 use super::credentials::credential_table;
 use super::deployment::PROPLET_LABEL;
-use super::observations::ObservationStore;
 use super::patch::finalizers_patch;
 use super::proplet::{
     apply as apply_proplet, plan as plan_proplet, PropletObservations, PropletSettings,
 };
-use super::task::{apply as apply_task, TaskApplyError, TaskEffects};
+use super::task::apply as apply_task;
+use crate::executor::TaskApplyError;
 use crate::metrics::ControllerMetrics;
 
 /// Finalizer that lets the operator revoke a deleted Proplet's broker login.
@@ -85,16 +81,8 @@ pub struct Shared {
     pub settings: Settings,
     /// Sends commands to devices.
     pub publisher: Publisher,
-    /// Liveness reports not yet written.
-    pub liveness: ObservationStore,
-    /// Task reports not yet written.
-    pub inbox: TaskInbox,
-    /// Starts already published.
-    pub ledger: DispatchLedger,
-    /// The scheduler's rotation.
-    pub round_robin: Mutex<RoundRobinState>,
-    /// When each Proplet's status was last written (`namespace/name`).
-    pub proplet_writes: Mutex<HashMap<String, DateTime<Utc>>>,
+    /// Device reports not yet written, starts sent, scheduler rotation.
+    pub state: DriverState,
     /// Cached Proplets.
     pub proplets: Store<Proplet>,
     /// Cached Tasks.
@@ -113,10 +101,6 @@ pub struct Shared {
     pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
     /// Reconcile counters.
     pub metrics: Arc<ControllerMetrics>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -196,11 +180,7 @@ impl Shared {
             client,
             settings,
             publisher,
-            liveness: ObservationStore::new(),
-            inbox: TaskInbox::new(),
-            ledger: DispatchLedger::new(),
-            round_robin: Mutex::new(RoundRobinState::default()),
-            proplet_writes: Mutex::new(HashMap::new()),
+            state: DriverState::new(),
             proplets: caches.proplets,
             tasks: caches.tasks,
             deployments: caches.deployments,
@@ -219,15 +199,8 @@ impl Shared {
     }
 
     fn active_tasks(&self, proplet: &Proplet) -> u32 {
-        let name = proplet.name_any();
-        let ns = proplet.namespace();
-        let count = self
-            .tasks
-            .state()
-            .iter()
-            .filter(|t| t.namespace() == ns && occupies(t, &name))
-            .count();
-        u32::try_from(count).unwrap_or(u32::MAX)
+        let tasks = self.tasks.state();
+        active_tasks(proplet, tasks.iter().map(|t| &**t))
     }
 
     fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
@@ -341,8 +314,8 @@ async fn reconcile_proplet_inner(
     let has_finalizer = finalizers.iter().any(|f| f == PROPLET_FINALIZER);
     if proplet.metadata.deletion_timestamp.is_some() {
         ctx.refresh_credentials().await;
-        ctx.liveness.forget(&client_id);
-        lock(&ctx.proplet_writes).remove(&key);
+        ctx.state.liveness.forget(&client_id);
+        lock(&ctx.state.proplet_writes).remove(&key);
         if has_finalizer {
             finalizers.retain(|f| f != PROPLET_FINALIZER);
             api.patch(
@@ -377,13 +350,13 @@ async fn reconcile_proplet_inner(
         ObjectRef::<Deployment>::new(&crate::decision::names::proplet_deployment_name(&name))
             .within(&ns);
     let observed = PropletObservations {
-        external: ctx.liveness.peek(&client_id),
+        external: ctx.state.liveness.peek(&client_id),
         deployment: ctx
             .deployments
             .get(&deployment_ref)
             .map(|d| observe_deployment(&d)),
-        last_write: lock(&ctx.proplet_writes).get(&key).copied(),
-        report: ctx.liveness.report(&client_id),
+        last_write: lock(&ctx.state.proplet_writes).get(&key).copied(),
+        report: ctx.state.liveness.report(&client_id),
     };
     let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
     let task_count = i64::from(ctx.active_tasks(&proplet));
@@ -407,8 +380,10 @@ async fn reconcile_proplet_inner(
     }
     apply_proplet(&ctx.client, &proplet, &plan).await?;
     if let Some(status) = &plan.status {
-        ctx.liveness.clear_written(&client_id, &observed.external);
-        lock(&ctx.proplet_writes).insert(key, now);
+        ctx.state
+            .liveness
+            .clear_written(&client_id, &observed.external);
+        lock(&ctx.state.proplet_writes).insert(key, now);
         let before = proplet.status.as_ref().map(|s| s.phase);
         if status.phase == PropletPhase::Running && before != Some(PropletPhase::Running) {
             // Tasks waiting for a proplet get their chance now.
@@ -450,80 +425,22 @@ pub async fn reconcile_task(task: Arc<Task>, ctx: Arc<Shared>) -> Result<Action,
     result
 }
 
-fn dependency_graph(tasks: &[Arc<Task>], namespace: &str) -> Graph {
-    tasks
-        .iter()
-        .filter(|t| t.namespace().as_deref() == Some(namespace))
-        .map(|t| (t.name_any(), t.spec.depends_on.clone()))
-        .collect()
-}
-
 async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, ReconcileError> {
     let ns = task.namespace().unwrap_or_else(|| "default".into());
-    let uid = task.metadata.uid.clone().unwrap_or_default();
     let all_tasks = ctx.tasks.state();
-    let mut dependencies = BTreeMap::new();
-    for dep in &task.spec.depends_on {
-        if let Some(t) = all_tasks
-            .iter()
-            .find(|t| t.namespace().as_deref() == Some(ns.as_str()) && t.name_any() == *dep)
-        {
-            dependencies.insert(
-                dep.clone(),
-                t.status.as_ref().map(|s| s.phase).unwrap_or_default(),
-            );
-        }
+    let task_refs: Vec<&Task> = all_tasks.iter().map(|t| &**t).collect();
+    let proplet_cache = ctx.proplets.state();
+    let proplet_refs: Vec<&Proplet> = proplet_cache.iter().map(|p| &**p).collect();
+    let mut observed = observe_caches(task, &task_refs, &proplet_refs);
+    ctx.state.complete(task, &mut observed);
+    if awaits_job(task, &observed) {
+        observed.job = super::task_job::observe(&ctx.client, task).await?;
     }
-    let cycle = if task.spec.depends_on.is_empty() {
-        None
-    } else {
-        cycle_through(&dependency_graph(&all_tasks, &ns), &task.name_any())
-    };
-    let proplets: Vec<crate::decision::task::PropletView> = ctx
-        .proplets
-        .state()
-        .iter()
-        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
-        .map(|p| proplet_view(p, ctx.active_tasks(p)))
-        .collect();
-    let (results, metrics) = ctx.inbox.peek(&uid);
-    let on_k8s = task.status.as_ref().is_some_and(|s| {
-        s.phase == TaskPhase::Running
-            && s.assigned_proplet.as_deref().is_some_and(|name| {
-                proplets
-                    .iter()
-                    .any(|p: &crate::decision::task::PropletView| {
-                        p.candidate.name == name
-                            && p.candidate.proplet_type == crate::crd::proplet::PropletType::K8s
-                    })
-            })
-    });
-    let job = if on_k8s {
-        super::task_job::observe(&ctx.client, task).await?
-    } else {
-        None
-    };
-    let run = task.status.as_ref().and_then(|s| s.run_count).unwrap_or(0);
-    let observed = TaskObservations {
-        proplets,
-        dependencies,
-        cycle,
-        results,
-        metrics,
-        dispatched: ctx.ledger.contains(&uid, run),
-        round_robin: lock(&ctx.round_robin).clone(),
-        job,
-    };
     let now = Utc::now();
     let plan = plan_task(task, &observed, &ctx.settings.task, now);
-    let effects = TaskEffects {
-        publisher: &ctx.publisher,
-        ledger: &ctx.ledger,
-        inbox: &ctx.inbox,
-    };
-    apply_task(&ctx.client, task, &plan, &effects).await?;
+    apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
     if let Some(chosen) = &plan.chosen {
-        lock(&ctx.round_robin).record(&ns, chosen);
+        ctx.state.chose(&ns, chosen);
     }
     let reference = task.object_ref(&());
     for note in &plan.notes {
@@ -578,66 +495,15 @@ pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<S
 
 /// Handles one broker event: record it, then trigger the object it concerns.
 pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
-    let now = Utc::now();
-    match &event.kind {
-        EventKind::Heartbeat(_) | EventKind::Discovered(_) | EventKind::Offline(_) => {
-            ctx.liveness.record(event, now);
-            if let Some(p) = ctx.proplet_by_client(&event.client_id) {
+    match ctx.state.record(event, Utc::now()) {
+        Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
+            Some(p) => {
                 let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
-            } else {
-                debug!(client = %event.client_id, "liveness from a client with no Proplet");
             }
-        }
-        EventKind::Result(result) => {
-            let value = match &result.results {
-                ResultValue::Text(s) => serde_json::Value::String(s.clone()),
-                ResultValue::Json(v) => v.clone(),
-            };
-            let reported = ReportedResult {
-                client_id: event.client_id.clone(),
-                value,
-                error: result.error.clone(),
-            };
-            if ctx.inbox.push_result(&result.task_id, reported) == Queued::Full {
-                warn!(task = %result.task_id, client = %event.client_id, "too many unapplied results; refusing more");
-            }
-            trigger_task(ctx, &result.task_id);
-        }
-        EventKind::TaskMetrics(m) => {
-            let sample = MetricsSample {
-                timestamp: Some(now),
-                cpu_milli_percent: m.metrics.cpu_percent.map_or(0, |c| (c * 1000.0) as i64),
-                memory_milli_percent: m.metrics.memory_percent.map_or(0, |c| (c * 1000.0) as i64),
-                memory_bytes: m
-                    .metrics
-                    .memory_bytes
-                    .map_or(0, |b| i64::try_from(b).unwrap_or(i64::MAX)),
-            };
-            ctx.inbox.push_metrics(&m.task_id, sample);
-            trigger_task(ctx, &m.task_id);
-        }
-        EventKind::FlUpdate(update) => {
-            // An update on the FL topic counts as the participant task's result when it
-            // names the task; aggregation reads results, so nothing else is needed.
-            match update.envelope.task_id.as_deref().filter(|t| !t.is_empty()) {
-                Some(task_id) => {
-                    let reported = ReportedResult {
-                        client_id: event.client_id.clone(),
-                        value: update.envelope.to_json(),
-                        error: update.envelope.error.clone(),
-                    };
-                    if ctx.inbox.push_result(task_id, reported) == Queued::Full {
-                        warn!(task = %task_id, "too many unapplied FL updates; refusing more");
-                    }
-                    trigger_task(ctx, task_id);
-                }
-                None => warn!(
-                    client = %event.client_id,
-                    "FL update without task_id cannot be matched to a task; send it as the task's result"
-                ),
-            }
-        }
-        _ => {}
+            None => debug!(client = %client_id, "liveness from a client with no Proplet"),
+        },
+        Concerns::Task(uid) => trigger_task(ctx, &uid),
+        Concerns::Nothing => {}
     }
 }
 

@@ -1,0 +1,474 @@
+//! `propeller standalone` (the reconcilers over the embedded store, with the broker and the
+//! local API) and the client commands `apply`, `get`, `describe`, `delete`.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
+use propeller_operator::decision::scheduler::Strategy;
+use propeller_operator::decision::task::TaskSettings;
+use propeller_operator::k8s::proplet::PropletSettings;
+use propeller_operator::metrics::ControllerMetrics;
+use propeller_operator::standalone::api::{self, canonical_kind, parse_manifest, ApiState};
+use propeller_operator::standalone::client::{describe, table, ApiClient};
+use propeller_operator::standalone::driver::{Driver, StandaloneSettings};
+use propeller_operator::standalone::store::{ChangeKind, ObjectStore};
+use propeller_operator::validation::Admission;
+use serde_json::Value;
+use tracing::{info, warn};
+
+use super::run::duration;
+
+/// File in the data directory holding the API's bearer token.
+const TOKEN_FILE: &str = "api-token";
+/// Default address of the local API.
+const DEFAULT_API: &str = "127.0.0.1:7070";
+
+/// Flags of `propeller standalone`.
+#[derive(Args, Debug)]
+pub struct StandaloneCommand {
+    /// Where objects, statuses and the API token are kept.
+    #[arg(long, env = "PROPELLER_DATA_DIR", default_value = "./propeller-data")]
+    pub data_dir: PathBuf,
+    /// Address of the local API that `propeller apply/get/describe/delete` use.
+    #[arg(long, env = "PROPELLER_API_LISTEN", default_value = DEFAULT_API)]
+    pub api_listen: SocketAddr,
+    /// MQTT listener.
+    #[arg(long, env = "PROPELLER_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
+    pub mqtt_listen: SocketAddr,
+    /// An external proplet is Offline once its last heartbeat is this old.
+    #[arg(long, env = "PROPELLER_LAST_SEEN_THRESHOLD", default_value = "30s", value_parser = duration)]
+    pub last_seen_threshold: Duration,
+    /// How often every proplet is looked at without events.
+    #[arg(long, env = "PROPELLER_LIVELINESS_INTERVAL", default_value = "10s", value_parser = duration)]
+    pub liveliness_interval: Duration,
+    /// Heartbeat-only status changes are written at most this often per proplet.
+    #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub status_flush_interval: Duration,
+    /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
+    #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
+    pub scheduler: Strategy,
+    /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
+    #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = duration)]
+    pub task_timeout: Duration,
+    /// Also start a local proplet, apply the quickstart samples and print their results.
+    #[arg(long)]
+    pub demo: bool,
+}
+
+/// Where the client commands find the API.
+#[derive(Args, Debug, Clone)]
+pub struct ClientArgs {
+    /// Address of `propeller standalone`'s API.
+    #[arg(long, env = "PROPELLER_API", default_value = DEFAULT_API, global = true)]
+    pub server: String,
+    /// Data directory of the standalone server (its api-token file is read from there).
+    #[arg(
+        long,
+        env = "PROPELLER_DATA_DIR",
+        default_value = "./propeller-data",
+        global = true
+    )]
+    pub data_dir: PathBuf,
+    /// The bearer token, instead of reading it from the data directory.
+    #[arg(long, env = "PROPELLER_TOKEN", global = true)]
+    pub token: Option<String>,
+}
+
+impl ClientArgs {
+    fn client(&self) -> anyhow::Result<ApiClient> {
+        let token = match &self.token {
+            Some(t) => t.clone(),
+            None => {
+                let path = self.data_dir.join(TOKEN_FILE);
+                std::fs::read_to_string(&path)
+                    .with_context(|| {
+                        format!(
+                            "reading the API token {} (start `propeller standalone` first, or pass --token / --data-dir)",
+                            path.display()
+                        )
+                    })?
+                    .trim()
+                    .to_owned()
+            }
+        };
+        Ok(ApiClient::new(self.server.clone(), token))
+    }
+}
+
+fn random_hex(bytes: usize) -> anyhow::Result<String> {
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .context("reading /dev/urandom")?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The API token, created (owner-only) on first start.
+fn token(dir: &Path) -> anyhow::Result<String> {
+    let path = dir.join(TOKEN_FILE);
+    if let Ok(existing) = std::fs::read_to_string(&path) {
+        return Ok(existing.trim().to_owned());
+    }
+    let token = random_hex(24)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("creating {}", path.display()))?;
+        std::io::Write::write_all(&mut file, token.as_bytes())?;
+    }
+    #[cfg(not(unix))]
+    std::fs::write(&path, &token)?;
+    Ok(token)
+}
+
+/// The quickstart manifests, built into the binary so the demo works from any directory.
+const QUICKSTART: [&str; 3] = [
+    include_str!("../../../configs/samples/quickstart/proplet.yaml"),
+    include_str!("../../../configs/samples/quickstart/task.yaml"),
+    include_str!("../../../configs/samples/quickstart/pipeline.yaml"),
+];
+
+/// Runs standalone mode until Ctrl-C.
+pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cmd.data_dir)
+        .with_context(|| format!("creating {}", cmd.data_dir.display()))?;
+    let store = ObjectStore::open(&cmd.data_dir)
+        .with_context(|| format!("opening the store in {}", cmd.data_dir.display()))?;
+    let token = token(&cmd.data_dir)?;
+    let logins = Arc::new(CredentialStore::new());
+    let config = BrokerConfig {
+        tcp_listen: Some(cmd.mqtt_listen),
+        ..BrokerConfig::default()
+    };
+    let mut broker = EmbeddedBroker::start(config, logins.clone())
+        .await
+        .context("starting the MQTT broker")?;
+    let mqtt = broker
+        .tcp_addr()
+        .context("the broker has no TCP listener")?;
+    let events = broker
+        .take_events()
+        .context("broker event stream unavailable")?;
+    let settings = StandaloneSettings {
+        proplet: PropletSettings {
+            last_seen_threshold: cmd.last_seen_threshold,
+            status_flush_interval: cmd.status_flush_interval,
+        },
+        task: TaskSettings {
+            strategy: cmd.scheduler,
+            default_timeout: cmd.task_timeout,
+        },
+        sweep: cmd.liveliness_interval,
+    };
+    let (driver, queue) = Driver::new(
+        store.clone(),
+        broker.publisher(),
+        settings,
+        logins,
+        Arc::new(ControllerMetrics::default()),
+    );
+    let api_listener = tokio::net::TcpListener::bind(cmd.api_listen)
+        .await
+        .with_context(|| format!("binding the API address {}", cmd.api_listen))?;
+    let api_addr = api_listener.local_addr()?;
+    let api_state = Arc::new(ApiState {
+        store: store.clone(),
+        admission: Admission::new(),
+        token,
+    });
+    let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
+    println!("propeller standalone: data in {}", cmd.data_dir.display());
+    println!("  mqtt listening on {mqtt}");
+    println!(
+        "  api listening on http://{api_addr} (token in {})",
+        cmd.data_dir.join(TOKEN_FILE).display()
+    );
+
+    let mut agent = None;
+    if cmd.demo {
+        agent = Some(start_demo(&api_state, mqtt, &cmd.data_dir)?);
+        tokio::spawn(print_results(store.clone()));
+    }
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+        info!("interrupted, stopping");
+    };
+    driver.run(queue, events, shutdown).await;
+    if let Some(mut child) = agent {
+        let _ = child.kill().await;
+    }
+    api_task.abort();
+    broker.shutdown();
+    Ok(())
+}
+
+/// Applies the quickstart with a freshly generated proplet key and starts a local `proplet`
+/// (found next to this binary) that logs in with it.
+fn start_demo(
+    api_state: &ApiState,
+    mqtt: SocketAddr,
+    data_dir: &Path,
+) -> anyhow::Result<tokio::process::Child> {
+    let key = random_hex(16)?;
+    let mut docs = Vec::new();
+    for text in QUICKSTART {
+        docs.extend(parse_manifest(text).map_err(anyhow::Error::msg)?);
+    }
+    for doc in &mut docs {
+        match doc["kind"].as_str() {
+            Some("Secret") => doc["stringData"]["key"] = Value::String(key.clone()),
+            Some("Proplet") => {
+                doc["spec"]["connectionConfig"]["mqttAddress"] =
+                    Value::String(format!("tcp://{mqtt}"))
+            }
+            _ => {}
+        }
+    }
+    let applied = api::apply_documents(api_state, &docs).map_err(|problems| {
+        anyhow::anyhow!("the quickstart does not apply:\n{}", problems.join("\n"))
+    })?;
+    for a in &applied {
+        println!(
+            "  applied {} {}",
+            a["kind"].as_str().unwrap_or_default(),
+            a["name"].as_str().unwrap_or_default()
+        );
+    }
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let agent = exe.with_file_name("proplet");
+    if !agent.exists() {
+        bail!(
+            "the demo needs the proplet binary next to {} (build both with `cargo build --bins`)",
+            exe.display()
+        );
+    }
+    let state_dir = data_dir.join("demo-proplet");
+    std::fs::create_dir_all(&state_dir)?;
+    let child = tokio::process::Command::new(&agent)
+        .env("PROPLET_MQTT_ADDRESS", format!("tcp://{mqtt}"))
+        .env("PROPLET_DOMAIN_ID", "quickstart")
+        .env("PROPLET_CHANNEL_ID", "quickstart")
+        .env("PROPLET_CLIENT_ID", "quickstart-proplet")
+        .env("PROPLET_CLIENT_KEY", &key)
+        .env("PROPLET_STATE_DIR", &state_dir)
+        .env("PROPLET_LIVELINESS_INTERVAL", "2")
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", agent.display()))?;
+    println!("  started a local proplet (client id quickstart-proplet)");
+    Ok(child)
+}
+
+/// Prints every task and job result once, as it arrives.
+async fn print_results(store: ObjectStore) {
+    let mut changes = store.subscribe();
+    let mut printed = std::collections::HashSet::new();
+    loop {
+        let change = match changes.recv().await {
+            Ok(c) => c,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(_) => return,
+        };
+        if change.kind_of_change == ChangeKind::Deleted {
+            continue;
+        }
+        let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) else {
+            continue;
+        };
+        let phase = obj["status"]["phase"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let finished = matches!(
+            phase.as_str(),
+            "completed" | "failed" | "skipped" | "interrupted" | "Completed" | "Failed"
+        );
+        let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
+        if !finished || !printed.insert((change.kind.clone(), change.name.clone(), run)) {
+            continue;
+        }
+        match change.kind.as_str() {
+            "Task" => {
+                let result = &obj["status"]["results"];
+                let shown = result
+                    .as_str()
+                    .map_or_else(|| result.to_string(), str::to_owned);
+                match obj["status"]["error"].as_str() {
+                    Some(e) => println!("task {}: {phase}: {e}", change.name),
+                    None => println!("task {}: {phase}, result {shown}", change.name),
+                }
+            }
+            "PropellerJob" => println!("propellerjob {}: {phase}", change.name),
+            _ => {}
+        }
+    }
+}
+
+/// `propeller apply -f FILE|DIR|-`.
+pub async fn apply(client: &ClientArgs, file: &Path) -> anyhow::Result<()> {
+    let mut texts = Vec::new();
+    if file == Path::new("-") {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("reading the manifest from stdin")?;
+        texts.push(("stdin".to_owned(), text));
+    } else if file.is_dir() {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(file)
+            .with_context(|| format!("reading {}", file.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension()
+                    .is_some_and(|x| x == "yaml" || x == "yml" || x == "json")
+            })
+            .collect();
+        paths.sort();
+        for p in paths {
+            let text =
+                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+            texts.push((p.display().to_string(), text));
+        }
+    } else {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        texts.push((file.display().to_string(), text));
+    }
+    let api = client.client()?;
+    for (source, text) in texts {
+        let outcome = api
+            .request("POST", "/v1/apply", Some(&text))
+            .await
+            .with_context(|| format!("applying {source}"))?;
+        for o in outcome.as_array().into_iter().flatten() {
+            println!(
+                "{}/{} {}",
+                o["kind"].as_str().unwrap_or_default().to_lowercase(),
+                o["name"].as_str().unwrap_or_default(),
+                o["action"].as_str().unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn kind_of(typed: &str) -> anyhow::Result<&'static str> {
+    canonical_kind(typed).with_context(|| format!("unknown kind {typed:?}"))
+}
+
+/// `propeller get KIND [NAME] [-o wide|yaml|json] [-w]`.
+pub async fn get(
+    client: &ClientArgs,
+    kind: &str,
+    name: Option<&str>,
+    namespace: &str,
+    output: Option<&str>,
+    watch: bool,
+) -> anyhow::Result<()> {
+    let kind = kind_of(kind)?;
+    let api = client.client()?;
+    let mut last = String::new();
+    loop {
+        let objects: Vec<Value> = match name {
+            Some(n) => vec![
+                api.request("GET", &format!("/v1/objects/{kind}/{namespace}/{n}"), None)
+                    .await?,
+            ],
+            None => api
+                .request(
+                    "GET",
+                    &format!("/v1/objects/{kind}?namespace={namespace}"),
+                    None,
+                )
+                .await?
+                .as_array()
+                .cloned()
+                .unwrap_or_default(),
+        };
+        let text = match output {
+            Some("yaml") => objects
+                .iter()
+                .map(|o| serde_yaml_ng::to_string(o).unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("---\n"),
+            Some("json") => {
+                let value = if name.is_some() && objects.len() == 1 {
+                    objects[0].clone()
+                } else {
+                    Value::Array(objects.clone())
+                };
+                serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
+            }
+            Some("wide") => table(kind, &objects, true, chrono::Utc::now()),
+            None => table(kind, &objects, false, chrono::Utc::now()),
+            Some(other) => bail!("unknown output format {other:?}; use wide, yaml or json"),
+        };
+        if !watch {
+            print!("{text}");
+            return Ok(());
+        }
+        if text != last {
+            print!("{text}");
+            last = text;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// `propeller describe KIND NAME`.
+pub async fn describe_one(
+    client: &ClientArgs,
+    kind: &str,
+    name: &str,
+    namespace: &str,
+) -> anyhow::Result<()> {
+    let kind = kind_of(kind)?;
+    let obj = client
+        .client()?
+        .request(
+            "GET",
+            &format!("/v1/objects/{kind}/{namespace}/{name}"),
+            None,
+        )
+        .await?;
+    print!("{}", describe(&obj));
+    Ok(())
+}
+
+/// `propeller delete KIND NAME`.
+pub async fn delete(
+    client: &ClientArgs,
+    kind: &str,
+    name: &str,
+    namespace: &str,
+) -> anyhow::Result<()> {
+    let kind = kind_of(kind)?;
+    let outcome = client
+        .client()?
+        .request(
+            "DELETE",
+            &format!("/v1/objects/{kind}/{namespace}/{name}"),
+            None,
+        )
+        .await?;
+    println!(
+        "{}/{} {}",
+        kind.to_lowercase(),
+        name,
+        outcome["outcome"].as_str().unwrap_or("deleted")
+    );
+    if outcome["outcome"].as_str().is_some_and(|o| o != "deleted") {
+        warn!("the object waits for its controller to finish cleaning up");
+    }
+    Ok(())
+}

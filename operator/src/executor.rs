@@ -1,0 +1,144 @@
+//! The Task executor, shared by both drivers: applies a [`TaskPlan`] through an
+//! [`ObjectWriter`] (kube-rs or the embedded store) and the broker.
+//!
+//! Order matters for idempotent dispatch: the assignment is written (conditionally on the
+//! resourceVersion) before any start is published, and a start is published at most once per
+//! run in this process (the [`DispatchLedger`]).
+
+use std::future::Future;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use propeller_broker::protocol::{Channel, TopicError};
+use propeller_broker::server::{BrokerError, Publisher};
+use serde_json::Value;
+
+use crate::crd::task::{Task, TASK_FINALIZER};
+use crate::decision::task::{FinalizerChange, TaskPlan};
+use crate::inbox::{DispatchLedger, TaskInbox};
+
+/// An error of the object backend (API server or embedded store).
+pub type BackendError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The writes an executor needs from a backend, each conditional on `version` when given
+/// and returning the object's new resourceVersion.
+pub trait ObjectWriter: Sync {
+    /// Sets `metadata.finalizers` to exactly `finalizers`.
+    fn set_finalizers(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        version: Option<&str>,
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
+
+    /// Replaces the status `old` (as written) with `new`.
+    fn write_status(
+        &self,
+        meta: &ObjectMeta,
+        old: &Value,
+        new: &Value,
+        version: Option<&str>,
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
+
+    /// Creates the ConfigMap and Job that run `task` on a `k8s` proplet.
+    fn create_task_job(&self, task: &Task)
+        -> impl Future<Output = Result<(), BackendError>> + Send;
+}
+
+/// Why applying a Task plan stopped part-way (the next reconcile plans again from there).
+#[derive(Debug, thiserror::Error)]
+pub enum TaskApplyError {
+    /// The backend refused a write or could not be reached.
+    #[error("{0}")]
+    Backend(BackendError),
+    /// The broker could not take a command.
+    #[error("broker: {0}")]
+    Broker(#[from] BrokerError),
+    /// A proplet's domain or channel cannot form a topic.
+    #[error("topic: {0}")]
+    Topic(#[from] TopicError),
+}
+
+/// The process-wide parts the executor uses besides the backend.
+pub struct TaskEffects<'a> {
+    /// Publishes starts and stops.
+    pub publisher: &'a Publisher,
+    /// Starts already published by this process.
+    pub ledger: &'a DispatchLedger,
+    /// Results and metrics waiting to be written.
+    pub inbox: &'a TaskInbox,
+}
+
+fn json<T: serde::Serialize>(value: &T) -> Value {
+    serde_json::to_value(value).unwrap_or(Value::Null)
+}
+
+/// Applies `plan` to `task`: finalizer, status, Job or starts, status after dispatch, stops,
+/// and finally the finalizer's removal.
+pub async fn apply_task<W: ObjectWriter>(
+    writer: &W,
+    task: &Task,
+    plan: &TaskPlan,
+    fx: &TaskEffects<'_>,
+) -> Result<(), TaskApplyError> {
+    let meta = &task.metadata;
+    let uid = meta.uid.as_deref().unwrap_or_default();
+    let mut version = meta.resource_version.clone();
+    let mut finalizers = meta.finalizers.clone().unwrap_or_default();
+    let mut current = task.status.clone().unwrap_or_default();
+
+    if plan.finalizer == Some(FinalizerChange::Add) {
+        finalizers.push(TASK_FINALIZER.to_owned());
+        version = writer
+            .set_finalizers(meta, &finalizers, version.as_deref())
+            .await
+            .map_err(TaskApplyError::Backend)?;
+    }
+    if let Some(status) = &plan.status {
+        version = writer
+            .write_status(meta, &json(&current), &json(status), version.as_deref())
+            .await
+            .map_err(TaskApplyError::Backend)?;
+        current = status.clone();
+        let metrics = plan
+            .consumed_metrics
+            .then_some(current.latest_metrics.as_ref())
+            .flatten();
+        fx.inbox.consume(uid, plan.consumed_results, metrics);
+    }
+    if plan.create_job {
+        writer
+            .create_task_job(task)
+            .await
+            .map_err(TaskApplyError::Backend)?;
+    }
+    if !plan.starts.is_empty() {
+        let run = current.run_count.unwrap_or(0);
+        if !fx.ledger.contains(uid, run) {
+            for start in &plan.starts {
+                let channel = Channel::new(start.domain.clone(), start.channel.clone())?;
+                fx.publisher.start(&channel, &start.request).await?;
+            }
+            fx.ledger.record(uid, run);
+        }
+    }
+    if let Some(after) = &plan.after_dispatch {
+        version = writer
+            .write_status(meta, &json(&current), &json(after), version.as_deref())
+            .await
+            .map_err(TaskApplyError::Backend)?;
+    }
+    for stop in &plan.stops {
+        let channel = Channel::new(stop.domain.clone(), stop.channel.clone())?;
+        fx.publisher.stop(&channel, &stop.request).await?;
+    }
+    if plan.finalizer == Some(FinalizerChange::Remove) {
+        finalizers.retain(|f| f != TASK_FINALIZER);
+        writer
+            .set_finalizers(meta, &finalizers, version.as_deref())
+            .await
+            .map_err(TaskApplyError::Backend)?;
+        fx.ledger.forget(uid);
+        fx.inbox.forget(uid);
+    }
+    Ok(())
+}

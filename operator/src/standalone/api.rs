@@ -1,0 +1,267 @@
+//! The standalone HTTP API that `propeller apply/get/describe/delete` use.
+//!
+//! It listens on loopback by default and every request needs the bearer token written to the
+//! data directory on first start. Applied manifests go through the same schema and CEL
+//! admission as on a cluster, so standalone accepts and rejects exactly what a cluster would;
+//! a multi-document manifest is checked whole before anything is stored.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+
+use crate::validation::Admission;
+
+use super::store::{Deleted, ObjectStore, StoreError};
+
+/// Kinds standalone serves, with the names users type for them.
+const KINDS: &[(&str, &[&str])] = &[
+    ("Proplet", &["proplet", "proplets"]),
+    ("Task", &["task", "tasks"]),
+    (
+        "PropellerJob",
+        &["propellerjob", "propellerjobs", "pjob", "pjobs"],
+    ),
+    ("FederatedJob", &["federatedjob", "federatedjobs", "fjob"]),
+    ("TrainingRound", &["traininground", "trainingrounds"]),
+    ("Secret", &["secret", "secrets"]),
+    ("ConfigMap", &["configmap", "configmaps", "cm"]),
+];
+
+/// The stored kind for what a user typed (`task`, `pjob`, `Proplets`, …).
+pub fn canonical_kind(typed: &str) -> Option<&'static str> {
+    let lower = typed.to_ascii_lowercase();
+    KINDS
+        .iter()
+        .find(|(kind, names)| kind.eq_ignore_ascii_case(&lower) || names.contains(&lower.as_str()))
+        .map(|(kind, _)| *kind)
+}
+
+/// What the API serves from.
+pub struct ApiState {
+    /// The objects.
+    pub store: ObjectStore,
+    /// Schema and CEL checks of our kinds.
+    pub admission: Admission,
+    /// The bearer token clients must present.
+    pub token: String,
+}
+
+/// An error answered as JSON `{"error": message}`.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        let status = match e {
+            StoreError::NotFound { .. } => StatusCode::NOT_FOUND,
+            StoreError::AlreadyExists { .. } | StoreError::Conflict { .. } => StatusCode::CONFLICT,
+            StoreError::Invalid(_) | StoreError::Terminating { .. } => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+fn authorize(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let presented = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    if bool::from(presented.as_bytes().ct_eq(state.token.as_bytes())) {
+        Ok(())
+    } else {
+        Err(ApiError(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (see api-token in the data directory)".into(),
+        ))
+    }
+}
+
+fn kind_or_404(typed: &str) -> Result<&'static str, ApiError> {
+    canonical_kind(typed).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!(
+                "unknown kind {typed:?}; standalone serves {}",
+                KINDS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+            ),
+        )
+    })
+}
+
+/// Parses a multi-document YAML (or JSON) manifest into its non-empty documents.
+pub fn parse_manifest(text: &str) -> Result<Vec<Value>, String> {
+    let mut docs = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let value: Value = serde::Deserialize::deserialize(doc)
+            .map_err(|e| format!("document {}: not valid YAML: {e}", i + 1))?;
+        if !value.is_null() {
+            docs.push(value);
+        }
+    }
+    Ok(docs)
+}
+
+fn describe_doc(i: usize, doc: &Value) -> String {
+    format!(
+        "document {} ({} {:?})",
+        i + 1,
+        doc["kind"].as_str().unwrap_or("?"),
+        doc["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+/// Checks every document; returns them defaulted, or every problem found.
+fn admit_all(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
+    let mut admitted = Vec::new();
+    let mut problems = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        let what = describe_doc(i, doc);
+        let Some(kind) = doc["kind"].as_str().and_then(canonical_kind) else {
+            problems.push(format!(
+                "{what}: kind {:?} is not served by standalone",
+                doc["kind"].as_str().unwrap_or("")
+            ));
+            continue;
+        };
+        if doc["metadata"]["name"].as_str().is_none_or(str::is_empty) {
+            problems.push(format!("{what}: metadata.name is required"));
+            continue;
+        }
+        if matches!(kind, "Secret" | "ConfigMap") {
+            admitted.push(doc.clone());
+            continue;
+        }
+        let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
+        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+        let old = state.store.get(kind, ns, name).ok().flatten();
+        match state.admission.admit(doc, old.as_ref()) {
+            Ok(defaulted) => admitted.push(defaulted),
+            Err(e) => problems.push(format!("{what}: {e}")),
+        }
+    }
+    if problems.is_empty() {
+        Ok(admitted)
+    } else {
+        Err(problems)
+    }
+}
+
+async fn apply(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: String,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let docs = parse_manifest(&body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+    if docs.is_empty() {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            "the manifest holds no document".into(),
+        ));
+    }
+    let outcome = apply_documents(&state, &docs)
+        .map_err(|problems| ApiError(StatusCode::UNPROCESSABLE_ENTITY, problems.join("\n")))?;
+    Ok(Json(Value::Array(outcome)))
+}
+
+/// Admits every document, then stores them all; nothing is stored when one is refused.
+/// Returns what happened to each (`kind`, `namespace`, `name`, `action`).
+pub fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
+    let admitted = admit_all(state, docs)?;
+    let mut outcome = Vec::new();
+    for (i, doc) in admitted.into_iter().enumerate() {
+        let what = describe_doc(i, &doc);
+        let applied = state
+            .store
+            .apply(doc)
+            .map_err(|e| vec![format!("{what}: {e}")])?;
+        let o = &applied.object;
+        outcome.push(json!({
+            "kind": o["kind"], "namespace": o["metadata"]["namespace"], "name": o["metadata"]["name"],
+            "action": if applied.created { "created" } else { "configured" },
+        }));
+    }
+    Ok(outcome)
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    namespace: Option<String>,
+}
+
+async fn list(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path(kind): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let kind = kind_or_404(&kind)?;
+    Ok(Json(Value::Array(
+        state.store.list(kind, q.namespace.as_deref())?,
+    )))
+}
+
+async fn get_one(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path((kind, ns, name)): Path<(String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let kind = kind_or_404(&kind)?;
+    state.store.get(kind, &ns, &name)?.map(Json).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!("{kind} {ns}/{name} not found"),
+        )
+    })
+}
+
+async fn delete_one(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path((kind, ns, name)): Path<(String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let kind = kind_or_404(&kind)?;
+    let outcome = match state.store.delete(kind, &ns, &name)? {
+        Deleted::Removed(_) => "deleted",
+        Deleted::Pending(_) => "deleting (waiting for finalizers)",
+    };
+    Ok(Json(
+        json!({ "kind": kind, "namespace": ns, "name": name, "outcome": outcome }),
+    ))
+}
+
+/// The API's routes.
+pub fn router(state: Arc<ApiState>) -> Router {
+    Router::new()
+        .route("/v1/apply", post(apply))
+        .route("/v1/objects/{kind}", get(list))
+        .route(
+            "/v1/objects/{kind}/{namespace}/{name}",
+            get(get_one).delete(delete_one),
+        )
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ApiState>) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).await
+}

@@ -1,0 +1,7 @@
+//! `propeller standalone`: the reconcilers of the Kubernetes driver, run without a cluster
+//! over a durable embedded store that keeps the API server semantics they rely on.
+
+pub mod api;
+pub mod client;
+pub mod driver;
+pub mod store;
