@@ -67,7 +67,20 @@ impl Running {
 }
 
 impl Drop for Running {
+    /// SIGTERM first, so a process that started children (the standalone demo's agent)
+    /// stops them; SIGKILL if it has not exited after a few seconds.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let pid = self.child.id().to_string();
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            let deadline = std::time::Instant::now() + Duration::from_secs(3);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -149,4 +162,65 @@ pub fn mosquitto_pub_as(
         .output()
         .expect("run mosquitto_pub (is mosquitto-clients installed?)");
     out.status.success()
+}
+
+impl Running {
+    /// Asks the process to stop with SIGTERM (so it can stop its own children) and waits up
+    /// to [`WAIT`] for it to exit.
+    pub fn terminate(&mut self) {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = std::time::Instant::now() + WAIT;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("process {pid} did not stop within {WAIT:?} of SIGTERM");
+    }
+}
+
+/// `propeller standalone` on ephemeral loopback ports with its data in `dir`; returns the
+/// process, the API address and the MQTT port.
+pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, String, String) {
+    let mut cmd = binary("propeller");
+    cmd.args([
+        "standalone",
+        "--mqtt-listen",
+        "127.0.0.1:0",
+        "--api-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+    ])
+    .arg(dir)
+    .args(extra)
+    .env("RUST_LOG", "info");
+    let server = Running::spawn(cmd);
+    let mqtt = server.stdout_line("mqtt listening on");
+    let port = mqtt.rsplit(':').next().expect("port").trim().to_owned();
+    let api = server.stdout_line("api listening on http://");
+    let addr = api
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("api address")
+        .to_owned();
+    (server, addr, port)
+}
+
+/// Runs a `propeller` client command against the standalone API at `api` with data in `dir`;
+/// returns (success, stdout, stderr).
+pub fn propeller_client(api: &str, dir: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = binary("propeller")
+        .args(args)
+        .args(["--server", api, "--data-dir"])
+        .arg(dir)
+        .output()
+        .expect("run propeller");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

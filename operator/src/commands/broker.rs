@@ -112,7 +112,7 @@ pub async fn run(cmd: BrokerCommand) -> anyhow::Result<()> {
                 Some(event) => log_event(&event),
                 None => break,
             },
-            _ = tokio::signal::ctrl_c() => {
+            _ = super::signals::terminated() => {
                 info!("interrupted, stopping");
                 break;
             }

@@ -3,4 +3,5 @@
 pub mod broker;
 pub mod logging;
 pub mod run;
+pub mod signals;
 pub mod standalone;

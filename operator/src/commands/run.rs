@@ -149,22 +149,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
         handler(health.clone()),
     ));
 
-    let shutdown = async {
-        let terminate = async {
-            #[cfg(unix)]
-            if let Ok(mut s) =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            {
-                s.recv().await;
-                return;
-            }
-            std::future::pending::<()>().await
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = terminate => {}
-        }
-    };
+    let shutdown = super::signals::terminated();
     let shutdown: ShutdownFuture = Box::pin(shutdown);
     let shutdown = futures::FutureExt::shared(shutdown);
 

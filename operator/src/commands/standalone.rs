@@ -201,8 +201,8 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         tokio::spawn(print_results(store.clone()));
     }
     let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-        info!("interrupted, stopping");
+        super::signals::terminated().await;
+        info!("stopping");
     };
     driver.run(queue, events, shutdown).await;
     if let Some(mut child) = agent {
