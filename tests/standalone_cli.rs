@@ -106,3 +106,71 @@ fn client_commands_explain_what_is_wrong() {
     assert!(!ok);
     assert!(err.contains("bearer token"), "{err}");
 }
+
+/// Polls `propeller get proplet NAME -o json` until its phase is `phase`; returns how long
+/// it took.
+fn wait_for_phase(
+    api: &str,
+    dir: &std::path::Path,
+    name: &str,
+    phase: &str,
+) -> std::time::Duration {
+    let started = std::time::Instant::now();
+    loop {
+        let (ok, out, _) = propeller_client(api, dir, &["get", "proplet", name, "-o", "json"]);
+        if ok {
+            let p: serde_json::Value = serde_json::from_str(&out).expect("json");
+            if p["status"]["phase"] == phase {
+                return started.elapsed();
+            }
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "proplet {name} did not become {phase} within {:?}",
+            support::WAIT
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_killed_agent_goes_offline_and_comes_back_running() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &["--last-seen-threshold", "5s"]);
+    let manifest = dir.path().join("pi.yaml");
+    std::fs::write(
+        &manifest,
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: pi-key\nstringData:\n  key: pi-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: pi\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:1883\n    domainId: d1\n    channelId: c1\n    clientId: pi\n    clientKeySecretRef: {name: pi-key, key: key}\n",
+    )
+    .expect("write manifest");
+    let (ok, _, err) = propeller_client(
+        &api,
+        dir.path(),
+        &["apply", "-f", manifest.to_str().expect("path")],
+    );
+    assert!(ok, "{err}");
+    let agent = |state: &str| {
+        let mut cmd = support::binary("proplet");
+        cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
+            .env("PROPLET_DOMAIN_ID", "d1")
+            .env("PROPLET_CHANNEL_ID", "c1")
+            .env("PROPLET_CLIENT_ID", "pi")
+            .env("PROPLET_CLIENT_KEY", "pi-secret")
+            .env("PROPLET_STATE_DIR", dir.path().join(state))
+            .env("PROPLET_LIVELINESS_INTERVAL", "1");
+        support::Running::spawn(cmd)
+    };
+    let mut first = agent("a");
+    wait_for_phase(&api, dir.path(), "pi", "Running");
+    // SIGKILL: no Last Will courtesy from the agent; the broker sees the connection drop.
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+    let took = wait_for_phase(&api, dir.path(), "pi", "Offline");
+    assert!(
+        took < std::time::Duration::from_secs(6),
+        "Offline after {took:?}, beyond the 5 s threshold + 1 s"
+    );
+    let _second = agent("b");
+    wait_for_phase(&api, dir.path(), "pi", "Running");
+}

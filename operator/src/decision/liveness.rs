@@ -82,9 +82,27 @@ pub fn evaluate_external(
 ) -> Option<DateTime<Utc>> {
     record_heartbeats(status, &observation.heartbeats);
     let threshold_c = chrono::Duration::from_std(threshold).unwrap_or(chrono::Duration::MAX);
+    // A disconnect already written stays in force until a new heartbeat arrives; the
+    // observation that reported it is cleared once written.
+    let written_disconnect = (observation.heartbeats.is_empty()
+        && status.phase == PropletPhase::Offline)
+        .then(|| {
+            status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Connected" && c.reason == "PropletDisconnected")
+                .and_then(|c| {
+                    DateTime::<Utc>::from_timestamp(
+                        c.last_transition_time.0.as_second(),
+                        u32::try_from(c.last_transition_time.0.subsec_nanosecond()).unwrap_or(0),
+                    )
+                })
+        })
+        .flatten();
     let gone_at = observation
         .offline_at
-        .filter(|off| status.last_seen.is_none_or(|seen| *off >= seen));
+        .filter(|off| status.last_seen.is_none_or(|seen| *off >= seen))
+        .or(written_disconnect);
     let offline = || {
         DesiredCondition::new(
             "Ready",
@@ -541,5 +559,53 @@ mod tests {
             !write_due(&written, &written.clone(), Some(t(0)), flush, t(1000)),
             "nothing changed, nothing to write"
         );
+    }
+
+    #[test]
+    fn a_written_disconnect_holds_until_the_next_heartbeat() {
+        let threshold = Duration::from_secs(30);
+        let t0 = Utc.with_ymd_and_hms(2026, 11, 22, 10, 0, 0).unwrap();
+        let mut status = PropletStatus::default();
+        let beat = ExternalObservation {
+            heartbeats: vec![t0],
+            offline_at: None,
+        };
+        evaluate_external(&mut status, &beat, threshold, None, t0);
+        assert_eq!(status.phase, PropletPhase::Running);
+        let gone = ExternalObservation {
+            heartbeats: vec![],
+            offline_at: Some(t0 + chrono::Duration::seconds(1)),
+        };
+        evaluate_external(
+            &mut status,
+            &gone,
+            threshold,
+            None,
+            t0 + chrono::Duration::seconds(1),
+        );
+        assert_eq!(status.phase, PropletPhase::Offline);
+        // The disconnect was written and cleared from the observations: still Offline.
+        let nothing = ExternalObservation::default();
+        evaluate_external(
+            &mut status,
+            &nothing,
+            threshold,
+            None,
+            t0 + chrono::Duration::seconds(2),
+        );
+        assert_eq!(status.phase, PropletPhase::Offline);
+        // A new heartbeat brings it back.
+        let back = ExternalObservation {
+            heartbeats: vec![t0 + chrono::Duration::seconds(3)],
+            offline_at: None,
+        };
+        evaluate_external(
+            &mut status,
+            &back,
+            threshold,
+            None,
+            t0 + chrono::Duration::seconds(3),
+        );
+        assert_eq!(status.phase, PropletPhase::Running);
     }
 }
