@@ -174,3 +174,173 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     let _second = agent("b");
     wait_for_phase(&api, dir.path(), "pi", "Running");
 }
+
+fn get_json(api: &str, dir: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    let (ok, out, err) = propeller_client(api, dir, &all);
+    assert!(ok, "propeller {args:?}: {err}");
+    serde_json::from_str(&out).expect("json")
+}
+
+/// Waits until every listed task is finished; returns them by name.
+fn finished_tasks(
+    api: &str,
+    dir: &std::path::Path,
+    names: &[&str],
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let started = std::time::Instant::now();
+    loop {
+        let tasks = get_json(api, dir, &["get", "task"]);
+        let by_name: std::collections::BTreeMap<String, serde_json::Value> = tasks
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| {
+                (
+                    t["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                    t.clone(),
+                )
+            })
+            .collect();
+        let done = names.iter().all(|n| {
+            by_name.get(*n).is_some_and(|t| {
+                matches!(
+                    t["status"]["phase"].as_str(),
+                    Some("completed" | "failed" | "skipped" | "interrupted")
+                )
+            })
+        });
+        if done {
+            return by_name;
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "tasks not finished in time: {:#?}",
+            names
+                .iter()
+                .map(|n| (n, by_name.get(*n).map(|t| t["status"].clone())))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn upstream_samples_run_on_three_agents() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let names = ["external-proplet", "k8s-proplet", "third-proplet"];
+    let mut manifest = String::new();
+    for name in names {
+        manifest.push_str(&format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{port}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n---\n"
+        ));
+    }
+    let path = dir.path().join("proplets.yaml");
+    std::fs::write(&path, manifest).expect("write");
+    let (ok, _, err) = propeller_client(
+        &api,
+        dir.path(),
+        &["apply", "-f", path.to_str().expect("path")],
+    );
+    assert!(ok, "{err}");
+    let _agents: Vec<support::Running> = names
+        .iter()
+        .map(|name| {
+            let mut cmd = support::binary("proplet");
+            cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
+                .env("PROPLET_DOMAIN_ID", "d1")
+                .env("PROPLET_CHANNEL_ID", "c1")
+                .env("PROPLET_CLIENT_ID", name)
+                .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
+                .env("PROPLET_STATE_DIR", dir.path().join(name))
+                .env("PROPLET_LIVELINESS_INTERVAL", "1");
+            support::Running::spawn(cmd)
+        })
+        .collect();
+    for name in names {
+        wait_for_phase(&api, dir.path(), name, "Running");
+    }
+    let samples = std::env::var("PROPELLER_SAMPLES_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| support::repo_root().join("../shared/samples/upstream"));
+    for file in [
+        "propeller_v1_task.yaml",
+        "propeller_v1_task_dag_a.yaml",
+        "propeller_v1_task_dag.yaml",
+        "propeller_v1_task_broadcast.yaml",
+        "propeller_v1_propellerjob.yaml",
+    ] {
+        let path = samples.join(file);
+        let (ok, _, err) = propeller_client(
+            &api,
+            dir.path(),
+            &["apply", "-f", path.to_str().expect("path")],
+        );
+        assert!(ok, "{file}: {err}");
+    }
+    let tasks = finished_tasks(
+        &api,
+        dir.path(),
+        &[
+            "wasm-addition",
+            "dag-task-a",
+            "dag-task-b",
+            "broadcast-task",
+            "sample-propeller-job-job-task-1",
+            "sample-propeller-job-job-task-2",
+        ],
+    );
+    let result = |name: &str| tasks[name]["status"]["results"].clone();
+    let phase = |name: &str| {
+        tasks[name]["status"]["phase"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(phase("wasm-addition"), "completed");
+    assert_eq!(result("wasm-addition"), "42");
+    assert_eq!(
+        tasks["wasm-addition"]["status"]["assignedProplet"],
+        "k8s-proplet"
+    );
+    assert_eq!(result("dag-task-a"), "42");
+    assert_eq!(result("dag-task-b"), "20");
+    // dag-task-b started only after dag-task-a finished.
+    let finished_a = tasks["dag-task-a"]["status"]["finishedAt"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let started_b = tasks["dag-task-b"]["status"]["startedAt"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(started_b >= finished_a, "{started_b} < {finished_a}");
+    assert_eq!(phase("broadcast-task"), "completed");
+    let per_proplet = tasks["broadcast-task"]["status"]["results"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(per_proplet.len(), 3, "{per_proplet:?}");
+    assert!(per_proplet.values().all(|r| r["results"] == "42"));
+    assert_eq!(result("sample-propeller-job-job-task-1"), "30");
+    assert_eq!(result("sample-propeller-job-job-task-2"), "70");
+    let started = std::time::Instant::now();
+    loop {
+        let job = get_json(&api, dir.path(), &["get", "pjob", "sample-propeller-job"]);
+        if job["status"]["phase"] == "Completed" {
+            break;
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "job: {:#}",
+            job["status"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
