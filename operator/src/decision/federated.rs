@@ -183,7 +183,7 @@ fn round_for(
     let mut annotations = BTreeMap::new();
     if let Some(model) = previous_model {
         if let Ok(json) = serde_json::to_string(model) {
-            annotations.insert(format!("{}global-model", crate::crd::PREFIX), json);
+            annotations.insert(GLOBAL_MODEL_ANNOTATION.to_owned(), json);
         }
     }
     TrainingRound {
@@ -320,6 +320,148 @@ pub fn participant_task(
         },
         status: None,
     })
+}
+
+/// Annotation carrying the model handed to a round by the previous one.
+pub const GLOBAL_MODEL_ANNOTATION: &str = "propeller.propeller.absmach.eu/global-model";
+/// Key of the aggregated model in its ConfigMap's `binaryData`.
+pub const MODEL_KEY: &str = "model.json";
+/// Largest model a ConfigMap may hold (the API server's object limit is 1 MiB).
+pub const MAX_MODEL_BYTES: usize = 900 * 1024;
+
+/// Name of the ConfigMap holding a round's aggregated model.
+pub fn model_config_map_name(round: &TrainingRound) -> String {
+    names::child_name(round.metadata.name.as_deref().unwrap_or_default(), "model")
+}
+
+/// The ConfigMap that stores `model` for `round`, owned by it; an error when the model is
+/// too large for a ConfigMap.
+pub fn model_config_map(
+    round: &TrainingRound,
+    model: &UpdateEnvelope,
+) -> Result<k8s_openapi::api::core::v1::ConfigMap, String> {
+    let bytes = serde_json::to_vec(model).map_err(|e| e.to_string())?;
+    if bytes.len() > MAX_MODEL_BYTES {
+        return Err(format!(
+            "the aggregated model is {} bytes; a ConfigMap holds at most {MAX_MODEL_BYTES}",
+            bytes.len()
+        ));
+    }
+    Ok(k8s_openapi::api::core::v1::ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(model_config_map_name(round)),
+            namespace: round.metadata.namespace.clone(),
+            owner_references: Some(vec![owner("TrainingRound", &round.metadata)]),
+            ..ObjectMeta::default()
+        },
+        binary_data: Some(BTreeMap::from([(
+            MODEL_KEY.to_owned(),
+            k8s_openapi::ByteString(bytes),
+        )])),
+        ..Default::default()
+    })
+}
+
+/// The model a stored ConfigMap holds.
+pub fn model_of(config_map: &k8s_openapi::api::core::v1::ConfigMap) -> Option<UpdateEnvelope> {
+    let bytes = &config_map.binary_data.as_ref()?.get(MODEL_KEY)?.0;
+    serde_json::from_slice(bytes).ok()
+}
+
+/// Marks a round failed because its model could not be stored.
+pub fn fail_unstorable(
+    status: &mut TrainingRoundStatus,
+    message: String,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) {
+    status.phase = RoundPhase::Failed;
+    status.end_time = Some(now);
+    set_condition(
+        &mut status.conditions,
+        &DesiredCondition::new("Ready", false, "ModelTooLarge", message),
+        generation,
+        now,
+    );
+}
+
+/// A round's observations from a driver's cached Tasks and Proplets, its parent job, and
+/// where its model is stored (if it is).
+pub fn observe_round(
+    round: &TrainingRound,
+    tasks: &[&Task],
+    proplets: &[&crate::crd::proplet::Proplet],
+    parent: Option<&FederatedJob>,
+    stored_model_ref: Option<String>,
+) -> RoundObservation {
+    let ns = &round.metadata.namespace;
+    let round_name = round.metadata.name.clone().unwrap_or_default();
+    let mut participants = BTreeMap::new();
+    for p in &round.spec.participants {
+        let task_name = names::round_task_name(&round_name, p);
+        let task = tasks.iter().find(|t| {
+            t.metadata.namespace == *ns && t.metadata.name.as_deref() == Some(task_name.as_str())
+        });
+        let client_id = proplets
+            .iter()
+            .find(|x| x.metadata.namespace == *ns && x.metadata.name.as_deref() == Some(p.as_str()))
+            .map(|x| {
+                x.spec
+                    .connection_config
+                    .client()
+                    .unwrap_or(p.as_str())
+                    .to_owned()
+            });
+        let status = task.and_then(|t| t.status.clone());
+        participants.insert(
+            p.clone(),
+            ParticipantObservation {
+                phase: task.map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default()),
+                results: status.as_ref().and_then(|s| s.results.clone()),
+                error: status.and_then(|s| s.error),
+                client_id,
+            },
+        );
+    }
+    RoundObservation {
+        participants,
+        algorithm: parent
+            .map(|j| j.spec.aggregator.algorithm)
+            .unwrap_or_default(),
+        job_id: parent
+            .and_then(|j| j.spec.experiment_id.clone())
+            .unwrap_or_else(|| round.spec.federated_job_ref.name.clone()),
+        global_model: round
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(GLOBAL_MODEL_ANNOTATION))
+            .and_then(|json| serde_json::from_str(json).ok()),
+        stored_model_ref,
+    }
+}
+
+/// The rounds a FederatedJob owns, by round number, with their phase and model reference.
+pub fn owned_rounds<'a>(
+    job: &FederatedJob,
+    rounds: impl IntoIterator<Item = &'a TrainingRound>,
+) -> BTreeMap<u32, (RoundPhase, Option<String>)> {
+    let uid = job.metadata.uid.clone().unwrap_or_default();
+    rounds
+        .into_iter()
+        .filter(|r| {
+            r.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == uid)
+        })
+        .filter_map(|r| {
+            let n = u32::try_from(aggregation::parse_round_id(&r.spec.round_id)?).ok()?;
+            let status = r.status.clone().unwrap_or_default();
+            Some((n, (status.phase, status.aggregated_model_ref)))
+        })
+        .collect()
 }
 
 /// Decides a round's Tasks, its collected updates, aggregation and status.

@@ -17,9 +17,14 @@ use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
+use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
+use crate::decision::federated::{
+    fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
+    owned_rounds, reconcile_job as reconcile_federated, reconcile_round, FederatedObservation,
+};
 use crate::decision::propeller_job::{reconcile as reconcile_job, JobObservation};
 use crate::decision::task::{awaits_job, observe_caches, plan as plan_task, TaskSettings};
 use crate::executor::{apply_task, BackendError, ObjectWriter};
@@ -39,6 +44,15 @@ pub const TASK: &str = "Task";
 pub const PROPELLER_JOB: &str = "PropellerJob";
 /// Kind name of Secrets (proplet keys).
 pub const SECRET: &str = "Secret";
+/// Kind name of FederatedJobs.
+pub const FEDERATED_JOB: &str = "FederatedJob";
+/// Kind name of TrainingRounds.
+pub const TRAINING_ROUND: &str = "TrainingRound";
+/// Kind name of ConfigMaps (aggregated models).
+pub const CONFIG_MAP: &str = "ConfigMap";
+
+/// Kinds the driver reconciles.
+const RECONCILED: [&str; 5] = [PROPLET, TASK, PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND];
 
 /// Settings of the standalone driver.
 #[derive(Debug, Clone)]
@@ -304,6 +318,16 @@ impl Driver {
                 }
             }
             PROPLET | SECRET => self.refresh_credentials(),
+            TRAINING_ROUND => {
+                if let Ok(Some(round)) =
+                    self.store
+                        .get_typed::<TrainingRound>(TRAINING_ROUND, &key.namespace, &key.name)
+                {
+                    for owner in round.metadata.owner_references.iter().flatten() {
+                        self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -316,7 +340,7 @@ impl Driver {
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         self.refresh_credentials();
-        for kind in [PROPLET, TASK, PROPELLER_JOB] {
+        for kind in RECONCILED {
             if let Ok(values) = self.store.list(kind, None) {
                 for v in values {
                     if let Ok(meta) = serde_json::from_value::<ObjectMeta>(v["metadata"].clone()) {
@@ -345,7 +369,7 @@ impl Driver {
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
                         // Missed changes: look at everything again.
-                        for kind in [PROPLET, TASK, PROPELLER_JOB] {
+                        for kind in RECONCILED {
                             for v in self.store.list(kind, None).unwrap_or_default() {
                                 if let Ok(meta) = serde_json::from_value::<ObjectMeta>(v["metadata"].clone()) {
                                     self.enqueue(Key::of(kind, &meta));
@@ -372,6 +396,8 @@ impl Driver {
             PROPLET => self.reconcile_proplet(key, now),
             TASK => self.reconcile_task(key, now).await,
             PROPELLER_JOB => self.reconcile_propeller_job(key, now),
+            FEDERATED_JOB => self.reconcile_federated_job(key, now),
+            TRAINING_ROUND => self.reconcile_training_round(key, now),
             _ => Ok(None),
         };
         self.metrics
@@ -555,27 +581,135 @@ impl Driver {
         };
         let plan = reconcile_job(&job, &observed, now);
         for child in &plan.create {
-            let value = serde_json::to_value(child).unwrap_or(Value::Null);
-            match self.store.create_child(value) {
-                Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
+            self.create_or_keep(serde_json::to_value(child).unwrap_or(Value::Null))?;
         }
         let old = job.status.clone().unwrap_or_default();
         let mut new = plan.status.clone();
         if old.created_at.is_some() {
             new.created_at = old.created_at;
         }
-        if old != new {
-            let value = serde_json::to_value(&new).unwrap_or(Value::Null);
-            self.store.write_status(
-                PROPELLER_JOB,
-                &key.namespace,
-                &key.name,
-                value,
-                job.metadata.resource_version.as_deref(),
-            )?;
-        }
+        self.write_status_if_changed(PROPELLER_JOB, &job.metadata, &old, &new)?;
         Ok(None)
+    }
+
+    fn create_or_keep(&self, obj: Value) -> Result<(), DriverError> {
+        match self.store.create_child(obj) {
+            Ok(_) | Err(StoreError::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn write_status_if_changed<S: serde::Serialize + PartialEq>(
+        &self,
+        kind: &str,
+        meta: &ObjectMeta,
+        old: &S,
+        new: &S,
+    ) -> Result<(), DriverError> {
+        if old == new {
+            return Ok(());
+        }
+        let key = Key::of(kind, meta);
+        let value = serde_json::to_value(new).unwrap_or(Value::Null);
+        self.store.write_status(
+            kind,
+            &key.namespace,
+            &key.name,
+            value,
+            meta.resource_version.as_deref(),
+        )?;
+        Ok(())
+    }
+
+    fn reconcile_federated_job(
+        &self,
+        key: &Key,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, DriverError> {
+        let Some(job) =
+            self.store
+                .get_typed::<FederatedJob>(FEDERATED_JOB, &key.namespace, &key.name)?
+        else {
+            return Ok(None);
+        };
+        let rounds: Vec<TrainingRound> = self
+            .store
+            .list_typed(TRAINING_ROUND, Some(&key.namespace))?;
+        let mut observed = FederatedObservation {
+            rounds: owned_rounds(&job, &rounds),
+            ..FederatedObservation::default()
+        };
+        for (n, (_, reference)) in &observed.rounds {
+            let Some(name) = reference.as_deref().and_then(|r| r.rsplit('/').next()) else {
+                continue;
+            };
+            let stored = self
+                .store
+                .get_typed::<k8s_openapi::api::core::v1::ConfigMap>(
+                    CONFIG_MAP,
+                    &key.namespace,
+                    name,
+                )?;
+            if let Some(model) = stored.as_ref().and_then(model_of) {
+                observed.models.insert(*n, model);
+            }
+        }
+        let plan = reconcile_federated(&job, &observed, now);
+        if let Some(round) = &plan.create_round {
+            self.create_or_keep(serde_json::to_value(round).unwrap_or(Value::Null))?;
+        }
+        let old = job.status.clone().unwrap_or_default();
+        self.write_status_if_changed(FEDERATED_JOB, &job.metadata, &old, &plan.status)?;
+        Ok(None)
+    }
+
+    fn reconcile_training_round(
+        &self,
+        key: &Key,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, DriverError> {
+        let Some(round) =
+            self.store
+                .get_typed::<TrainingRound>(TRAINING_ROUND, &key.namespace, &key.name)?
+        else {
+            return Ok(None);
+        };
+        let tasks = self.all::<Task>(TASK);
+        let proplets = self.all::<Proplet>(PROPLET);
+        let task_refs: Vec<&Task> = tasks.iter().collect();
+        let proplet_refs: Vec<&Proplet> = proplets.iter().collect();
+        let parent = self.store.get_typed::<FederatedJob>(
+            FEDERATED_JOB,
+            &key.namespace,
+            &round.spec.federated_job_ref.name,
+        )?;
+        let model_name = model_config_map_name(&round);
+        let stored = self
+            .store
+            .get(CONFIG_MAP, &key.namespace, &model_name)?
+            .map(|_| model_name.clone());
+        let observed = observe_round(&round, &task_refs, &proplet_refs, parent.as_ref(), stored);
+        let plan = reconcile_round(&round, &observed, now);
+        for task in &plan.create {
+            self.create_or_keep(serde_json::to_value(task).unwrap_or(Value::Null))?;
+        }
+        let mut status = plan.status.clone();
+        if let Some(model) = &plan.persist_model {
+            match model_config_map(&round, model) {
+                Err(message) => {
+                    fail_unstorable(&mut status, message, round.metadata.generation, now)
+                }
+                Ok(cm) => {
+                    let mut value = serde_json::to_value(&cm).unwrap_or(Value::Null);
+                    value["apiVersion"] = Value::String("v1".into());
+                    value["kind"] = Value::String(CONFIG_MAP.into());
+                    self.create_or_keep(value)?;
+                    self.enqueue(key.clone());
+                }
+            }
+        }
+        let old = round.status.clone().unwrap_or_default();
+        self.write_status_if_changed(TRAINING_ROUND, &round.metadata, &old, &status)?;
+        Ok(plan.requeue_at)
     }
 }
