@@ -344,3 +344,147 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
+
+fn apply_text(api: &str, dir: &std::path::Path, file: &str, text: &str) {
+    let path = dir.join(file);
+    std::fs::write(&path, text).expect("write manifest");
+    let (ok, _, err) = propeller_client(api, dir, &["apply", "-f", path.to_str().expect("path")]);
+    assert!(ok, "{file}: {err}");
+}
+
+/// A Secret, a Proplet and a running `proplet` agent named `name` on the standalone broker.
+fn agent_for(api: &str, dir: &std::path::Path, mqtt_port: &str, name: &str) -> support::Running {
+    apply_text(
+        api,
+        dir,
+        &format!("{name}.yaml"),
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"
+        ),
+    );
+    let mut cmd = support::binary("proplet");
+    cmd.env(
+        "PROPLET_MQTT_ADDRESS",
+        format!("tcp://127.0.0.1:{mqtt_port}"),
+    )
+    .env("PROPLET_DOMAIN_ID", "d1")
+    .env("PROPLET_CHANNEL_ID", "c1")
+    .env("PROPLET_CLIENT_ID", name)
+    .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
+    .env("PROPLET_STATE_DIR", dir.join(format!("{name}-state")))
+    .env("PROPLET_LIVELINESS_INTERVAL", "1");
+    let agent = support::Running::spawn(cmd);
+    wait_for_phase(api, dir, name, "Running");
+    agent
+}
+
+const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
+
+#[test]
+fn a_propeller_job_completes_in_each_execution_mode() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let _agent = agent_for(&api, dir.path(), &port, "worker");
+    for mode in ["parallel", "sequential", "configurable"] {
+        let depends = if mode == "configurable" {
+            "\n    dependsOn: [first]"
+        } else {
+            ""
+        };
+        apply_text(
+            &api,
+            dir.path(),
+            &format!("{mode}.yaml"),
+            &format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: {mode}\nspec:\n  name: {mode}\n  executionMode: {mode}\n  tasks:\n  - name: first\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [1, 2]\n  - name: second\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [3, 4]{depends}\n"
+            ),
+        );
+    }
+    let names: Vec<String> = ["parallel", "sequential", "configurable"]
+        .iter()
+        .flat_map(|m| [format!("{m}-first"), format!("{m}-second")])
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let tasks = finished_tasks(&api, dir.path(), &refs);
+    for mode in ["parallel", "sequential", "configurable"] {
+        let first = &tasks[&format!("{mode}-first")]["status"];
+        let second = &tasks[&format!("{mode}-second")]["status"];
+        assert_eq!(first["results"], "3", "{mode}");
+        assert_eq!(second["results"], "7", "{mode}");
+        if mode != "parallel" {
+            let (done, start) = (
+                first["finishedAt"].as_str().unwrap_or_default(),
+                second["startedAt"].as_str().unwrap_or_default(),
+            );
+            assert!(
+                start >= done,
+                "{mode}: second started {start} before first finished {done}"
+            );
+        }
+    }
+    for mode in ["parallel", "sequential", "configurable"] {
+        let started = std::time::Instant::now();
+        while get_json(&api, dir.path(), &["get", "pjob", mode])["status"]["phase"] != "Completed" {
+            assert!(
+                started.elapsed() < support::WAIT,
+                "{mode} job did not complete"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+}
+
+#[test]
+fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
+    use base64::Engine;
+    // spin(n) counts down from n: long enough to restart the server while it runs.
+    let spin = wat::parse_str(
+        r#"(module (func (export "spin") (param i32) (result i32) (local i32)
+             local.get 0 local.set 1
+             (block (loop
+               local.get 1 i32.eqz br_if 1
+               local.get 1 i32.const 1 i32.sub local.set 1
+               br 0))
+             local.get 0))"#,
+    )
+    .expect("wat");
+    let file = base64::engine::general_purpose::STANDARD.encode(spin);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (mut server, api, port) = start_standalone(dir.path(), &[]);
+    let _agent = agent_for(&api, dir.path(), &port, "worker");
+    apply_text(
+        &api,
+        dir.path(),
+        "spin.yaml",
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: spin\nspec:\n  name: spin\n  functionName: spin\n  file: {file}\n  inputs: [2000000000]\n"
+        ),
+    );
+    let started = std::time::Instant::now();
+    while get_json(&api, dir.path(), &["get", "task", "spin"])["status"]["phase"] != "running" {
+        assert!(started.elapsed() < support::WAIT, "spin never ran");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    server.terminate();
+    drop(server);
+    // Same data and the same MQTT port, so the agent reconnects and delivers its result.
+    let restarted_at = chrono::Utc::now();
+    let (_server, api, _) =
+        start_standalone(dir.path(), &["--mqtt-listen", &format!("127.0.0.1:{port}")]);
+    let tasks = finished_tasks(&api, dir.path(), &["spin"]);
+    assert_eq!(tasks["spin"]["status"]["phase"], "completed");
+    assert_eq!(tasks["spin"]["status"]["results"], "2000000000");
+    let finished: chrono::DateTime<chrono::Utc> = tasks["spin"]["status"]["finishedAt"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("finishedAt");
+    assert!(
+        finished >= restarted_at,
+        "the result must have been applied by the restarted server ({finished} < {restarted_at})"
+    );
+    assert_eq!(
+        tasks["spin"]["status"]["runCount"], 1,
+        "the task must not run twice"
+    );
+}

@@ -11,6 +11,7 @@ use tracing::warn;
 
 use crate::crd::common::MetricsSample;
 use crate::crd::task::Task;
+use crate::decision::aggregation;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
 use crate::executor::TaskEffects;
@@ -31,6 +32,9 @@ pub struct DriverState {
     pub round_robin: Mutex<RoundRobinState>,
     /// When each Proplet's status was last written (`namespace/name`).
     pub proplet_writes: Mutex<HashMap<String, DateTime<Utc>>>,
+    /// FL updates that name no task, by (round number, sender), until the participant's
+    /// task claims them.
+    unclaimed_updates: Mutex<Vec<(u64, ReportedResult)>>,
 }
 
 /// What a broker event concerns, for the driver to trigger.
@@ -40,6 +44,8 @@ pub enum Concerns {
     Proplet(String),
     /// The task with this UID.
     Task(String),
+    /// The tasks running on the proplet with this MQTT client id.
+    TasksOf(String),
     /// Nothing a reconciler handles.
     Nothing,
 }
@@ -80,11 +86,30 @@ impl DriverState {
                         &update.envelope.error,
                     ),
                     None => {
-                        warn!(
-                            client = %event.client_id,
-                            "FL update without task_id cannot be matched to a task; send it as the task's result"
-                        );
-                        Concerns::Nothing
+                        // Upstream's embedded agent names only the round and itself: hold
+                        // the update until that participant's task of that round claims it.
+                        let round = aggregation::parse_round_id(update.round_id.as_str());
+                        match round {
+                            Some(round) => {
+                                lock(&self.unclaimed_updates).push((
+                                    round,
+                                    ReportedResult {
+                                        client_id: event.client_id.clone(),
+                                        value: update.envelope.to_json(),
+                                        error: update.envelope.error.clone(),
+                                    },
+                                ));
+                                Concerns::TasksOf(event.client_id.clone())
+                            }
+                            None => {
+                                warn!(
+                                    client = %event.client_id,
+                                    round = %update.round_id,
+                                    "FL update for a round that is not a number; it names no task and no round"
+                                );
+                                Concerns::Nothing
+                            }
+                        }
                     }
                 }
             }
@@ -124,8 +149,41 @@ impl DriverState {
         Concerns::Task(task_id.to_owned())
     }
 
+    /// Moves held FL updates of this task's round from its assigned proplet into its inbox.
+    fn claim_updates(&self, task: &Task, observed: &TaskObservations) {
+        let Some(round) = task
+            .spec
+            .env
+            .get("ROUND_ID")
+            .and_then(|r| aggregation::parse_round_id(r))
+        else {
+            return;
+        };
+        let Some(client) = task
+            .status
+            .as_ref()
+            .and_then(|s| s.assigned_proplet.as_deref())
+            .and_then(|name| observed.proplets.iter().find(|p| p.candidate.name == name))
+            .map(|p| p.client_id.clone())
+        else {
+            return;
+        };
+        let uid = task.metadata.uid.as_deref().unwrap_or_default();
+        let mut held = lock(&self.unclaimed_updates);
+        let mut i = 0;
+        while i < held.len() {
+            if held[i].0 == round && held[i].1.client_id == client {
+                let (_, update) = held.remove(i);
+                self.inbox.push_result(uid, update);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
     /// Adds what this state knows about `task` to observations built from the caches.
     pub fn complete(&self, task: &Task, observed: &mut TaskObservations) {
+        self.claim_updates(task, observed);
         let uid = task.metadata.uid.as_deref().unwrap_or_default();
         let (results, metrics) = self.inbox.peek(uid);
         observed.results = results;
@@ -147,5 +205,66 @@ impl DriverState {
     /// Remembers the scheduler's choice once the assignment is written.
     pub fn chose(&self, namespace: &str, proplet: &str) {
         lock(&self.round_robin).record(namespace, proplet);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::task::proplet_view;
+    use propeller_broker::protocol::{FlUpdate, FlUpdateMessage, TopicSegment};
+    use serde_json::json;
+
+    fn segment(text: &str) -> TopicSegment {
+        TopicSegment::new(text, "segment").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn an_fl_update_without_task_id_waits_for_its_participants_task() {
+        let state = DriverState::new();
+        let event = BrokerEvent {
+            client_id: "pi-client".into(),
+            domain: None,
+            channel: None,
+            kind: EventKind::FlUpdate(Box::new(FlUpdateMessage {
+                round_id: segment("1"),
+                proplet_id: segment("pi-client"),
+                envelope: FlUpdate {
+                    num_samples: Some(4),
+                    ..FlUpdate::default()
+                },
+            })),
+        };
+        assert_eq!(
+            state.record(&event, Utc::now()),
+            Concerns::TasksOf("pi-client".into())
+        );
+        let proplet = serde_json::from_value(json!({
+            "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+            "metadata": {"name": "pi", "namespace": "default"},
+            "spec": {"type": "external", "connectionConfig": {"mqttAddress": "tcp://x:1",
+                     "domainId": "d", "channelId": "c", "clientId": "pi-client", "clientKey": "k"}}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let task = |round: &str| -> Task {
+            serde_json::from_value(json!({
+                "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Task",
+                "metadata": {"name": format!("t-{round}"), "namespace": "default", "uid": format!("uid-{round}")},
+                "spec": {"name": "t", "imageUrl": "http://x/m.wasm", "env": {"ROUND_ID": round}},
+                "status": {"phase": "running", "assignedProplet": "pi"}
+            }))
+            .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let mut observed = TaskObservations {
+            proplets: vec![proplet_view(&proplet, 0)],
+            ..TaskObservations::default()
+        };
+        // Another round's task does not take it.
+        state.complete(&task("round-2"), &mut observed);
+        assert!(observed.results.is_empty());
+        state.complete(&task("round-1"), &mut observed);
+        assert_eq!(observed.results.len(), 1);
+        assert_eq!(observed.results[0].client_id, "pi-client");
+        assert_eq!(observed.results[0].value["num_samples"], 4);
     }
 }

@@ -185,17 +185,13 @@ impl Running {
 /// process, the API address and the MQTT port.
 pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, String, String) {
     let mut cmd = binary("propeller");
-    cmd.args([
-        "standalone",
-        "--mqtt-listen",
-        "127.0.0.1:0",
-        "--api-listen",
-        "127.0.0.1:0",
-        "--data-dir",
-    ])
-    .arg(dir)
-    .args(extra)
-    .env("RUST_LOG", "info");
+    cmd.args(["standalone", "--api-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir)
+        .args(extra)
+        .env("RUST_LOG", "info");
+    if !extra.contains(&"--mqtt-listen") {
+        cmd.args(["--mqtt-listen", "127.0.0.1:0"]);
+    }
     let server = Running::spawn(cmd);
     let mqtt = server.stdout_line("mqtt listening on");
     let port = mqtt.rsplit(':').next().expect("port").trim().to_owned();

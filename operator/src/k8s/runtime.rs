@@ -503,6 +503,18 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
             None => debug!(client = %client_id, "liveness from a client with no Proplet"),
         },
         Concerns::Task(uid) => trigger_task(ctx, &uid),
+        Concerns::TasksOf(client_id) => {
+            if let Some(p) = ctx.proplet_by_client(&client_id) {
+                let name = p.name_any();
+                for task in ctx.tasks.state() {
+                    if task.namespace() == p.namespace()
+                        && crate::decision::task::occupies(&task, &name)
+                    {
+                        let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
+                    }
+                }
+            }
+        }
         Concerns::Nothing => {}
     }
 }

@@ -286,6 +286,22 @@ impl Driver {
                     None => debug!(task = %uid, "report for a task not stored yet; it waits"),
                 }
             }
+            Concerns::TasksOf(client_id) => {
+                let proplet = self
+                    .all::<Proplet>(PROPLET)
+                    .into_iter()
+                    .find(|p| p.spec.connection_config.client() == Some(client_id.as_str()));
+                if let Some(p) = proplet {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    for task in self.all::<Task>(TASK) {
+                        if task.metadata.namespace == p.metadata.namespace
+                            && crate::decision::task::occupies(&task, &name)
+                        {
+                            self.enqueue(Key::of(TASK, &task.metadata));
+                        }
+                    }
+                }
+            }
             Concerns::Nothing => {}
         }
     }
