@@ -437,19 +437,8 @@ fn a_propeller_job_completes_in_each_execution_mode() {
 
 #[test]
 fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
-    use base64::Engine;
     // spin(n) counts down from n: long enough to restart the server while it runs.
-    let spin = wat::parse_str(
-        r#"(module (func (export "spin") (param i32) (result i32) (local i32)
-             local.get 0 local.set 1
-             (block (loop
-               local.get 1 i32.eqz br_if 1
-               local.get 1 i32.const 1 i32.sub local.set 1
-               br 0))
-             local.get 0))"#,
-    )
-    .expect("wat");
-    let file = base64::engine::general_purpose::STANDARD.encode(spin);
+    let file = spin_module();
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut server, api, port) = start_standalone(dir.path(), &[]);
     let _agent = agent_for(&api, dir.path(), &port, "worker");
@@ -487,4 +476,104 @@ fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
         tasks["spin"]["status"]["runCount"], 1,
         "the task must not run twice"
     );
+}
+
+/// A module whose `spin(n)` counts down from `n`, as base64.
+fn spin_module() -> String {
+    use base64::Engine;
+    let spin = wat::parse_str(
+        r#"(module (func (export "spin") (param i32) (result i32) (local i32)
+             local.get 0 local.set 1
+             (block (loop
+               local.get 1 i32.eqz br_if 1
+               local.get 1 i32.const 1 i32.sub local.set 1
+               br 0))
+             local.get 0))"#,
+    )
+    .expect("wat");
+    base64::engine::general_purpose::STANDARD.encode(spin)
+}
+
+#[test]
+fn a_task_whose_agent_dies_fails_at_its_time_limit() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let mut agent = agent_for(&api, dir.path(), &port, "worker");
+    let file = spin_module();
+    apply_text(
+        &api,
+        dir.path(),
+        "long.yaml",
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: long\nspec:\n  name: long\n  functionName: spin\n  file: {file}\n  inputs: [2000000000]\n  timeoutSeconds: 2\n"
+        ),
+    );
+    let started = std::time::Instant::now();
+    while get_json(&api, dir.path(), &["get", "task", "long"])["status"]["phase"] != "running" {
+        assert!(started.elapsed() < support::WAIT, "the task never ran");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = agent.child.kill();
+    let _ = agent.child.wait();
+    wait_for_phase(&api, dir.path(), "worker", "Offline");
+    let tasks = finished_tasks(&api, dir.path(), &["long"]);
+    let status = &tasks["long"]["status"];
+    assert_eq!(status["phase"], "failed");
+    assert!(
+        status["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("time limit")),
+        "{status}"
+    );
+}
+
+#[test]
+fn a_recurring_task_runs_at_its_tick_and_schedules_the_next() {
+    use chrono::Timelike;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let _agent = agent_for(&api, dir.path(), &port, "worker");
+    apply_text(
+        &api,
+        dir.path(),
+        "tick.yaml",
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: tick\nspec:\n  name: tick\n  functionName: add\n  file: {ADD_WASM}\n  inputs: [20, 22]\n  schedule: \"* * * * *\"\n  isRecurring: true\n"
+        ),
+    );
+    let waiting = get_json(&api, dir.path(), &["get", "task", "tick"]);
+    let first_tick: chrono::DateTime<chrono::Utc> = waiting["status"]["nextRun"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("nextRun while waiting");
+    assert_eq!(first_tick.second(), 0, "ticks are on the minute");
+    // The first tick is at most a minute away.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(75);
+    let status = loop {
+        let task = get_json(&api, dir.path(), &["get", "task", "tick"]);
+        if task["status"]["runCount"].as_i64() == Some(1) && task["status"]["phase"] == "completed"
+        {
+            break task["status"].clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no run at the tick: {:#}",
+            task["status"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    };
+    assert_eq!(status["results"], "42");
+    let started: chrono::DateTime<chrono::Utc> = status["startedAt"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("startedAt");
+    assert!(
+        started >= first_tick && started < first_tick + chrono::Duration::seconds(2),
+        "started {started}, tick {first_tick}"
+    );
+    let next: chrono::DateTime<chrono::Utc> = status["nextRun"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("nextRun after the run");
+    assert_eq!(next, first_tick + chrono::Duration::minutes(1));
 }
