@@ -74,6 +74,7 @@ async fn two_rounds_of_fedavg_through_the_standalone_driver() {
         settings,
         Arc::new(CredentialStore::new()),
         Arc::new(ControllerMetrics::default()),
+        Arc::new(propeller_operator::standalone::events::EventLog::new()),
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(driver.clone().run(queue, events, async {

@@ -17,6 +17,7 @@ use propeller_operator::metrics::ControllerMetrics;
 use propeller_operator::standalone::api::{self, canonical_kind, parse_manifest, ApiState};
 use propeller_operator::standalone::client::{describe, table, ApiClient};
 use propeller_operator::standalone::driver::{Driver, StandaloneSettings};
+use propeller_operator::standalone::events::EventLog;
 use propeller_operator::standalone::store::{ChangeKind, ObjectStore};
 use propeller_operator::validation::Admission;
 use serde_json::Value;
@@ -171,12 +172,14 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         },
         sweep: cmd.liveliness_interval,
     };
+    let events_log = Arc::new(EventLog::new());
     let (driver, queue) = Driver::new(
         store.clone(),
         broker.publisher(),
         settings,
         logins,
         Arc::new(ControllerMetrics::default()),
+        events_log.clone(),
     );
     let api_listener = tokio::net::TcpListener::bind(cmd.api_listen)
         .await
@@ -186,6 +189,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         store: store.clone(),
         admission: Admission::new(),
         token,
+        events: events_log,
     });
     let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
     println!("propeller standalone: data in {}", cmd.data_dir.display());
@@ -433,15 +437,28 @@ pub async fn describe_one(
     namespace: &str,
 ) -> anyhow::Result<()> {
     let kind = kind_of(kind)?;
-    let obj = client
-        .client()?
+    let api = client.client()?;
+    let obj = api
         .request(
             "GET",
             &format!("/v1/objects/{kind}/{namespace}/{name}"),
             None,
         )
         .await?;
-    print!("{}", describe(&obj));
+    let events = api
+        .request(
+            "GET",
+            &format!("/v1/events/{kind}/{namespace}/{name}"),
+            None,
+        )
+        .await?;
+    print!(
+        "{}",
+        describe(
+            &obj,
+            events.as_array().map(Vec::as_slice).unwrap_or_default()
+        )
+    );
     Ok(())
 }
 

@@ -18,6 +18,7 @@ use subtle::ConstantTimeEq;
 
 use crate::validation::Admission;
 
+use super::events::EventLog;
 use super::store::{Deleted, ObjectStore, StoreError};
 
 /// Kinds standalone serves, with the names users type for them.
@@ -51,6 +52,8 @@ pub struct ApiState {
     pub admission: Admission,
     /// The bearer token clients must present.
     pub token: String,
+    /// Recent events the reconcilers recorded.
+    pub events: Arc<EventLog>,
 }
 
 /// An error answered as JSON `{"error": message}`.
@@ -249,6 +252,18 @@ async fn delete_one(
     ))
 }
 
+async fn events_of(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path((kind, ns, name)): Path<(String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let kind = kind_or_404(&kind)?;
+    Ok(Json(
+        serde_json::to_value(state.events.of(kind, &ns, &name)).unwrap_or(Value::Null),
+    ))
+}
+
 /// The API's routes.
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
@@ -258,6 +273,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
             "/v1/objects/{kind}/{namespace}/{name}",
             get(get_one).delete(delete_one),
         )
+        .route("/v1/events/{kind}/{namespace}/{name}", get(events_of))
         .with_state(state)
 }
 

@@ -247,8 +247,8 @@ pub fn table(kind: &str, objects: &[Value], wide: bool, now: DateTime<Utc>) -> S
     out
 }
 
-/// `propeller describe`: identity, spec, status fields and conditions.
-pub fn describe(obj: &Value) -> String {
+/// `propeller describe`: identity, spec, status fields, conditions and recent events.
+pub fn describe(obj: &Value, events: &[Value]) -> String {
     let mut out = String::new();
     let meta = &obj["metadata"];
     let line = |k: &str, v: &Value| {
@@ -304,6 +304,19 @@ pub fn describe(obj: &Value) -> String {
     }
     for line in seen.values() {
         out.push_str(line);
+    }
+    out.push_str("Events:\n");
+    if events.is_empty() {
+        out.push_str("  (none recorded since the server started)\n");
+    }
+    for e in events {
+        out.push_str(&format!(
+            "  {:<30} {:<8} {:<14} {}\n",
+            e["time"].as_str().unwrap_or_default(),
+            e["type"].as_str().unwrap_or_default(),
+            e["reason"].as_str().unwrap_or_default(),
+            e["message"].as_str().unwrap_or_default()
+        ));
     }
     out
 }
@@ -364,7 +377,11 @@ mod tests {
                          "spec": {"name": "add"},
                          "status": {"phase": "pending", "conditions": [
                             {"type": "Scheduled", "status": "False", "reason": "NoCandidates", "message": "no proplets"}]}});
-        let text = describe(&obj);
+        let events = [
+            json!({"time": "2026-11-22T12:00:00Z", "type": "Warning", "reason": "NoCandidates", "message": "waiting"}),
+        ];
+        let text = describe(&obj, &events);
+        assert!(text.contains("Events:") && text.contains("Warning"));
         assert!(text.contains("Name:         add"));
         assert!(text.contains("phase: pending"));
         assert!(text.contains("NoCandidates") && text.contains("no proplets"));

@@ -34,6 +34,7 @@ use crate::k8s::runtime::PROPLET_FINALIZER;
 use crate::metrics::ControllerMetrics;
 use crate::state::{lock, Concerns, DriverState};
 
+use super::events::EventLog;
 use super::store::{ObjectStore, StoreError};
 
 /// Kind names as stored.
@@ -116,6 +117,7 @@ pub struct Driver {
     metrics: Arc<ControllerMetrics>,
     queue: UnboundedSender<Key>,
     queued: Mutex<HashSet<Key>>,
+    events: Arc<EventLog>,
 }
 
 /// Writes Tasks into the embedded store.
@@ -186,6 +188,7 @@ impl Driver {
         settings: StandaloneSettings,
         credentials: Arc<CredentialStore>,
         metrics: Arc<ControllerMetrics>,
+        events: Arc<EventLog>,
     ) -> (Arc<Self>, UnboundedReceiver<Key>) {
         let (queue, rx) = unbounded_channel();
         let driver = Arc::new(Self {
@@ -197,6 +200,7 @@ impl Driver {
             metrics,
             queue,
             queued: Mutex::new(HashSet::new()),
+            events,
         });
         (driver, rx)
     }
@@ -511,6 +515,13 @@ impl Driver {
             }
             if written.phase != status.phase {
                 info!(proplet = %key.name, phase = %status.phase, "proplet phase");
+                let note = crate::decision::task::Note {
+                    warning: status.phase == PropletPhase::Offline,
+                    reason: "PhaseChanged",
+                    message: format!("proplet is now {}", status.phase),
+                };
+                self.events
+                    .record(PROPLET, &key.namespace, &key.name, &note, now);
             }
         }
         Ok(plan.requeue_at)
@@ -548,6 +559,8 @@ impl Driver {
             } else {
                 info!(task = %key.name, reason = note.reason, "{}", note.message);
             }
+            self.events
+                .record(TASK, &key.namespace, &key.name, note, now);
         }
         Ok(plan.requeue_at)
     }

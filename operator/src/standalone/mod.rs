@@ -4,4 +4,5 @@
 pub mod api;
 pub mod client;
 pub mod driver;
+pub mod events;
 pub mod store;
