@@ -1,0 +1,225 @@
+//! `propeller-loadgen`: MQTT fan-in load for the broker benchmarks.
+//!
+//! N publishers send M messages each to one topic; one subscriber receives them. Every
+//! payload starts with the send time (nanoseconds since the generator started), so the
+//! subscriber measures publish→receive latency on one clock. Loopback only, bounded in
+//! count and time. Prints one JSON line with throughput and latency percentiles.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use serde_json::json;
+use tokio::sync::Barrier;
+
+/// Fan-in load generator.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Broker port on 127.0.0.1.
+    #[arg(long)]
+    port: u16,
+    /// Number of publishers.
+    #[arg(long, default_value_t = 1)]
+    publishers: usize,
+    /// Messages per publisher.
+    #[arg(long, default_value_t = 1000)]
+    messages: usize,
+    /// QoS of publishes and of the subscription (0 or 1).
+    #[arg(long, default_value_t = 0)]
+    qos: u8,
+    /// Payload size in bytes (at least 8).
+    #[arg(long, default_value_t = 200)]
+    payload: usize,
+    /// Client ids are `{prefix}-{i}` and `{prefix}-sub`; the password is `--key`.
+    #[arg(long, default_value = "bench")]
+    prefix: String,
+    /// Password of every client (username = client id).
+    #[arg(long, default_value = "bench-key")]
+    key: String,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout_secs: u64,
+}
+
+const TOPIC: &str = "bench/fanin";
+
+fn qos(level: u8) -> anyhow::Result<QoS> {
+    match level {
+        0 => Ok(QoS::AtMostOnce),
+        1 => Ok(QoS::AtLeastOnce),
+        other => bail!("QoS {other} is not benchmarked; use 0 or 1"),
+    }
+}
+
+fn options(args: &Args, id: &str) -> MqttOptions {
+    let mut o = MqttOptions::new(id, "127.0.0.1", args.port);
+    o.set_credentials(id, &args.key);
+    o.set_keep_alive(Duration::from_secs(30));
+    o.set_max_packet_size(64 * 1024, 64 * 1024);
+    o
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.payload < 8 {
+        bail!("--payload must be at least 8 bytes (it carries the send time)");
+    }
+    let level = qos(args.qos)?;
+    let clock = Instant::now();
+    let expected = args.publishers * args.messages;
+    let deadline = Duration::from_secs(args.timeout_secs);
+
+    // Subscriber first, so nothing is published before it listens.
+    let (sub, mut sub_loop) =
+        AsyncClient::new(options(&args, &format!("{}-sub", args.prefix)), 10_000);
+    sub.subscribe(TOPIC, level).await?;
+    let subscribed = async {
+        loop {
+            match sub_loop.poll().await {
+                Ok(Event::Incoming(Packet::SubAck(_))) => return Ok(()),
+                Ok(Event::Incoming(Packet::ConnAck(ack)))
+                    if ack.code != rumqttc::ConnectReturnCode::Success =>
+                {
+                    bail!("subscriber refused: {:?}", ack.code)
+                }
+                Ok(_) => {}
+                Err(e) => bail!("subscriber: {e}"),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), subscribed)
+        .await
+        .context("subscriber did not get its SUBACK in 10 s")??;
+    let receiver = tokio::spawn(async move {
+        let mut latencies = Vec::with_capacity(expected);
+        let mut last = Duration::ZERO;
+        // QoS 0 may lose messages: once they flow, stop after 3 s without any.
+        while latencies.len() < expected {
+            let polled = if latencies.is_empty() {
+                sub_loop.poll().await
+            } else {
+                match tokio::time::timeout(Duration::from_secs(3), sub_loop.poll()).await {
+                    Ok(polled) => polled,
+                    Err(_) => break,
+                }
+            };
+            match polled {
+                Ok(Event::Incoming(Packet::Publish(p))) if p.payload.len() >= 8 => {
+                    let now = clock.elapsed();
+                    let mut sent = [0u8; 8];
+                    sent.copy_from_slice(&p.payload[..8]);
+                    let sent = u64::from_le_bytes(sent);
+                    latencies.push((now.as_nanos() as u64).saturating_sub(sent));
+                    last = now;
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        (latencies, last)
+    });
+
+    // Publishers connect, wait for each other, then send as fast as the broker takes it.
+    let barrier = Arc::new(Barrier::new(args.publishers + 1));
+    let first_send = Arc::new(AtomicU64::new(u64::MAX));
+    let mut handles = Vec::new();
+    for i in 0..args.publishers {
+        let (client, mut eventloop) =
+            AsyncClient::new(options(&args, &format!("{}-{i}", args.prefix)), 1000);
+        let barrier = barrier.clone();
+        let first_send = first_send.clone();
+        let (messages, payload) = (args.messages, args.payload);
+        handles.push(tokio::spawn(async move {
+            // Drive the connection until CONNACK; a refused or reset connect is retried
+            // (rumqttc reconnects on the next poll), so one hiccup does not stall the run.
+            let mut failures = 0;
+            let connected = loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::ConnAck(_))) => break Ok(()),
+                    Ok(_) => {}
+                    Err(e) => {
+                        failures += 1;
+                        if failures == 5 {
+                            break Err(anyhow::anyhow!("publisher {i}: {e}"));
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            };
+            // Reach the barrier even on failure, so the others are not left waiting.
+            barrier.wait().await;
+            connected?;
+            let driver = tokio::spawn(async move {
+                // QoS 1: wait for every PUBACK; QoS 0: until the outgoing queue drains.
+                let mut acked = 0;
+                loop {
+                    match eventloop.poll().await {
+                        Ok(Event::Incoming(Packet::PubAck(_))) => {
+                            acked += 1;
+                            if acked == messages {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(_) => return,
+                    }
+                }
+            });
+            for _ in 0..messages {
+                let mut body = vec![0u8; payload];
+                let now = clock.elapsed().as_nanos() as u64;
+                first_send.fetch_min(now, Ordering::Relaxed);
+                body[..8].copy_from_slice(&now.to_le_bytes());
+                client.publish(TOPIC, level, false, body).await?;
+            }
+            Ok::<_, anyhow::Error>((client, driver))
+        }));
+    }
+    tokio::time::timeout(Duration::from_secs(60), barrier.wait())
+        .await
+        .context("publishers did not all connect within 60 s")?;
+    let mut keep = Vec::new();
+    for h in handles {
+        keep.push(h.await.context("publisher task")??);
+    }
+    let (latencies, last) = match tokio::time::timeout(deadline, receiver).await {
+        Ok(done) => done.context("receiver task")?,
+        Err(_) => bail!("not every message arrived within {}s", args.timeout_secs),
+    };
+    for (client, driver) in keep {
+        driver.abort();
+        let _ = client.disconnect().await;
+    }
+    let mut sorted = latencies.clone();
+    sorted.sort_unstable();
+    let start = first_send.load(Ordering::Relaxed);
+    let seconds = (last.as_nanos() as u64).saturating_sub(start) as f64 / 1e9;
+    let received = sorted.len();
+    println!(
+        "{}",
+        json!({
+            "publishers": args.publishers,
+            "qos": args.qos,
+            "payload": args.payload,
+            "sent": expected,
+            "received": received,
+            "seconds": seconds,
+            "msgs_per_s": if seconds > 0.0 { received as f64 / seconds } else { 0.0 },
+            "p50_us": percentile(&sorted, 50.0) / 1000,
+            "p99_us": percentile(&sorted, 99.0) / 1000,
+        })
+    );
+    Ok(())
+}
