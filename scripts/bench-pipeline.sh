@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Task pipeline benchmark: `propeller standalone` with 4 local agents, all on 127.0.0.1.
+#
+#   scripts/bench-pipeline.sh
+#
+# 1. One add(10, 32) at a time on the idle system, 50 times: create (the API's answer to
+#    the apply) -> completed (the first poll, every millisecond, that sees it), median and p99.
+# 2. 1,000 add tasks applied in one request: tasks/s from the apply to the last completion,
+#    and per-task create -> finish from the status timestamps (p50, p99).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p propeller-operator --bin propeller -p proplet-agent --bin proplet
+BIN=target/release
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+MQTT=$(free_port); API=$(free_port)
+
+RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
+  --api-listen "127.0.0.1:$API" >"$WORK/standalone.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
+
+python3 - "$API" "$WORK" "$MQTT" "$BIN" <<'PY'
+import http.client, json, os, statistics, subprocess, sys, time
+api_port, work, mqtt, bin_dir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+token = open(os.path.join(work, "data", "api-token")).read().strip()
+ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
+
+conn = http.client.HTTPConnection("127.0.0.1", int(api_port))
+def call(method, path, body=None):
+    global conn
+    for attempt in range(3):
+        try:
+            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"})
+            r = conn.getresponse()
+            data = r.read()
+            if r.status >= 300:
+                raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
+            return json.loads(data)
+        except (ConnectionError, http.client.HTTPException):
+            conn = http.client.HTTPConnection("127.0.0.1", int(api_port))
+    raise SystemExit(f"{method} {path}: no answer")
+
+agents = []
+docs = []
+for i in range(4):
+    docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: w{i}-key\nstringData:\n  key: w{i}-secret\n")
+    docs.append(f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: w{i}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d\n    channelId: c\n    clientId: w{i}\n    clientKeySecretRef: {{name: w{i}-key, key: key}}\n")
+call("POST", "/v1/apply", "---\n".join(docs))
+for i in range(4):
+    env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
+               PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=f"w{i}", PROPLET_CLIENT_KEY=f"w{i}-secret",
+               PROPLET_STATE_DIR=os.path.join(work, f"w{i}"), RUST_LOG="warn")
+    agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+try:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ps = call("GET", "/v1/objects/proplet?namespace=default")
+        if sum(1 for p in ps if p.get("status", {}).get("phase") == "Running") == 4:
+            break
+        time.sleep(0.1)
+    else:
+        raise SystemExit("the 4 agents did not come up")
+
+    def task(name):
+        return (f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\n"
+                f"spec:\n  name: {name}\n  functionName: add\n  file: {ADD}\n  inputs: [10, 32]\n")
+
+    # 1. Single task on an idle system.
+    single = []
+    for n in range(5 + 50):
+        name = f"single-{n}"
+        t0 = time.perf_counter()
+        call("POST", "/v1/apply", task(name))
+        while True:
+            t = call("GET", f"/v1/objects/task/default/{name}")
+            if t.get("status", {}).get("phase") == "completed":
+                break
+            time.sleep(0.001)
+        if n >= 5:  # the first few warm the module cache and connections
+            single.append((time.perf_counter() - t0) * 1000)
+    single.sort()
+    print(f"single task create -> completed (50 runs, 1 ms polling): median {statistics.median(single):.1f} ms, "
+          f"p99 {single[int(0.99 * (len(single) - 1))]:.1f} ms, min {single[0]:.1f} ms")
+
+    # 2. 1,000 tasks at once.
+    names = [f"burst-{n}" for n in range(1000)]
+    t0 = time.time()
+    call("POST", "/v1/apply", "---\n".join(task(n) for n in names))
+    applied = time.time()
+    deadline = t0 + 300
+    while time.time() < deadline:
+        tasks = [t for t in call("GET", "/v1/objects/task?namespace=default") if t["metadata"]["name"].startswith("burst-")]
+        done = [t for t in tasks if t.get("status", {}).get("phase") in ("completed", "failed")]
+        if len(done) == 1000:
+            break
+        time.sleep(0.05)
+    else:
+        raise SystemExit(f"only {len(done)} of 1000 finished in 300 s")
+    from datetime import datetime
+    def ts(s):
+        return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    finished = [ts(t["status"]["finishedAt"]) for t in done]
+    created = [ts(t["metadata"]["creationTimestamp"]) for t in done]
+    failed = sum(1 for t in done if t["status"]["phase"] != "completed")
+    span = max(finished) - t0
+    per_task = sorted((f - t0) * 1000 for f in finished)
+    print(f"1000 tasks in one apply (answered after {(applied - t0) * 1000:.0f} ms): all finished {span:.2f} s after it "
+          f"-> {1000 / span:.0f} tasks/s; apply -> finished p50 {statistics.median(per_task):.0f} ms, "
+          f"p99 {per_task[989]:.0f} ms; failed {failed}")
+finally:
+    for a in agents:
+        a.terminate()
+PY
