@@ -81,6 +81,13 @@ enum Command {
     },
 }
 
+/// Runs one async command on a fresh multi-threaded runtime.
+fn block_on(command: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::runtime::Runtime::new()
+        .context("starting the async runtime")?
+        .block_on(command)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
@@ -102,17 +109,14 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Broker(cmd) => {
             commands::logging::init();
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::broker::run(cmd))?;
+            block_on(commands::broker::run(cmd))?;
         }
         Command::Standalone(cmd) => {
             commands::logging::init();
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::standalone::run(*cmd))?;
+            block_on(commands::standalone::run(*cmd))?;
         }
         Command::Apply { file, client } => {
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::standalone::apply(&client, &file))?;
+            block_on(commands::standalone::apply(&client, &file))?;
         }
         Command::Get {
             kind,
@@ -122,8 +126,7 @@ fn main() -> anyhow::Result<()> {
             watch,
             client,
         } => {
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::standalone::get(
+            block_on(commands::standalone::get(
                 &client,
                 &kind,
                 name.as_deref(),
@@ -138,8 +141,7 @@ fn main() -> anyhow::Result<()> {
             namespace,
             client,
         } => {
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::standalone::describe_one(
+            block_on(commands::standalone::describe_one(
                 &client, &kind, &name, &namespace,
             ))?;
         }
@@ -149,15 +151,13 @@ fn main() -> anyhow::Result<()> {
             namespace,
             client,
         } => {
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::standalone::delete(
+            block_on(commands::standalone::delete(
                 &client, &kind, &name, &namespace,
             ))?;
         }
         Command::Run(cmd) => {
             commands::logging::init_with(cmd.log_format);
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(commands::run::run(*cmd))?;
+            block_on(commands::run::run(*cmd))?;
         }
     }
     Ok(())

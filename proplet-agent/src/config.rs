@@ -554,13 +554,7 @@ fn load_file(path: &Path) -> Result<FileValues, ConfigError> {
 /// Parses `10` (seconds, as upstream agents read it) or a Go-style duration (`10s`,
 /// `500ms`, `1m30s`).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    match text.trim().parse::<f64>() {
-        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => {
-            Ok(Duration::from_secs_f64(seconds))
-        }
-        Ok(_) => Err(format!("{text:?} is not a valid duration")),
-        Err(_) => propeller_broker::protocol::parse_duration(text),
-    }
+    propeller_broker::protocol::parse_setting_duration(text)
 }
 
 /// Parses a count or size: `1000`, `64Mi`, `1Gi`, `512Ki`.

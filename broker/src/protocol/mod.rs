@@ -37,7 +37,9 @@ pub use reports::{
     MemoryMetrics, OfflineNotice, ProcessMetrics, PropletMetadata, PropletMetrics, ResultValue,
     TaskMetrics, TaskResult,
 };
-pub use time::{parse_duration, whole_seconds, Timestamp, NANOSECOND_INTERVAL_THRESHOLD};
+pub use time::{
+    parse_duration, parse_setting_duration, whole_seconds, Timestamp, NANOSECOND_INTERVAL_THRESHOLD,
+};
 pub use topics::{
     classify, unprefixed_fl_update_topic, Channel, ChannelRef, TopicKind, TopicSegment,
     UNPREFIXED_FL_UPDATE_FILTER,

@@ -350,6 +350,18 @@ mod tests {
     }
 }
 
+/// Parses a setting's duration: a bare number is seconds (`10`, `0.5`), anything else a
+/// Go-style duration (`10s`, `1h30m`). Both the agent and the operator accept this form.
+pub fn parse_setting_duration(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => {
+            Ok(Duration::from_secs_f64(seconds))
+        }
+        Ok(_) => Err(format!("{text:?} is not a valid duration")),
+        Err(_) => parse_duration(text),
+    }
+}
+
 /// Parses a Go-style duration (the CRDs' `DURATION_PATTERN`): one or more `<number><unit>`
 /// pairs with units `ns`, `us`/`µs`, `ms`, `s`, `m`, `h`, e.g. `10s`, `500ms`, `1h30m`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {

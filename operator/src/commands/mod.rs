@@ -2,6 +2,7 @@
 
 pub mod broker;
 pub mod logging;
+pub mod reconcile_args;
 pub mod run;
 pub mod signals;
 pub mod standalone;

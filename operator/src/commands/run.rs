@@ -4,33 +4,22 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use propeller_broker::http::{Handler, Reply, OPENMETRICS};
-use propeller_broker::protocol::parse_duration;
 use propeller_broker::server::{
     CredentialSource, CredentialStore, EmbeddedBroker, LayeredCredentials,
 };
-use propeller_operator::decision::scheduler::Strategy;
-use propeller_operator::decision::task::TaskSettings;
-use propeller_operator::k8s::proplet::PropletSettings;
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
 use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
 
 use super::broker::{watch_credentials, BrokerArgs};
 use super::logging::LogFormat;
-
-pub(crate) fn duration(text: &str) -> Result<Duration, String> {
-    if let Ok(secs) = text.parse::<u64>() {
-        return Ok(Duration::from_secs(secs));
-    }
-    parse_duration(text).map_err(|e| e.to_string())
-}
+use super::reconcile_args::ReconcileArgs;
 
 /// Flags of `propeller run`; every one also reads a `PROPELLER_*` variable.
 #[derive(Args, Debug)]
@@ -44,21 +33,8 @@ pub struct RunCommand {
     /// Accept device reports only from this topic channel (any when unset).
     #[arg(long, env = "PROPELLER_CHANNEL_ID")]
     pub channel_id: Option<String>,
-    /// An external proplet is Offline once its last heartbeat is this old.
-    #[arg(long, env = "PROPELLER_LAST_SEEN_THRESHOLD", default_value = "30s", value_parser = duration)]
-    pub last_seen_threshold: Duration,
-    /// How often every proplet's liveness is re-evaluated even without events.
-    #[arg(long, env = "PROPELLER_LIVELINESS_INTERVAL", default_value = "10s", value_parser = duration)]
-    pub liveliness_interval: Duration,
-    /// Heartbeat-only status changes are written at most this often per proplet.
-    #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = duration)]
-    pub status_flush_interval: Duration,
-    /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
-    #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
-    pub scheduler: Strategy,
-    /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
-    #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = duration)]
-    pub task_timeout: Duration,
+    #[command(flatten)]
+    pub reconcile: ReconcileArgs,
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "PROPELLER_METRICS_LISTEN", default_value = "0.0.0.0:8080")]
     pub metrics_listen: SocketAddr,
@@ -232,14 +208,8 @@ async fn serve(
     let events = filter_events(raw_events, cmd.domain_id.clone(), cmd.channel_id.clone());
     let settings = Settings {
         watch_namespace: cmd.watch_namespace.clone().filter(|s| !s.is_empty()),
-        proplet: PropletSettings {
-            last_seen_threshold: cmd.last_seen_threshold,
-            status_flush_interval: cmd.status_flush_interval,
-        },
-        task: TaskSettings {
-            strategy: cmd.scheduler,
-            default_timeout: cmd.task_timeout,
-        },
+        proplet: cmd.reconcile.proplet(),
+        task: cmd.reconcile.task(),
     };
     let rt = Runtime {
         client,
@@ -249,7 +219,7 @@ async fn serve(
         credentials: proplet_logins,
         metrics: controller_metrics,
         reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
-        resync: cmd.liveliness_interval,
+        resync: cmd.reconcile.liveliness_interval,
     };
     health.ready.store(true, Ordering::Relaxed);
     let lost_lease = async move {

@@ -10,9 +10,6 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
-use propeller_operator::decision::scheduler::Strategy;
-use propeller_operator::decision::task::TaskSettings;
-use propeller_operator::k8s::proplet::PropletSettings;
 use propeller_operator::metrics::ControllerMetrics;
 use propeller_operator::standalone::api::{self, canonical_kind, parse_manifest, ApiState};
 use propeller_operator::standalone::client::{describe, table, ApiClient};
@@ -23,7 +20,7 @@ use propeller_operator::validation::Admission;
 use serde_json::Value;
 use tracing::{info, warn};
 
-use super::run::duration;
+use super::reconcile_args::ReconcileArgs;
 
 /// File in the data directory holding the API's bearer token.
 const TOKEN_FILE: &str = "api-token";
@@ -42,21 +39,8 @@ pub struct StandaloneCommand {
     /// MQTT listener.
     #[arg(long, env = "PROPELLER_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     pub mqtt_listen: SocketAddr,
-    /// An external proplet is Offline once its last heartbeat is this old.
-    #[arg(long, env = "PROPELLER_LAST_SEEN_THRESHOLD", default_value = "30s", value_parser = duration)]
-    pub last_seen_threshold: Duration,
-    /// How often every proplet is looked at without events.
-    #[arg(long, env = "PROPELLER_LIVELINESS_INTERVAL", default_value = "10s", value_parser = duration)]
-    pub liveliness_interval: Duration,
-    /// Heartbeat-only status changes are written at most this often per proplet.
-    #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = duration)]
-    pub status_flush_interval: Duration,
-    /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
-    #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
-    pub scheduler: Strategy,
-    /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
-    #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = duration)]
-    pub task_timeout: Duration,
+    #[command(flatten)]
+    pub reconcile: ReconcileArgs,
     /// Also start a local proplet, apply the quickstart samples and print their results.
     #[arg(long)]
     pub demo: bool,
@@ -162,15 +146,9 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         .take_events()
         .context("broker event stream unavailable")?;
     let settings = StandaloneSettings {
-        proplet: PropletSettings {
-            last_seen_threshold: cmd.last_seen_threshold,
-            status_flush_interval: cmd.status_flush_interval,
-        },
-        task: TaskSettings {
-            strategy: cmd.scheduler,
-            default_timeout: cmd.task_timeout,
-        },
-        sweep: cmd.liveliness_interval,
+        proplet: cmd.reconcile.proplet(),
+        task: cmd.reconcile.task(),
+        sweep: cmd.reconcile.liveliness_interval,
     };
     let events_log = Arc::new(EventLog::new());
     let (driver, queue) = Driver::new(

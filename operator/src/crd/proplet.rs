@@ -254,6 +254,17 @@ pub struct ConnectionConfig {
     pub mqtt_timeout: String,
 }
 
+impl Proplet {
+    /// The proplet's MQTT identity: `connectionConfig.clientId` (or its alias), else its name.
+    /// Broker logins, start targets and report routing all use this one rule.
+    pub fn client_id(&self) -> &str {
+        self.spec
+            .connection_config
+            .client()
+            .unwrap_or(self.metadata.name.as_deref().unwrap_or_default())
+    }
+}
+
 /// Where a proplet's MQTT password comes from.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ClientKeySource<'a> {

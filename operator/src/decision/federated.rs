@@ -405,13 +405,7 @@ pub fn observe_round(
         let client_id = proplets
             .iter()
             .find(|x| x.metadata.namespace == *ns && x.metadata.name.as_deref() == Some(p.as_str()))
-            .map(|x| {
-                x.spec
-                    .connection_config
-                    .client()
-                    .unwrap_or(p.as_str())
-                    .to_owned()
-            });
+            .map(|x| x.client_id().to_owned());
         let status = task.and_then(|t| t.status.clone());
         participants.insert(
             p.clone(),

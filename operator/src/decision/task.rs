@@ -897,7 +897,7 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
             capabilities: external.capabilities,
             active_tasks,
         },
-        client_id: conn.client().unwrap_or(&name).to_owned(),
+        client_id: proplet.client_id().to_owned(),
         domain: conn.domain().unwrap_or_default().to_owned(),
         channel: conn.channel_id.clone(),
     }

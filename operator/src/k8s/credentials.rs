@@ -4,10 +4,62 @@
 //! credential table for the broker plus the problems to report on each Proplet's status.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use propeller_broker::server::Credential;
 
 use crate::crd::proplet::{ClientKeySource, Proplet};
+
+/// Decides when the credential table must be rebuilt: when the Proplets that feed it changed
+/// (one added, removed, being deleted, or a new spec generation), or when `max_age` passed,
+/// since Secrets are read rather than watched. Rebuilding reads every referenced Secret, so
+/// it must not happen on every heartbeat-driven reconcile.
+#[derive(Debug, Default)]
+pub struct RefreshGate {
+    last: Mutex<Option<(Vec<GateInput>, Instant)>>,
+}
+
+/// One Proplet as the gate sees it: `namespace/name` and spec generation.
+type GateInput = (String, Option<i64>);
+
+impl RefreshGate {
+    /// Whether to rebuild now; remembers the inputs when it says yes.
+    pub fn due<'a>(
+        &self,
+        proplets: impl IntoIterator<Item = &'a Proplet>,
+        max_age: Duration,
+    ) -> bool {
+        let mut inputs: Vec<GateInput> = proplets
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| {
+                (
+                    format!(
+                        "{}/{}",
+                        p.metadata.namespace.as_deref().unwrap_or_default(),
+                        p.metadata.name.as_deref().unwrap_or_default()
+                    ),
+                    p.metadata.generation,
+                )
+            })
+            .collect();
+        inputs.sort();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = last
+            .as_ref()
+            .is_some_and(|(seen, at)| *seen == inputs && at.elapsed() < max_age);
+        if !fresh {
+            *last = Some((inputs, Instant::now()));
+        }
+        !fresh
+    }
+
+    /// Makes the next [`RefreshGate::due`] say yes (a Secret changed).
+    pub fn invalidate(&self) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
 
 /// Why a Proplet has no broker credential.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,7 +90,7 @@ pub fn credential_table(
         };
         let who = format!("{namespace}/{name}");
         let conn = &proplet.spec.connection_config;
-        let client_id = conn.client().unwrap_or(name).to_owned();
+        let client_id = proplet.client_id().to_owned();
         let key = match conn.key_source() {
             Some(ClientKeySource::Inline(key)) => Some(key.to_owned()),
             Some(ClientKeySource::Secret(selector)) => {
@@ -82,4 +134,39 @@ pub fn credential_table(
         table.remove(&id);
     }
     (table, problems)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn proplet(name: &str, generation: i64) -> Proplet {
+        serde_json::from_value(json!({
+            "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+            "metadata": {"name": name, "namespace": "ns", "generation": generation},
+            "spec": {"type": "external", "connectionConfig": {"mqttAddress": "tcp://x:1",
+                     "domainId": "d", "channelId": "c", "clientId": name, "clientKey": "k"}}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn the_table_is_rebuilt_only_when_its_inputs_change() {
+        let gate = RefreshGate::default();
+        let hour = Duration::from_secs(3600);
+        let a = proplet("a", 1);
+        assert!(gate.due([&a], hour));
+        assert!(
+            !gate.due([&a], hour),
+            "a status-only change needs no rebuild"
+        );
+        let a2 = proplet("a", 2);
+        assert!(gate.due([&a2], hour), "a new spec generation does");
+        let b = proplet("b", 1);
+        assert!(gate.due([&a2, &b], hour), "a new proplet does");
+        gate.invalidate();
+        assert!(gate.due([&a2, &b], hour), "a Secret change does");
+        assert!(gate.due([&a2, &b], Duration::ZERO), "and so does age");
+    }
 }

@@ -35,7 +35,7 @@ use crate::decision::task::{
 };
 use crate::state::{lock, Concerns, DriverState};
 
-use super::credentials::credential_table;
+use super::credentials::{credential_table, RefreshGate};
 use super::deployment::PROPLET_LABEL;
 use super::patch::finalizers_patch;
 use super::proplet::{
@@ -83,6 +83,8 @@ pub struct Shared {
     pub publisher: Publisher,
     /// Device reports not yet written, starts sent, scheduler rotation.
     pub state: DriverState,
+    /// When the credential table needs rebuilding.
+    pub credential_gate: RefreshGate,
     /// Cached Proplets.
     pub proplets: Store<Proplet>,
     /// Cached Tasks.
@@ -181,6 +183,7 @@ impl Shared {
             settings,
             publisher,
             state: DriverState::new(),
+            credential_gate: RefreshGate::default(),
             proplets: caches.proplets,
             tasks: caches.tasks,
             deployments: caches.deployments,
@@ -204,13 +207,7 @@ impl Shared {
     }
 
     fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
-        self.proplets.find(|p| {
-            p.spec
-                .connection_config
-                .client()
-                .unwrap_or(p.metadata.name.as_deref().unwrap_or_default())
-                == client_id
-        })
+        self.proplets.find(|p| p.client_id() == client_id)
     }
 
     fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
@@ -237,9 +234,14 @@ impl Shared {
     /// Rebuilds the broker's credential table from the cached Proplets, reading the Secrets
     /// they reference.
     async fn refresh_credentials(&self) {
-        let proplets: Vec<Proplet> = self
-            .proplets
-            .state()
+        let cached = self.proplets.state();
+        if !self
+            .credential_gate
+            .due(cached.iter().map(|p| &**p), RESYNC)
+        {
+            return;
+        }
+        let proplets: Vec<Proplet> = cached
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .map(|p| (**p).clone())
@@ -304,12 +306,7 @@ async fn reconcile_proplet_inner(
     let name = proplet.name_any();
     let key = format!("{ns}/{name}");
     let api: Api<Proplet> = Api::namespaced(ctx.client.clone(), &ns);
-    let client_id = proplet
-        .spec
-        .connection_config
-        .client()
-        .unwrap_or(&name)
-        .to_owned();
+    let client_id = proplet.client_id().to_owned();
     let mut finalizers = proplet.finalizers().to_vec();
     let has_finalizer = finalizers.iter().any(|f| f == PROPLET_FINALIZER);
     if proplet.metadata.deletion_timestamp.is_some() {
@@ -633,21 +630,11 @@ pub async fn run(
         .reconcile_on(tokio_stream_of(triggers.proplets))
         .reconcile_all_on(ticks)
         .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_proplet, error_policy, shared.clone())
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                debug!(%e, "proplet controller");
-            }
-        });
+        .run(reconcile_proplet, error_policy, shared.clone());
     let tasks = task_controller
         .reconcile_on(tokio_stream_of(triggers.tasks))
         .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_task, error_policy, shared.clone())
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                debug!(%e, "task controller");
-            }
-        });
+        .run(reconcile_task, error_policy, shared.clone());
     let jobs = Controller::new(
         scoped::<PropellerJob>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -661,12 +648,7 @@ pub async fn run(
         super::jobs::reconcile_propeller_job,
         error_policy,
         shared.clone(),
-    )
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            debug!(%e, "propellerjob controller");
-        }
-    });
+    );
     let federated = Controller::new(
         scoped::<FederatedJob>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -680,12 +662,7 @@ pub async fn run(
         super::jobs::reconcile_federated_job,
         error_policy,
         shared.clone(),
-    )
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            debug!(%e, "federatedjob controller");
-        }
-    });
+    );
     let rounds = Controller::new(
         scoped::<TrainingRound>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -700,17 +677,33 @@ pub async fn run(
         super::jobs::reconcile_training_round,
         error_policy,
         shared.clone(),
-    )
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            debug!(%e, "traininground controller");
-        }
-    });
+    );
     info!("controllers running");
-    tokio::join!(proplets, tasks, jobs, federated, rounds);
+    tokio::join!(
+        drive(proplets, "proplet"),
+        drive(tasks, "task"),
+        drive(jobs, "propellerjob"),
+        drive(federated, "federatedjob"),
+        drive(rounds, "traininground"),
+    );
     router.abort();
     gauges.abort();
     info!("controllers stopped");
+}
+
+/// Runs a controller's stream to its end. Failed reconciles were already logged and
+/// retried by `error_policy`; what reaches here (watch errors included) is logged at debug.
+async fn drive<T, E: std::fmt::Display>(
+    stream: impl futures::Stream<Item = Result<T, E>>,
+    controller: &'static str,
+) {
+    stream
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                debug!(%e, controller, "controller stream");
+            }
+        })
+        .await;
 }
 
 fn tokio_stream_of<T: Send + 'static>(

@@ -28,7 +28,7 @@ use crate::decision::federated::{
 use crate::decision::propeller_job::{reconcile as reconcile_job, JobObservation};
 use crate::decision::task::{awaits_job, observe_caches, plan as plan_task, TaskSettings};
 use crate::executor::{apply_task, BackendError, ObjectWriter};
-use crate::k8s::credentials::credential_table;
+use crate::k8s::credentials::{credential_table, RefreshGate};
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
 use crate::metrics::ControllerMetrics;
@@ -51,6 +51,9 @@ pub const FEDERATED_JOB: &str = "FederatedJob";
 pub const TRAINING_ROUND: &str = "TrainingRound";
 /// Kind name of ConfigMaps (aggregated models).
 pub const CONFIG_MAP: &str = "ConfigMap";
+
+/// Secrets are watched here, so the table only needs an age limit as a safety net.
+const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// Kinds the driver reconciles.
 const RECONCILED: [&str; 5] = [PROPLET, TASK, PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND];
@@ -118,6 +121,7 @@ pub struct Driver {
     queue: UnboundedSender<Key>,
     queued: Mutex<HashSet<Key>>,
     events: Arc<EventLog>,
+    credential_gate: RefreshGate,
 }
 
 /// Writes Tasks into the embedded store.
@@ -201,6 +205,7 @@ impl Driver {
             queue,
             queued: Mutex::new(HashSet::new()),
             events,
+            credential_gate: RefreshGate::default(),
         });
         (driver, rx)
     }
@@ -240,8 +245,11 @@ impl Driver {
 
     /// Rebuilds the broker's credential table from the stored Proplets and Secrets.
     pub fn refresh_credentials(&self) {
-        let proplets: Vec<Proplet> = self
-            .all::<Proplet>(PROPLET)
+        let stored = self.all::<Proplet>(PROPLET);
+        if !self.credential_gate.due(&stored, CREDENTIAL_MAX_AGE) {
+            return;
+        }
+        let proplets: Vec<Proplet> = stored
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .collect();
@@ -264,17 +272,17 @@ impl Driver {
         self.credentials.replace_all(table);
     }
 
+    fn proplet_by_client(&self, client_id: &str) -> Option<Proplet> {
+        self.all::<Proplet>(PROPLET)
+            .into_iter()
+            .find(|p| p.client_id() == client_id)
+    }
+
     /// Records a broker event and queues the object it concerns.
     pub fn route_event(&self, event: &BrokerEvent) {
         match self.state.record(event, Utc::now()) {
             Concerns::Proplet(client_id) => {
-                let found = self.all::<Proplet>(PROPLET).into_iter().find(|p| {
-                    p.spec
-                        .connection_config
-                        .client()
-                        .unwrap_or(p.metadata.name.as_deref().unwrap_or_default())
-                        == client_id
-                });
+                let found = self.proplet_by_client(&client_id);
                 match found {
                     Some(p) => self.enqueue(Key::of(PROPLET, &p.metadata)),
                     None => debug!(client = %client_id, "liveness from a client with no Proplet"),
@@ -291,11 +299,7 @@ impl Driver {
                 }
             }
             Concerns::TasksOf(client_id) => {
-                let proplet = self
-                    .all::<Proplet>(PROPLET)
-                    .into_iter()
-                    .find(|p| p.spec.connection_config.client() == Some(client_id.as_str()));
-                if let Some(p) = proplet {
+                if let Some(p) = self.proplet_by_client(&client_id) {
                     let name = p.metadata.name.clone().unwrap_or_default();
                     for task in self.all::<Task>(TASK) {
                         if task.metadata.namespace == p.metadata.namespace
@@ -337,7 +341,11 @@ impl Driver {
                     }
                 }
             }
-            PROPLET | SECRET => self.refresh_credentials(),
+            PROPLET => self.refresh_credentials(),
+            SECRET => {
+                self.credential_gate.invalidate();
+                self.refresh_credentials();
+            }
             TRAINING_ROUND => {
                 if let Ok(Some(round)) =
                     self.store
@@ -444,12 +452,7 @@ impl Driver {
         else {
             return Ok(None);
         };
-        let client_id = proplet
-            .spec
-            .connection_config
-            .client()
-            .unwrap_or(&key.name)
-            .to_owned();
+        let client_id = proplet.client_id().to_owned();
         let map_key = format!("{}/{}", key.namespace, key.name);
         let version = proplet.metadata.resource_version.as_deref();
         let mut finalizers = proplet.metadata.finalizers.clone().unwrap_or_default();

@@ -1,0 +1,47 @@
+//! The reconciler settings both `propeller run` and `propeller standalone` take.
+
+use std::time::Duration;
+
+use clap::Args;
+use propeller_broker::protocol::parse_setting_duration;
+use propeller_operator::decision::scheduler::Strategy;
+use propeller_operator::decision::task::TaskSettings;
+use propeller_operator::k8s::proplet::PropletSettings;
+
+/// Liveness, status-write and scheduling flags; each also reads a `PROPELLER_*` variable.
+#[derive(Args, Debug, Clone)]
+pub struct ReconcileArgs {
+    /// An external proplet is Offline once its last heartbeat is this old.
+    #[arg(long, env = "PROPELLER_LAST_SEEN_THRESHOLD", default_value = "30s", value_parser = parse_setting_duration)]
+    pub last_seen_threshold: Duration,
+    /// How often every proplet's liveness is re-evaluated even without events.
+    #[arg(long, env = "PROPELLER_LIVELINESS_INTERVAL", default_value = "10s", value_parser = parse_setting_duration)]
+    pub liveliness_interval: Duration,
+    /// Heartbeat-only status changes are written at most this often per proplet.
+    #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = parse_setting_duration)]
+    pub status_flush_interval: Duration,
+    /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
+    #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
+    pub scheduler: Strategy,
+    /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
+    #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = parse_setting_duration)]
+    pub task_timeout: Duration,
+}
+
+impl ReconcileArgs {
+    /// The Proplet plan's settings.
+    pub fn proplet(&self) -> PropletSettings {
+        PropletSettings {
+            last_seen_threshold: self.last_seen_threshold,
+            status_flush_interval: self.status_flush_interval,
+        }
+    }
+
+    /// The Task plan's settings.
+    pub fn task(&self) -> TaskSettings {
+        TaskSettings {
+            strategy: self.scheduler,
+            default_timeout: self.task_timeout,
+        }
+    }
+}
