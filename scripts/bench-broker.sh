@@ -18,7 +18,7 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
 fi
 MOSQUITTO="$(command -v mosquitto || echo /usr/sbin/mosquitto)"
 
-cargo build --release -q -p propeller-operator --bin propeller -p propeller-e2e --bin propeller-loadgen
+scripts/build-release.sh
 BIN=target/release
 WORK="$(mktemp -d)"
 cleanup() { kill "${OURS_PID:-}" "${MOSQ_PID:-}" 2>/dev/null || true; rm -rf "$WORK"; }
@@ -53,7 +53,7 @@ sleep 1
 ulimit -n 65536 2>/dev/null || true
 
 run() { # run PORT PUBLISHERS QOS
-  "$BIN/propeller-loadgen" --port "$1" --publishers "$2" --messages $((TOTAL / $2)) --qos "$3" --payload 200 --timeout-secs 120
+  "$BIN/propeller-loadgen" fan-in --port "$1" --publishers "$2" --messages $((TOTAL / $2)) --qos "$3" --payload 200 --timeout-secs 120
 }
 
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr); mosquitto $("$MOSQUITTO" -h 2>/dev/null | head -n1 | awk '{print $3}')"

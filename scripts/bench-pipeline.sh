@@ -9,7 +9,7 @@
 #    and per-task create -> finish from the status timestamps (p50, p99).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p propeller-operator --bin propeller -p proplet-agent --bin proplet
+scripts/build-release.sh
 BIN=target/release
 WORK="$(mktemp -d)"
 PIDS=()

@@ -1,22 +1,42 @@
-//! `propeller-loadgen`: MQTT fan-in load for the broker benchmarks.
+//! `propeller-loadgen`: MQTT load for the benchmarks. Loopback only, bounded in count and
+//! time; prints JSON lines.
 //!
-//! N publishers send M messages each to one topic; one subscriber receives them. Every
-//! payload starts with the send time (nanoseconds since the generator started), so the
-//! subscriber measures publish→receive latency on one clock. Loopback only, bounded in
-//! count and time. Prints one JSON line with throughput and latency percentiles.
+//! * `fan-in`: N publishers send M messages each to one topic; one subscriber receives them.
+//!   Every payload starts with the send time (nanoseconds since the generator started), so
+//!   the subscriber measures publish→receive latency on one clock. Prints throughput and
+//!   latency percentiles.
+//! * `heartbeats`: N simulated proplets, each a real MQTT connection with its own
+//!   credential, heartbeat on their channel like the agent does; after a while some of them
+//!   go silent (stay connected, stop heartbeating), so the operator's offline detection
+//!   can be timed. Prints when each phase started.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::json;
-use tokio::sync::Barrier;
+use tokio::sync::{Barrier, Semaphore};
 
-/// Fan-in load generator.
+/// MQTT load generator for the benchmarks.
 #[derive(Parser, Debug)]
+struct Cli {
+    #[command(subcommand)]
+    load: Load,
+}
+
+#[derive(Subcommand, Debug)]
+enum Load {
+    /// Many publishers, one subscriber, one topic.
+    FanIn(Args),
+    /// Many simulated proplets heartbeating.
+    Heartbeats(HeartbeatArgs),
+}
+
+/// Fan-in load.
+#[derive(clap::Args, Debug)]
 struct Args {
     /// Broker port on 127.0.0.1.
     #[arg(long)]
@@ -46,6 +66,43 @@ struct Args {
 
 const TOPIC: &str = "bench/fanin";
 
+/// Simulated proplets.
+#[derive(clap::Args, Debug)]
+struct HeartbeatArgs {
+    /// Broker port on 127.0.0.1.
+    #[arg(long)]
+    port: u16,
+    /// Number of proplets. Proplet `i` logs in as `{prefix}-{i}` with password
+    /// `{prefix}-{i}-key`.
+    #[arg(long, default_value_t = 1000)]
+    proplets: usize,
+    /// Client id prefix.
+    #[arg(long, default_value = "hb")]
+    prefix: String,
+    /// Domain id of the channel.
+    #[arg(long, default_value = "d")]
+    domain: String,
+    /// Channel id.
+    #[arg(long, default_value = "c")]
+    channel: String,
+    /// Seconds between heartbeats of one proplet.
+    #[arg(long, default_value_t = 10)]
+    interval_secs: u64,
+    /// Connections opened at once while connecting.
+    #[arg(long, default_value_t = 200)]
+    connect_concurrency: usize,
+    /// Seconds after the last proplet connected at which `--silent` of them stop
+    /// heartbeating (they stay connected).
+    #[arg(long, default_value_t = 60)]
+    silence_after_secs: u64,
+    /// How many proplets go silent.
+    #[arg(long, default_value_t = 0)]
+    silent: usize,
+    /// Seconds after the silence starts at which everything disconnects and the run ends.
+    #[arg(long, default_value_t = 60)]
+    run_after_silence_secs: u64,
+}
+
 fn qos(level: u8) -> anyhow::Result<QoS> {
     match level {
         0 => Ok(QoS::AtMostOnce),
@@ -72,7 +129,191 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    match Cli::parse().load {
+        Load::FanIn(args) => fan_in(args).await,
+        Load::Heartbeats(args) => heartbeats(args).await,
+    }
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+/// One simulated proplet: connects, heartbeats every `interval` while `beating` says so,
+/// keeps the connection (pings) until `stop` flips.
+async fn simulated_proplet(
+    args: Arc<HeartbeatArgs>,
+    i: usize,
+    connecting: Arc<Semaphore>,
+    connected: tokio::sync::mpsc::UnboundedSender<()>,
+    beating: tokio::sync::watch::Receiver<bool>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let id = format!("{}-{i}", args.prefix);
+    let mut options = MqttOptions::new(&id, "127.0.0.1", args.port);
+    options.set_credentials(&id, format!("{id}-key"));
+    options.set_keep_alive(Duration::from_secs(60));
+    let (client, mut eventloop) = AsyncClient::new(options, 16);
+    let alive = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
+        .map_err(|e| anyhow::anyhow!("channel: {e}"))?
+        .alive();
+    let beat = propeller_broker::protocol::Heartbeat {
+        proplet_id: id.clone(),
+        namespace: Some("default".into()),
+        metadata: None,
+        metrics: None,
+    }
+    .encode();
+    let permit = connecting.acquire().await.context("connect gate")?;
+    let mut failures = 0;
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                if ack.code != rumqttc::ConnectReturnCode::Success {
+                    bail!("{id}: refused: {:?}", ack.code);
+                }
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                failures += 1;
+                if failures == 5 {
+                    bail!("{id}: {e}");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    drop(permit);
+    let _ = connected.send(());
+    let publisher = {
+        let client = client.clone();
+        let mut stop = stop.clone();
+        let interval = Duration::from_secs(args.interval_secs.max(1));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.changed() => return,
+                }
+                if *beating.borrow() {
+                    let _ = client
+                        .publish(&alive, QoS::AtMostOnce, false, beat.clone())
+                        .await;
+                }
+            }
+        })
+    };
+    loop {
+        tokio::select! {
+            polled = eventloop.poll() => {
+                if let Err(e) = polled {
+                    publisher.abort();
+                    bail!("{id}: connection lost: {e}");
+                }
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    publisher.abort();
+    let _ = client.disconnect().await;
+    // Let the DISCONNECT go out.
+    let _ = tokio::time::timeout(Duration::from_millis(200), eventloop.poll()).await;
+    Ok(())
+}
+
+async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
+    let args = Arc::new(args);
+    if args.silent > args.proplets {
+        bail!("--silent cannot exceed --proplets");
+    }
+    let connecting = Arc::new(Semaphore::new(args.connect_concurrency.max(1)));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (_loud_tx, loud_rx) = tokio::sync::watch::channel(true);
+    let (quiet_tx, quiet_rx) = tokio::sync::watch::channel(true);
+    println!(
+        "{}",
+        json!({"event": "connecting", "proplets": args.proplets, "unix_ms": unix_ms()})
+    );
+    let (connected_tx, mut connected_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut proplets = tokio::task::JoinSet::new();
+    for i in 0..args.proplets {
+        // The first `silent` proplets are the ones that go quiet.
+        let beating = if i < args.silent {
+            quiet_rx.clone()
+        } else {
+            loud_rx.clone()
+        };
+        proplets.spawn(simulated_proplet(
+            args.clone(),
+            i,
+            connecting.clone(),
+            connected_tx.clone(),
+            beating,
+            stop_rx.clone(),
+        ));
+    }
+    let all_connected = async {
+        let mut count = 0;
+        while count < args.proplets {
+            tokio::select! {
+                Some(()) = connected_rx.recv() => count += 1,
+                // A proplet that ends now has failed to connect.
+                Some(done) = proplets.join_next() => match done {
+                    Ok(Err(e)) => return Err(e),
+                    Ok(Ok(())) => bail!("a proplet ended before the run"),
+                    Err(e) => bail!("proplet task: {e}"),
+                },
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(600), all_connected)
+        .await
+        .context("the proplets did not connect within 600 s")??;
+    println!("{}", json!({"event": "connected", "unix_ms": unix_ms()}));
+    tokio::time::sleep(Duration::from_secs(args.silence_after_secs)).await;
+    if args.silent > 0 {
+        quiet_tx.send_replace(false);
+        println!(
+            "{}",
+            json!({"event": "silenced", "count": args.silent, "unix_ms": unix_ms()})
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
+    stop_tx.send_replace(true);
+    let mut failed = 0;
+    while let Some(done) = proplets.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                failed += 1;
+                if failed <= 5 {
+                    eprintln!("{e:#}");
+                }
+            }
+            Err(e) => {
+                failed += 1;
+                eprintln!("proplet task: {e}");
+            }
+        }
+    }
+    println!(
+        "{}",
+        json!({"event": "done", "failed": failed, "unix_ms": unix_ms()})
+    );
+    if failed > 0 {
+        bail!("{failed} simulated proplets failed");
+    }
+    Ok(())
+}
+
+async fn fan_in(args: Args) -> anyhow::Result<()> {
     if args.payload < 8 {
         bail!("--payload must be at least 8 bytes (it carries the send time)");
     }

@@ -90,6 +90,40 @@ fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check()
 }
 
 #[test]
+fn a_changed_task_count_is_written_at_most_once_per_flush_interval() {
+    let beat = ExternalObservation {
+        heartbeats: vec![at(0)],
+        offline_at: None,
+    };
+    let first = plan(
+        &external(),
+        &PropletObservations {
+            external: beat.clone(),
+            task_count: 1,
+            ..PropletObservations::default()
+        },
+        &SETTINGS,
+        at(0),
+    );
+    let mut running = external();
+    running.status = first.status;
+    assert_eq!(running.status.as_ref().map(|s| s.task_count), Some(1));
+
+    // Two more tasks land a second later: not written yet, but a reconcile is asked for
+    // when the flush interval is up.
+    let busier = PropletObservations {
+        last_write: Some(at(0)),
+        task_count: 3,
+        ..PropletObservations::default()
+    };
+    let deferred = plan(&running, &busier, &SETTINGS, at(1));
+    assert!(deferred.status.is_none());
+    assert_eq!(deferred.requeue_at, Some(at(10)));
+    let flushed = plan(&running, &busier, &SETTINGS, at(10));
+    assert_eq!(flushed.status.map(|s| s.task_count), Some(3));
+}
+
+#[test]
 fn k8s_proplet_plans_its_deployment_and_takes_phase_from_it() {
     let ready = PropletObservations {
         deployment: Some(DeploymentObservation {

@@ -75,7 +75,8 @@ async fn two_rounds_of_fedavg_through_the_standalone_driver() {
         Arc::new(CredentialStore::new()),
         Arc::new(ControllerMetrics::default()),
         Arc::new(propeller_operator::standalone::events::EventLog::new()),
-    );
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(driver.clone().run(queue, events, async {
         let _ = stop_rx.await;

@@ -191,6 +191,9 @@ impl Agent {
         mut eventloop: EventLoop,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
+        // A result follows the start's PUBACK within microseconds; with Nagle on, it would
+        // wait for the broker's delayed ACK (about 40 ms on Linux).
+        eventloop.network_options.set_tcp_nodelay(true);
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
         let background = [
             tokio::spawn(self.clone().heartbeats()),

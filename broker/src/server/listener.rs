@@ -9,14 +9,16 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -230,7 +232,7 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
         return;
     };
     let (mut ws_out, mut ws_in) = websocket.split();
-    let (mut core_in, mut core_out) = backend.into_split();
+    let (mut core_in, mut core_out) = tokio::io::split(backend);
     let upstream = async {
         while let Some(message) = ws_in.next().await {
             match message {
@@ -267,10 +269,50 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
     }
 }
 
+/// Our end of a connection to rumqttd. rumqttd leaves Nagle's algorithm on for its
+/// sockets, so a small packet it sends right after another (a start request after a PUBACK)
+/// is held until we acknowledge the first, and Linux delays that ACK by up to 40 ms. Asking
+/// for an immediate ACK after every read takes that wait out of each command's latency.
+struct CoreConnection(TcpStream);
+
+impl AsyncRead for CoreConnection {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.0).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            let _ = self.0.set_quickack(true);
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for CoreConnection {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
 /// The rumqttd connection for one client, or `None` (counted and logged) if unreachable.
-async fn backend_for(relay: &Relay, peer: SocketAddr) -> Option<TcpStream> {
+async fn backend_for(relay: &Relay, peer: SocketAddr) -> Option<CoreConnection> {
     match connect_backend(relay.backend).await {
-        Ok(stream) => Some(stream),
+        Ok(stream) => Some(CoreConnection(stream)),
         Err(error) => {
             relay.metrics.refused_connection("backend_unavailable");
             warn!(%peer, %error, "broker core not reachable");

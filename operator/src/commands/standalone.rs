@@ -11,7 +11,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
 use propeller_operator::metrics::ControllerMetrics;
-use propeller_operator::standalone::api::{self, canonical_kind, parse_manifest, ApiState};
+use propeller_operator::standalone::api::{
+    self, canonical_kind, parse_manifest, ApiState, MetricsText,
+};
 use propeller_operator::standalone::client::{describe, table, ApiClient};
 use propeller_operator::standalone::driver::{Driver, StandaloneSettings};
 use propeller_operator::standalone::events::EventLog;
@@ -151,14 +153,31 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         sweep: cmd.reconcile.liveliness_interval,
     };
     let events_log = Arc::new(EventLog::new());
+    let controller_metrics = Arc::new(ControllerMetrics::default());
     let (driver, queue) = Driver::new(
         store.clone(),
         broker.publisher(),
         settings,
         logins,
-        Arc::new(ControllerMetrics::default()),
+        controller_metrics.clone(),
         events_log.clone(),
-    );
+    )
+    .context("reading the store")?;
+    let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
+    controller_metrics.register(&mut registry);
+    broker.metrics().register(&mut registry);
+    store.metrics().register(&mut registry);
+    let metrics: MetricsText = {
+        let driver = driver.clone();
+        Arc::new(move || {
+            driver.count_phases();
+            let mut text = String::new();
+            if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {
+                tracing::warn!(%e, "cannot encode the metrics");
+            }
+            text
+        })
+    };
     let api_listener = tokio::net::TcpListener::bind(cmd.api_listen)
         .await
         .with_context(|| format!("binding the API address {}", cmd.api_listen))?;
@@ -168,6 +187,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         admission: Admission::new(),
         token,
         events: events_log,
+        metrics,
     });
     let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
     println!("propeller standalone: data in {}", cmd.data_dir.display());

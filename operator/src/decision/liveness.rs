@@ -335,7 +335,6 @@ pub fn write_due(
     }
     if written.phase != desired.phase
         || written.alive != desired.alive
-        || written.task_count != desired.task_count
         || written.metadata != desired.metadata
         || written.k8s_status != desired.k8s_status
         || written.available_resources != desired.available_resources

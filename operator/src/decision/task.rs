@@ -9,7 +9,7 @@
 //! publish within one process; after a restart a repeated start reaches the same proplet,
 //! which ignores a start for a task it already has.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -931,29 +931,67 @@ pub fn observe_caches(
         .copied()
         .filter(|t| t.metadata.namespace == ns)
         .collect();
-    let name_of = |t: &Task| t.metadata.name.clone().unwrap_or_default();
-    let mut dependencies = BTreeMap::new();
-    for dep in &task.spec.depends_on {
-        if let Some(t) = same_ns.iter().find(|t| name_of(t) == *dep) {
-            dependencies.insert(
-                dep.clone(),
-                t.status.as_ref().map(|s| s.phase).unwrap_or_default(),
-            );
+    // One pass for every proplet's load, rather than one pass per proplet.
+    let mut load: HashMap<&str, u32> = HashMap::new();
+    for t in &same_ns {
+        for name in occupied(t) {
+            *load.entry(name).or_default() += 1;
         }
     }
+    observe_indexed(
+        task,
+        |dep| {
+            same_ns
+                .iter()
+                .find(|t| t.metadata.name.as_deref() == Some(dep))
+                .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default())
+        },
+        || {
+            same_ns
+                .iter()
+                .map(|t| {
+                    (
+                        t.metadata.name.clone().unwrap_or_default(),
+                        t.spec.depends_on.clone(),
+                    )
+                })
+                .collect()
+        },
+        proplets,
+        |p| {
+            load.get(p.metadata.name.as_deref().unwrap_or_default())
+                .copied()
+                .unwrap_or(0)
+        },
+    )
+}
+
+/// [`observe_caches`] from lookups a driver answers from its indexes: the phase of a task
+/// of the same namespace by name, the namespace's dependency graph (asked only when the task
+/// has dependencies), and a proplet's load.
+pub fn observe_indexed(
+    task: &Task,
+    phase_of: impl Fn(&str) -> Option<TaskPhase>,
+    graph: impl FnOnce() -> super::dag::Graph,
+    proplets: &[&crate::crd::proplet::Proplet],
+    load: impl Fn(&crate::crd::proplet::Proplet) -> u32,
+) -> TaskObservations {
+    let ns = &task.metadata.namespace;
+    let dependencies = task
+        .spec
+        .depends_on
+        .iter()
+        .filter_map(|dep| phase_of(dep).map(|phase| (dep.clone(), phase)))
+        .collect();
     let cycle = if task.spec.depends_on.is_empty() {
         None
     } else {
-        let graph: super::dag::Graph = same_ns
-            .iter()
-            .map(|t| (name_of(t), t.spec.depends_on.clone()))
-            .collect();
-        super::dag::cycle_through(&graph, &name_of(task))
+        super::dag::cycle_through(&graph(), task.metadata.name.as_deref().unwrap_or_default())
     };
     let proplets = proplets
         .iter()
-        .filter(|p| p.metadata.namespace == ns)
-        .map(|p| proplet_view(p, active_tasks(p, tasks.iter().copied())))
+        .filter(|p| p.metadata.namespace == *ns)
+        .map(|p| proplet_view(p, load(p)))
         .collect();
     TaskObservations {
         proplets,
@@ -961,6 +999,25 @@ pub fn observe_caches(
         cycle,
         ..TaskObservations::default()
     }
+}
+
+/// The proplets `task` occupies now (see [`occupies`]), each once.
+pub fn occupied(task: &Task) -> Vec<&str> {
+    let Some(status) = task.status.as_ref() else {
+        return Vec::new();
+    };
+    if !matches!(status.phase, TaskPhase::Scheduled | TaskPhase::Running) {
+        return Vec::new();
+    }
+    let mut names: Vec<&str> = status
+        .assigned_proplet
+        .as_deref()
+        .into_iter()
+        .chain(status.broadcast_proplets.iter().map(String::as_str))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
 }
 
 /// Whether `task` runs now as a Job on a `k8s` proplet (the driver should look at the Job).

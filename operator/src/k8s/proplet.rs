@@ -39,6 +39,8 @@ pub struct PropletObservations {
     pub last_write: Option<DateTime<Utc>>,
     /// The latest description and figures the device reported.
     pub report: DeviceReport,
+    /// Tasks scheduled or running on the proplet now (`status.taskCount`).
+    pub task_count: i64,
 }
 
 /// The latest description and resource figures a device reported; each replaces the last.
@@ -127,6 +129,9 @@ pub fn plan(
         }
     }
     desired.observed_generation = generation;
+    // Load moves with every task transition: like heartbeat figures it is written at most
+    // once per flush interval, so a burst of tasks does not become a burst of writes.
+    desired.task_count = observed.task_count;
     if write_due(
         &written,
         &desired,
@@ -135,6 +140,15 @@ pub fn plan(
         now,
     ) {
         plan.status = Some(desired);
+    } else if written != desired {
+        let flush = chrono::Duration::from_std(settings.status_flush_interval)
+            .unwrap_or(chrono::Duration::MAX);
+        if let Some(due) = observed
+            .last_write
+            .and_then(|at| at.checked_add_signed(flush))
+        {
+            plan.requeue_at = Some(plan.requeue_at.map_or(due, |at| at.min(due)));
+        }
     }
     plan
 }

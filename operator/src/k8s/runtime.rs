@@ -354,16 +354,9 @@ async fn reconcile_proplet_inner(
             .map(|d| observe_deployment(&d)),
         last_write: lock(&ctx.state.proplet_writes).get(&key).copied(),
         report: ctx.state.liveness.report(&client_id),
+        task_count: i64::from(ctx.active_tasks(&proplet)),
     };
-    let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
-    let task_count = i64::from(ctx.active_tasks(&proplet));
-    let written_count = proplet.status.as_ref().map_or(0, |s| s.task_count);
-    if plan.status.is_none() && task_count != written_count {
-        plan.status = Some(proplet.status.clone().unwrap_or_default());
-    }
-    if let Some(status) = plan.status.as_mut() {
-        status.task_count = task_count;
-    }
+    let plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
     if let Some(problem) = &plan.problem {
         ctx.note(
             &proplet.object_ref(&()),

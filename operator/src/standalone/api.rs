@@ -54,7 +54,12 @@ pub struct ApiState {
     pub token: String,
     /// Recent events the reconcilers recorded.
     pub events: Arc<EventLog>,
+    /// Renders `/metrics` (OpenMetrics text).
+    pub metrics: MetricsText,
 }
+
+/// Renders the process's metrics as OpenMetrics text when `/metrics` is asked for.
+pub type MetricsText = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// An error answered as JSON `{"error": message}`.
 struct ApiError(StatusCode, String);
@@ -165,6 +170,20 @@ fn admit_all(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>
     }
 }
 
+async fn metrics(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<impl IntoResponse, ApiError> {
+    authorize(&state, &headers)?;
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            propeller_broker::http::OPENMETRICS,
+        )],
+        (state.metrics)(),
+    ))
+}
+
 async fn apply(
     State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
@@ -183,24 +202,32 @@ async fn apply(
     Ok(Json(Value::Array(outcome)))
 }
 
-/// Admits every document, then stores them all; nothing is stored when one is refused.
-/// Returns what happened to each (`kind`, `namespace`, `name`, `action`).
+/// Admits every document, then stores them all in one transaction: nothing is stored when
+/// one is refused. Returns what happened to each (`kind`, `namespace`, `name`, `action`).
 pub fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
     let admitted = admit_all(state, docs)?;
-    let mut outcome = Vec::new();
-    for (i, doc) in admitted.into_iter().enumerate() {
-        let what = describe_doc(i, &doc);
-        let applied = state
-            .store
-            .apply(doc)
-            .map_err(|e| vec![format!("{what}: {e}")])?;
-        let o = &applied.object;
-        outcome.push(json!({
-            "kind": o["kind"], "namespace": o["metadata"]["namespace"], "name": o["metadata"]["name"],
-            "action": if applied.created { "created" } else { "configured" },
-        }));
-    }
-    Ok(outcome)
+    let described: Vec<String> = admitted
+        .iter()
+        .enumerate()
+        .map(|(i, doc)| describe_doc(i, doc))
+        .collect();
+    let applied = state.store.apply_all(admitted).map_err(|e| {
+        let what = described
+            .get(e.index)
+            .map(String::as_str)
+            .unwrap_or("a document");
+        vec![format!("{what}: {}; nothing was applied", e.error)]
+    })?;
+    Ok(applied
+        .iter()
+        .map(|applied| {
+            let o = &applied.object;
+            json!({
+                "kind": o["kind"], "namespace": o["metadata"]["namespace"], "name": o["metadata"]["name"],
+                "action": if applied.created { "created" } else { "configured" },
+            })
+        })
+        .collect())
 }
 
 #[derive(Deserialize)]
@@ -268,6 +295,7 @@ async fn events_of(
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/v1/apply", post(apply))
+        .route("/metrics", get(metrics))
         .route("/v1/objects/{kind}", get(list))
         .route(
             "/v1/objects/{kind}/{namespace}/{name}",

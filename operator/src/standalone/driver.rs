@@ -1,20 +1,23 @@
 //! The standalone driver: the same plans as on Kubernetes, applied to the embedded store.
 //!
-//! One work queue of object keys feeds one reconcile loop. Keys come from store changes (a
-//! watch, with related objects: a task's owner, dependents and proplet), from broker events
-//! (recorded in [`DriverState`] first; the MQTT side never writes the store), from requeue
-//! times the plans ask for, and from a periodic sweep of proplets.
+//! One work queue of object keys feeds up to [`MAX_CONCURRENT_RECONCILES`] reconciles at a
+//! time, never two of one object at once (as kube-rs controllers run them). Keys come from
+//! store changes (a watch, with related objects: a task's owner, dependents and proplet),
+//! from broker events (recorded in [`DriverState`] first; the MQTT side never writes the
+//! store), from requeue times the plans ask for, and from a periodic sweep of proplets.
+//! Reconciles read the objects they are not about from an [`ObjectCache`], and their own
+//! object from the store.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::crd::federated::{FederatedJob, TrainingRound};
@@ -26,14 +29,15 @@ use crate::decision::federated::{
     owned_rounds, reconcile_job as reconcile_federated, reconcile_round, FederatedObservation,
 };
 use crate::decision::propeller_job::{reconcile as reconcile_job, JobObservation};
-use crate::decision::task::{awaits_job, observe_caches, plan as plan_task, TaskSettings};
+use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
 use crate::executor::{apply_task, BackendError, ObjectWriter};
-use crate::k8s::credentials::{credential_table, RefreshGate};
+use crate::k8s::credentials::credential_table;
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
 use crate::metrics::ControllerMetrics;
 use crate::state::{lock, Concerns, DriverState};
 
+use super::cache::ObjectCache;
 use super::events::EventLog;
 use super::store::{ObjectStore, StoreError};
 
@@ -54,6 +58,10 @@ pub const CONFIG_MAP: &str = "ConfigMap";
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
+
+/// Reconciles in flight at once. They mostly wait for the store's group commit, so several
+/// share each `fsync`.
+pub const MAX_CONCURRENT_RECONCILES: usize = 64;
 
 /// Kinds the driver reconciles.
 const RECONCILED: [&str; 5] = [PROPLET, TASK, PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND];
@@ -109,6 +117,19 @@ pub enum DriverError {
     Task(#[from] crate::executor::TaskApplyError),
 }
 
+impl DriverError {
+    /// A conditional write lost to a newer version: worth retrying at once, not after a delay.
+    fn is_conflict(&self) -> bool {
+        match self {
+            DriverError::Store(e) => matches!(e, StoreError::Conflict { .. }),
+            DriverError::Task(crate::executor::TaskApplyError::Backend(e)) => {
+                matches!(e.downcast_ref(), Some(StoreError::Conflict { .. }))
+            }
+            DriverError::Task(_) => false,
+        }
+    }
+}
+
 /// The standalone reconcilers and their shared state.
 pub struct Driver {
     store: ObjectStore,
@@ -121,7 +142,11 @@ pub struct Driver {
     queue: UnboundedSender<Key>,
     queued: Mutex<HashSet<Key>>,
     events: Arc<EventLog>,
-    credential_gate: RefreshGate,
+    cache: Arc<ObjectCache>,
+    /// The cache's credential epoch and the time of the last rebuild.
+    credentials_built: Mutex<Option<(u64, Instant)>>,
+    /// The time each key's pending timer fires.
+    timers: Mutex<HashMap<Key, DateTime<Utc>>>,
 }
 
 /// Writes Tasks into the embedded store.
@@ -137,13 +162,16 @@ impl ObjectWriter for StoreTasks<'_> {
         version: Option<&str>,
     ) -> Result<Option<String>, BackendError> {
         let key = Key::of(TASK, meta);
-        let updated = self.store.set_finalizers(
-            TASK,
-            &key.namespace,
-            &key.name,
-            finalizers.to_vec(),
-            version,
-        )?;
+        let updated = self
+            .store
+            .set_finalizers_async(
+                TASK,
+                &key.namespace,
+                &key.name,
+                finalizers.to_vec(),
+                version,
+            )
+            .await?;
         Ok(version_of(&updated))
     }
 
@@ -155,9 +183,10 @@ impl ObjectWriter for StoreTasks<'_> {
         version: Option<&str>,
     ) -> Result<Option<String>, BackendError> {
         let key = Key::of(TASK, meta);
-        let updated =
-            self.store
-                .write_status(TASK, &key.namespace, &key.name, new.clone(), version)?;
+        let updated = self
+            .store
+            .write_status_async(TASK, &key.namespace, &key.name, new.clone(), version)
+            .await?;
         Ok(version_of(&updated))
     }
 
@@ -176,16 +205,13 @@ fn version_of(obj: &Value) -> Option<String> {
         .map(str::to_owned)
 }
 
-fn typed<K: DeserializeOwned>(values: Vec<Value>) -> Vec<K> {
-    values
-        .into_iter()
-        .filter_map(|v| serde_json::from_value(v).ok())
-        .collect()
+fn refs<K>(objects: &[Arc<K>]) -> Vec<&K> {
+    objects.iter().map(Arc::as_ref).collect()
 }
 
 impl Driver {
     /// A driver over `store`, publishing through `publisher`; the returned receiver is the
-    /// work queue [`Driver::run`] consumes.
+    /// work queue [`Driver::run`] consumes. Fails if the store cannot be read.
     pub fn new(
         store: ObjectStore,
         publisher: Publisher,
@@ -193,8 +219,9 @@ impl Driver {
         credentials: Arc<CredentialStore>,
         metrics: Arc<ControllerMetrics>,
         events: Arc<EventLog>,
-    ) -> (Arc<Self>, UnboundedReceiver<Key>) {
+    ) -> Result<(Arc<Self>, UnboundedReceiver<Key>), StoreError> {
         let (queue, rx) = unbounded_channel();
+        let cache = ObjectCache::attach(&store)?;
         let driver = Arc::new(Self {
             store,
             publisher,
@@ -205,9 +232,11 @@ impl Driver {
             queue,
             queued: Mutex::new(HashSet::new()),
             events,
-            credential_gate: RefreshGate::default(),
+            cache,
+            credentials_built: Mutex::new(None),
+            timers: Mutex::new(HashMap::new()),
         });
-        (driver, rx)
+        Ok((driver, rx))
     }
 
     /// The store the driver writes.
@@ -222,36 +251,77 @@ impl Driver {
         }
     }
 
+    /// Reconciles `key` at `at`. One timer per key: a later time than one already set waits
+    /// for that one (whose reconcile asks again), so a heartbeating proplet does not pile up
+    /// a timer per heartbeat.
     fn enqueue_at(self: &Arc<Self>, key: Key, at: DateTime<Utc>, now: DateTime<Utc>) {
+        {
+            let mut timers = lock(&self.timers);
+            if timers.get(&key).is_some_and(|set| *set <= at) {
+                return;
+            }
+            timers.insert(key.clone(), at);
+        }
         let wait = (at - now).to_std().unwrap_or_default() + Duration::from_millis(50);
         let driver = Arc::downgrade(self);
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             if let Some(driver) = driver.upgrade() {
+                {
+                    let mut timers = lock(&driver.timers);
+                    if timers.get(&key) == Some(&at) {
+                        timers.remove(&key);
+                    }
+                }
                 driver.enqueue(key);
             }
         });
     }
 
-    fn all<K: DeserializeOwned>(&self, kind: &str) -> Vec<K> {
-        match self.store.list(kind, None) {
-            Ok(values) => typed(values),
-            Err(e) => {
-                warn!(%e, kind, "cannot list");
-                Vec::new()
-            }
+    /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
+    pub fn count_phases(&self) {
+        let mut proplets = BTreeMap::new();
+        for p in self.cache.proplets() {
+            let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            *proplets.entry(phase.to_string()).or_insert(0) += 1;
         }
+        let mut tasks = BTreeMap::new();
+        for t in self.cache.tasks() {
+            let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            *tasks.entry(phase.as_str().to_owned()).or_insert(0) += 1;
+        }
+        ControllerMetrics::set_phases(
+            &self.metrics.proplets,
+            ["Initializing", "Running", "Offline"],
+            &proplets,
+        );
+        ControllerMetrics::set_phases(
+            &self.metrics.tasks,
+            TaskPhase::ALL.iter().map(|p| p.as_str()),
+            &tasks,
+        );
     }
 
-    /// Rebuilds the broker's credential table from the stored Proplets and Secrets.
-    pub fn refresh_credentials(&self) {
-        let stored = self.all::<Proplet>(PROPLET);
-        if !self.credential_gate.due(&stored, CREDENTIAL_MAX_AGE) {
-            return;
+    /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the
+    /// Proplets changed (see [`ObjectCache::credential_epoch`]), when `force`d (a Secret
+    /// changed) or when the table is older than [`CREDENTIAL_MAX_AGE`].
+    pub fn refresh_credentials(&self, force: bool) {
+        let epoch = self.cache.credential_epoch();
+        {
+            let mut built = lock(&self.credentials_built);
+            let fresh =
+                built.is_some_and(|(seen, at)| seen == epoch && at.elapsed() < CREDENTIAL_MAX_AGE);
+            if fresh && !force {
+                return;
+            }
+            *built = Some((epoch, Instant::now()));
         }
-        let proplets: Vec<Proplet> = stored
+        let proplets: Vec<Proplet> = self
+            .cache
+            .proplets()
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| p.as_ref().clone())
             .collect();
         let read = |ns: &str, name: &str, key: &str| -> Option<String> {
             let secret = self.store.get(SECRET, ns, name).ok()??;
@@ -272,41 +342,25 @@ impl Driver {
         self.credentials.replace_all(table);
     }
 
-    fn proplet_by_client(&self, client_id: &str) -> Option<Proplet> {
-        self.all::<Proplet>(PROPLET)
-            .into_iter()
-            .find(|p| p.client_id() == client_id)
-    }
-
     /// Records a broker event and queues the object it concerns.
     pub fn route_event(&self, event: &BrokerEvent) {
         match self.state.record(event, Utc::now()) {
             Concerns::Proplet(client_id) => {
-                let found = self.proplet_by_client(&client_id);
+                let found = self.cache.proplet_by_client(&client_id);
                 match found {
                     Some(p) => self.enqueue(Key::of(PROPLET, &p.metadata)),
                     None => debug!(client = %client_id, "liveness from a client with no Proplet"),
                 }
             }
-            Concerns::Task(uid) => {
-                let found = self
-                    .all::<Task>(TASK)
-                    .into_iter()
-                    .find(|t| t.metadata.uid.as_deref() == Some(uid.as_str()));
-                match found {
-                    Some(t) => self.enqueue(Key::of(TASK, &t.metadata)),
-                    None => debug!(task = %uid, "report for a task not stored yet; it waits"),
-                }
-            }
+            Concerns::Task(uid) => match self.cache.task_by_uid(&uid) {
+                Some(t) => self.enqueue(Key::of(TASK, &t.metadata)),
+                None => debug!(task = %uid, "report for a task not stored yet; it waits"),
+            },
             Concerns::TasksOf(client_id) => {
-                if let Some(p) = self.proplet_by_client(&client_id) {
-                    let name = p.metadata.name.clone().unwrap_or_default();
-                    for task in self.all::<Task>(TASK) {
-                        if task.metadata.namespace == p.metadata.namespace
-                            && crate::decision::task::occupies(&task, &name)
-                        {
-                            self.enqueue(Key::of(TASK, &task.metadata));
-                        }
+                if let Some(p) = self.cache.proplet_by_client(&client_id) {
+                    let key = Key::of(PROPLET, &p.metadata);
+                    for task in self.cache.occupants(&key.namespace, &key.name) {
+                        self.enqueue(Key::new(TASK, &key.namespace, &task));
                     }
                 }
             }
@@ -318,10 +372,7 @@ impl Driver {
     fn related(&self, key: &Key) {
         match key.kind.as_str() {
             TASK => {
-                if let Ok(Some(task)) =
-                    self.store
-                        .get_typed::<Task>(TASK, &key.namespace, &key.name)
-                {
+                if let Some(task) = self.cache.task(&key.namespace, &key.name) {
                     for owner in task.metadata.owner_references.iter().flatten() {
                         self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
                     }
@@ -333,19 +384,12 @@ impl Driver {
                         self.enqueue(Key::new(PROPLET, &key.namespace, &proplet));
                     }
                 }
-                for other in self.all::<Task>(TASK) {
-                    if other.metadata.namespace.as_deref() == Some(key.namespace.as_str())
-                        && other.spec.depends_on.contains(&key.name)
-                    {
-                        self.enqueue(Key::of(TASK, &other.metadata));
-                    }
+                for other in self.cache.dependents(&key.namespace, &key.name) {
+                    self.enqueue(Key::new(TASK, &key.namespace, &other));
                 }
             }
-            PROPLET => self.refresh_credentials(),
-            SECRET => {
-                self.credential_gate.invalidate();
-                self.refresh_credentials();
-            }
+            PROPLET => self.refresh_credentials(false),
+            SECRET => self.refresh_credentials(true),
             TRAINING_ROUND => {
                 if let Ok(Some(round)) =
                     self.store
@@ -360,33 +404,50 @@ impl Driver {
         }
     }
 
-    /// Runs the reconcile loop until `shutdown` resolves.
+    /// Runs the reconcilers until `shutdown` resolves, then lets the ones in flight finish.
     pub async fn run(
         self: Arc<Self>,
         mut queue: UnboundedReceiver<Key>,
         mut events: UnboundedReceiver<BrokerEvent>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
-        self.refresh_credentials();
-        for kind in RECONCILED {
-            if let Ok(values) = self.store.list(kind, None) {
-                for v in values {
-                    if let Ok(meta) = serde_json::from_value::<ObjectMeta>(v["metadata"].clone()) {
-                        self.enqueue(Key::of(kind, &meta));
-                    }
-                }
-            }
-        }
+        self.refresh_credentials(true);
+        self.enqueue_everything();
         let mut changes = self.store.subscribe();
         let mut sweep = tokio::time::interval(self.settings.sweep.max(Duration::from_secs(1)));
+        let mut running: JoinSet<()> = JoinSet::new();
+        let mut in_flight: HashMap<tokio::task::Id, Key> = HashMap::new();
+        // Keys asked for while a reconcile of theirs runs: they run again after it.
+        let mut again: HashSet<Key> = HashSet::new();
         tokio::pin!(shutdown);
         info!("standalone reconcilers running");
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                Some(key) = queue.recv() => {
+                Some(key) = queue.recv(), if running.len() < MAX_CONCURRENT_RECONCILES => {
                     lock(&self.queued).remove(&key);
-                    self.reconcile(&key).await;
+                    if in_flight.values().any(|k| *k == key) {
+                        again.insert(key);
+                        continue;
+                    }
+                    let driver = self.clone();
+                    let task_key = key.clone();
+                    let handle = running.spawn(async move { driver.reconcile(&task_key).await });
+                    in_flight.insert(handle.id(), key);
+                }
+                Some(done) = running.join_next_with_id() => {
+                    let id = match &done {
+                        Ok((id, ())) => *id,
+                        Err(e) => {
+                            warn!(error = %e, "a reconcile panicked");
+                            e.id()
+                        }
+                    };
+                    if let Some(key) = in_flight.remove(&id) {
+                        if again.remove(&key) {
+                            self.enqueue(key);
+                        }
+                    }
                 }
                 Some(event) = events.recv() => self.route_event(&event),
                 change = changes.recv() => match change {
@@ -395,33 +456,45 @@ impl Driver {
                         self.related(&key);
                         self.enqueue(key);
                     }
+                    // Missed changes: look at everything again.
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                        // Missed changes: look at everything again.
-                        for kind in RECONCILED {
-                            for v in self.store.list(kind, None).unwrap_or_default() {
-                                if let Ok(meta) = serde_json::from_value::<ObjectMeta>(v["metadata"].clone()) {
-                                    self.enqueue(Key::of(kind, &meta));
-                                }
-                            }
-                        }
+                        self.enqueue_everything()
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
                 _ = sweep.tick() => {
-                    for p in self.all::<Proplet>(PROPLET) {
+                    for p in self.cache.proplets() {
                         self.enqueue(Key::of(PROPLET, &p.metadata));
                     }
                 }
             }
         }
+        while running.join_next().await.is_some() {}
         info!("standalone reconcilers stopped");
+    }
+
+    fn enqueue_everything(&self) {
+        for kind in RECONCILED {
+            match self.store.list(kind, None) {
+                Ok(values) => {
+                    for v in values {
+                        if let Ok(meta) =
+                            serde_json::from_value::<ObjectMeta>(v["metadata"].clone())
+                        {
+                            self.enqueue(Key::of(kind, &meta));
+                        }
+                    }
+                }
+                Err(e) => warn!(%e, kind, "cannot list"),
+            }
+        }
     }
 
     async fn reconcile(self: &Arc<Self>, key: &Key) {
         let started = std::time::Instant::now();
         let now = Utc::now();
         let result = match key.kind.as_str() {
-            PROPLET => self.reconcile_proplet(key, now),
+            PROPLET => self.reconcile_proplet(key, now).await,
             TASK => self.reconcile_task(key, now).await,
             PROPELLER_JOB => self.reconcile_propeller_job(key, now),
             FEDERATED_JOB => self.reconcile_federated_job(key, now),
@@ -434,6 +507,8 @@ impl Driver {
             Ok(Some(at)) => self.enqueue_at(key.clone(), at, now),
             Ok(None) => {}
             Err(DriverError::Store(StoreError::NotFound { .. })) => {}
+            // Someone wrote the object since it was read: read it again now.
+            Err(e) if e.is_conflict() => self.enqueue(key.clone()),
             Err(e) => {
                 debug!(%e, kind = %key.kind, name = %key.name, "reconcile failed; retrying");
                 self.enqueue_at(key.clone(), now + chrono::Duration::seconds(1), now);
@@ -441,7 +516,7 @@ impl Driver {
         }
     }
 
-    fn reconcile_proplet(
+    async fn reconcile_proplet(
         &self,
         key: &Key,
         now: DateTime<Utc>,
@@ -461,20 +536,24 @@ impl Driver {
             lock(&self.state.proplet_writes).remove(&map_key);
             finalizers.retain(|f| f != PROPLET_FINALIZER);
             self.store
-                .set_finalizers(PROPLET, &key.namespace, &key.name, finalizers, version)?;
-            self.refresh_credentials();
+                .set_finalizers_async(PROPLET, &key.namespace, &key.name, finalizers, version)
+                .await?;
+            self.refresh_credentials(false);
             return Ok(None);
         }
         let mut version = version.map(str::to_owned);
         if !finalizers.iter().any(|f| f == PROPLET_FINALIZER) {
             finalizers.push(PROPLET_FINALIZER.to_owned());
-            let updated = self.store.set_finalizers(
-                PROPLET,
-                &key.namespace,
-                &key.name,
-                finalizers,
-                version.as_deref(),
-            )?;
+            let updated = self
+                .store
+                .set_finalizers_async(
+                    PROPLET,
+                    &key.namespace,
+                    &key.name,
+                    finalizers,
+                    version.as_deref(),
+                )
+                .await?;
             version = version_of(&updated);
         }
         let observed = PropletObservations {
@@ -482,30 +561,27 @@ impl Driver {
             deployment: None,
             last_write: lock(&self.state.proplet_writes).get(&map_key).copied(),
             report: self.state.liveness.report(&client_id),
+            task_count: i64::from(self.cache.load(&key.namespace, &key.name)),
         };
-        let mut plan = plan_proplet(&proplet, &observed, &self.settings.proplet, now);
-        let tasks = self.all::<Task>(TASK);
-        let count = i64::from(crate::decision::task::active_tasks(&proplet, tasks.iter()));
+        let plan = plan_proplet(&proplet, &observed, &self.settings.proplet, now);
         let written = proplet.status.clone().unwrap_or_default();
-        if plan.status.is_none() && written.task_count != count {
-            plan.status = Some(written.clone());
-        }
-        if let Some(status) = plan.status.as_mut() {
-            status.task_count = count;
-            let value = serde_json::to_value(&*status).unwrap_or(Value::Null);
-            self.store.write_status(
-                PROPLET,
-                &key.namespace,
-                &key.name,
-                value,
-                version.as_deref(),
-            )?;
+        if let Some(status) = plan.status.as_ref() {
+            let value = serde_json::to_value(status).unwrap_or(Value::Null);
+            self.store
+                .write_status_async(
+                    PROPLET,
+                    &key.namespace,
+                    &key.name,
+                    value,
+                    version.as_deref(),
+                )
+                .await?;
             self.state
                 .liveness
                 .clear_written(&client_id, &observed.external);
             lock(&self.state.proplet_writes).insert(map_key, now);
             if status.phase == PropletPhase::Running && written.phase != PropletPhase::Running {
-                for task in tasks {
+                for task in self.cache.tasks_in(&key.namespace) {
                     let waiting = task
                         .status
                         .as_ref()
@@ -541,11 +617,19 @@ impl Driver {
         else {
             return Ok(None);
         };
-        let tasks = self.all::<Task>(TASK);
-        let proplets = self.all::<Proplet>(PROPLET);
-        let task_refs: Vec<&Task> = tasks.iter().collect();
-        let proplet_refs: Vec<&Proplet> = proplets.iter().collect();
-        let mut observed = observe_caches(&task, &task_refs, &proplet_refs);
+        let proplets = self.cache.proplets_in(&key.namespace);
+        let mut observed = observe_indexed(
+            &task,
+            |dep| self.cache.task_phase(&key.namespace, dep),
+            || self.cache.dependency_graph(&key.namespace),
+            &refs(&proplets),
+            |p| {
+                self.cache.load(
+                    &key.namespace,
+                    p.metadata.name.as_deref().unwrap_or_default(),
+                )
+            },
+        );
         self.state.complete(&task, &mut observed);
         if awaits_job(&task, &observed) {
             observed.job = None;
@@ -580,11 +664,7 @@ impl Driver {
             return Ok(None);
         };
         let uid = job.metadata.uid.clone().unwrap_or_default();
-        let tasks: Vec<Task> = self
-            .all::<Task>(TASK)
-            .into_iter()
-            .filter(|t| t.metadata.namespace.as_deref() == Some(key.namespace.as_str()))
-            .collect();
+        let tasks = self.cache.tasks_in(&key.namespace);
         let phase = |t: &Task| t.status.as_ref().map(|s| s.phase).unwrap_or_default();
         let observed = JobObservation {
             children: tasks
@@ -606,7 +686,7 @@ impl Driver {
                     let found = tasks
                         .iter()
                         .find(|t| t.metadata.name.as_deref() == Some(name.as_str()))
-                        .map(phase);
+                        .map(|t| phase(t));
                     (name.clone(), found)
                 })
                 .collect(),
@@ -706,10 +786,8 @@ impl Driver {
         else {
             return Ok(None);
         };
-        let tasks = self.all::<Task>(TASK);
-        let proplets = self.all::<Proplet>(PROPLET);
-        let task_refs: Vec<&Task> = tasks.iter().collect();
-        let proplet_refs: Vec<&Proplet> = proplets.iter().collect();
+        let tasks = self.cache.tasks();
+        let proplets = self.cache.proplets();
         let parent = self.store.get_typed::<FederatedJob>(
             FEDERATED_JOB,
             &key.namespace,
@@ -720,7 +798,13 @@ impl Driver {
             .store
             .get(CONFIG_MAP, &key.namespace, &model_name)?
             .map(|_| model_name.clone());
-        let observed = observe_round(&round, &task_refs, &proplet_refs, parent.as_ref(), stored);
+        let observed = observe_round(
+            &round,
+            &refs(&tasks),
+            &refs(&proplets),
+            parent.as_ref(),
+            stored,
+        );
         let plan = reconcile_round(&round, &observed, now);
         for task in &plan.create {
             self.create_or_keep(serde_json::to_value(task).unwrap_or(Value::Null))?;

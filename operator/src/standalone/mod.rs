@@ -2,6 +2,7 @@
 //! over a durable embedded store that keeps the API server semantics they rely on.
 
 pub mod api;
+pub mod cache;
 pub mod client;
 pub mod driver;
 pub mod events;

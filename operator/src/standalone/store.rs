@@ -17,22 +17,26 @@
 //!   trigger themselves forever;
 //! * watchers get a [`Change`] after every committed write.
 //!
-//! Storage is [redb](https://docs.rs/redb), a pure-Rust ACID embedded database: each
-//! operation is one write transaction committed with immediate durability, so an object
-//! returned by a write survives a crash or restart. redb is synchronous. Calling the store
-//! from async code is fine for the small, infrequent writes of a controller (a commit is one
-//! `fsync`); bulk work should go through `tokio::task::spawn_blocking`.
+//! Storage is [redb](https://docs.rs/redb), a pure-Rust ACID embedded database. Each
+//! operation is one write transaction, and a write returns only once it is durable, so an
+//! object returned by a write survives a crash or restart. Durability is a group commit:
+//! transactions commit without `fsync`, and the first writer that needs durability runs one
+//! `fsync`ed commit that covers every transaction before it, while the writers that arrive
+//! meanwhile wait for it. Concurrent writers (reconciles running side by side, a burst of
+//! API calls) thus share one `fsync` instead of queueing one each. Watchers and observers
+//! hear of a change only once it is durable; plain reads may see a committed write a moment
+//! before its `fsync` completes.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use chrono::{SecondsFormat, Utc};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 
 /// Objects by `Kind/namespace/name`, as JSON bytes.
 const OBJECTS: TableDefinition<&str, &[u8]> = TableDefinition::new("objects");
@@ -40,6 +44,8 @@ const OBJECTS: TableDefinition<&str, &[u8]> = TableDefinition::new("objects");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// Key of the global resourceVersion counter in [`META`].
 const VERSION_KEY: &str = "resourceVersion";
+/// Key in [`META`] the durable commit writes, so that it always has something to commit.
+const SYNCED_KEY: &str = "synced";
 
 /// File name of the database inside the directory given to [`ObjectStore::open`].
 pub const DB_FILE: &str = "objects.redb";
@@ -149,7 +155,18 @@ database_errors!(
     redb::TableError,
     redb::StorageError,
     redb::CommitError,
+    redb::SetDurabilityError,
 );
+
+/// Why [`ObjectStore::apply_all`] stored nothing: object `index` was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("object {index}: {error}")]
+pub struct DocumentError {
+    /// Position of the refused object in the input.
+    pub index: usize,
+    /// Why it was refused.
+    pub error: Box<StoreError>,
+}
 
 /// What [`ObjectStore::apply`] did.
 #[derive(Debug, Clone, PartialEq)]
@@ -181,6 +198,62 @@ pub enum ChangeKind {
     Deleted,
 }
 
+impl ChangeKind {
+    /// The watch event type's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Added => "Added",
+            ChangeKind::Modified => "Modified",
+            ChangeKind::Deleted => "Deleted",
+        }
+    }
+}
+
+/// Labels of [`StoreMetrics::changes`].
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ChangeLabels {
+    /// Kind of the object.
+    pub kind: String,
+    /// `Added`, `Modified` or `Deleted`.
+    pub change: String,
+}
+
+/// What the store did, for `/metrics`: how many writes per kind (a Proplet `Modified` is a
+/// status write once the finalizer is on) and how many `fsync`s they cost.
+#[derive(Clone, Debug, Default)]
+pub struct StoreMetrics {
+    /// Object changes made durable, by kind and change.
+    pub changes: prometheus_client::metrics::family::Family<
+        ChangeLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// Write transactions committed.
+    pub transactions: prometheus_client::metrics::counter::Counter,
+    /// Durable (`fsync`ed) commits; fewer than transactions when writers shared them.
+    pub durable_commits: prometheus_client::metrics::counter::Counter,
+}
+
+impl StoreMetrics {
+    /// Adds the counters to `registry`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "store_changes",
+            "Object changes made durable, by kind and change",
+            self.changes.clone(),
+        );
+        registry.register(
+            "store_transactions",
+            "Write transactions committed",
+            self.transactions.clone(),
+        );
+        registry.register(
+            "store_durable_commits",
+            "Durable (fsynced) commits, each covering every transaction before it",
+            self.durable_commits.clone(),
+        );
+    }
+}
+
 /// One committed change, sent to every watcher. It names the object rather than carrying
 /// it: a reconciler reads the current state, which may already be newer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -194,6 +267,12 @@ pub struct Change {
     /// What happened to it.
     pub kind_of_change: ChangeKind,
 }
+
+/// Called with every durable change, in commit order, and the object as stored after it
+/// (`None` once removed). Observers run on the writer's thread before the write returns, so
+/// an in-memory index they keep is never behind a write its owner has seen complete. They
+/// must be quick and must not call the store.
+pub type Observer = Arc<dyn Fn(&Change, Option<&Value>) + Send + Sync>;
 
 /// Identity of a stored object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -476,8 +555,11 @@ fn given_version(obj: &Value) -> Result<Option<String>, StoreError> {
 struct Tx<'t> {
     objects: redb::Table<'t, &'static str, &'static [u8]>,
     version: u64,
-    changes: Vec<Change>,
+    changes: Announced,
 }
+
+/// A transaction's changes, each with the object as stored after it (`None` once removed).
+type Announced = Vec<(Change, Option<Value>)>;
 
 impl Tx<'_> {
     fn load(&self, key: &Key) -> Result<Option<Value>, StoreError> {
@@ -493,7 +575,7 @@ impl Tx<'_> {
         let bytes = serde_json::to_vec(obj)?;
         self.objects
             .insert(key.encoded().as_str(), bytes.as_slice())?;
-        self.changes.push(key.change(change));
+        self.changes.push((key.change(change), Some(obj.clone())));
         Ok(())
     }
 
@@ -501,7 +583,7 @@ impl Tx<'_> {
     fn remove(&mut self, key: &Key, mut obj: Value) -> Result<Value, StoreError> {
         self.stamp(&mut obj);
         self.objects.remove(key.encoded().as_str())?;
-        self.changes.push(key.change(ChangeKind::Deleted));
+        self.changes.push((key.change(ChangeKind::Deleted), None));
         Ok(obj)
     }
 
@@ -769,9 +851,31 @@ struct Inner {
     db: Database,
     path: PathBuf,
     events: broadcast::Sender<Change>,
-    /// Held from the start of a write transaction until its changes are sent, so watchers
-    /// see changes in commit (resourceVersion) order.
+    observers: RwLock<Vec<Observer>>,
+    /// Held from the start of a write transaction until its changes are queued for
+    /// announcement, so watchers see changes in commit (resourceVersion) order.
     write_order: Mutex<()>,
+    group: Mutex<GroupCommit>,
+    /// Wakes blocking writers when a durable commit finished.
+    synced_blocking: Condvar,
+    /// Wakes async writers when a durable commit finished; carries [`GroupCommit::synced`].
+    synced_async: watch::Sender<u64>,
+    metrics: StoreMetrics,
+}
+
+/// Where the group commit stands. Sequence numbers count committed write transactions.
+#[derive(Default)]
+struct GroupCommit {
+    /// Last transaction committed (visible, maybe not yet durable).
+    committed: u64,
+    /// Last transaction known durable and announced.
+    synced: u64,
+    /// A writer is running the durable commit; the others wait for it.
+    syncing: bool,
+    /// A durable commit failed: the database's state on disk is unknown from here on.
+    failed: Option<String>,
+    /// Changes of transactions not yet durable, to announce once they are.
+    pending: VecDeque<(u64, Announced)>,
 }
 
 /// A durable store of Kubernetes-style objects with API server semantics (see the module
@@ -813,7 +917,12 @@ impl ObjectStore {
                 db,
                 path,
                 events,
+                observers: RwLock::new(Vec::new()),
                 write_order: Mutex::new(()),
+                group: Mutex::new(GroupCommit::default()),
+                synced_blocking: Condvar::new(),
+                synced_async: watch::Sender::new(0),
+                metrics: StoreMetrics::default(),
             }),
         })
     }
@@ -837,6 +946,30 @@ impl ObjectStore {
     pub fn apply(&self, obj: Value) -> Result<Applied, StoreError> {
         let key = Key::of(&obj)?;
         self.write(|tx| tx.apply(&key, obj, false))
+    }
+
+    /// Applies every object like [`ObjectStore::apply`], all in one transaction: either all
+    /// are stored or, on the first error, none.
+    pub fn apply_all(&self, objs: Vec<Value>) -> Result<Vec<Applied>, DocumentError> {
+        let failed = |index, error| DocumentError {
+            index,
+            error: Box::new(error),
+        };
+        let keys = objs
+            .iter()
+            .enumerate()
+            .map(|(i, obj)| Key::of(obj).map_err(|e| failed(i, e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut failed_at = 0;
+        self.write(|tx| {
+            let mut applied = Vec::with_capacity(objs.len());
+            for (i, (key, obj)) in keys.iter().zip(objs).enumerate() {
+                failed_at = i;
+                applied.push(tx.apply(key, obj, false)?);
+            }
+            Ok(applied)
+        })
+        .map_err(|e| failed(failed_at, e))
     }
 
     /// Creates `obj` like [`ObjectStore::apply`] does, but fails with
@@ -937,6 +1070,38 @@ impl ObjectStore {
         self.write(|tx| tx.write_status(&key, status, expected_version))
     }
 
+    /// [`ObjectStore::write_status`] for async callers: waiting for durability does not hold a
+    /// runtime thread, so concurrent reconciles share one `fsync`.
+    pub async fn write_status_async(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        status: Value,
+        expected_version: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        let (out, seq) = self.commit(|tx| tx.write_status(&key, status, expected_version))?;
+        self.durable(seq).await?;
+        Ok(out)
+    }
+
+    /// [`ObjectStore::set_finalizers`] for async callers (see
+    /// [`ObjectStore::write_status_async`]).
+    pub async fn set_finalizers_async(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        finalizers: Vec<String>,
+        expected_version: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        let (out, seq) = self.commit(|tx| tx.set_finalizers(&key, finalizers, expected_version))?;
+        self.durable(seq).await?;
+        Ok(out)
+    }
+
     /// Replaces the finalizers of an object. On a terminating object finalizers can only be
     /// removed, and removing the last one removes the object (and cascades to what it owns);
     /// the object's last state is returned then. With `expected_version`, a stale read is
@@ -980,18 +1145,41 @@ impl ObjectStore {
         self.inner.events.subscribe()
     }
 
-    /// Runs `f` in one write transaction, commits it if it changed anything, then announces
-    /// its changes. An error from `f` aborts the transaction, leaving the store untouched.
+    /// The store's counters.
+    pub fn metrics(&self) -> &StoreMetrics {
+        &self.inner.metrics
+    }
+
+    /// Registers `observer` for every durable change from now on (see [`Observer`]).
+    pub fn observe(&self, observer: Observer) {
+        self.inner
+            .observers
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(observer);
+    }
+
+    /// Runs `f` in one write transaction, commits it if it changed anything and returns once
+    /// the commit is durable and announced. An error from `f` aborts the transaction, leaving
+    /// the store untouched.
     fn write<T>(
         &self,
         f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let _order = self
-            .inner
-            .write_order
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let txn = self.inner.db.begin_write()?;
+        let (out, seq) = self.commit(f)?;
+        self.durable_blocking(seq)?;
+        Ok(out)
+    }
+
+    /// Runs `f` in one write transaction and commits it without `fsync`. Returns the
+    /// transaction's sequence number to wait on (0 if it changed nothing).
+    fn commit<T>(
+        &self,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
+    ) -> Result<(T, u64), StoreError> {
+        let _order = lock(&self.inner.write_order);
+        let mut txn = self.inner.db.begin_write()?;
+        txn.set_durability(Durability::None)?;
         let (out, changes) = {
             let mut meta = txn.open_table(META)?;
             let start = meta.get(VERSION_KEY)?.map(|v| v.value()).unwrap_or(0);
@@ -1008,15 +1196,141 @@ impl ObjectStore {
         };
         if changes.is_empty() {
             txn.abort()?;
-            return Ok(out);
+            return Ok((out, 0));
         }
         txn.commit()?;
-        for change in changes {
-            // No receivers is fine: nobody is watching yet.
-            let _ = self.inner.events.send(change);
-        }
-        Ok(out)
+        self.inner.metrics.transactions.inc();
+        let mut group = lock(&self.inner.group);
+        group.committed += 1;
+        let seq = group.committed;
+        group.pending.push_back((seq, changes));
+        Ok((out, seq))
     }
+
+    /// Whether transaction `seq` is durable; `None` if not yet and someone is syncing,
+    /// `Some(false)` if the caller must run the durable commit itself.
+    fn sync_state(&self, seq: u64) -> Result<Option<bool>, StoreError> {
+        let mut group = lock(&self.inner.group);
+        if group.synced >= seq {
+            return Ok(Some(true));
+        }
+        if let Some(problem) = &group.failed {
+            return Err(StoreError::Database(problem.clone()));
+        }
+        if group.syncing {
+            return Ok(None);
+        }
+        group.syncing = true;
+        Ok(Some(false))
+    }
+
+    /// Waits, blocking the thread, until transaction `seq` is durable.
+    fn durable_blocking(&self, seq: u64) -> Result<(), StoreError> {
+        loop {
+            match self.sync_state(seq)? {
+                Some(true) => return Ok(()),
+                Some(false) => self.sync_and_announce(),
+                None => {
+                    let group = lock(&self.inner.group);
+                    if group.syncing {
+                        drop(
+                            self.inner
+                                .synced_blocking
+                                .wait(group)
+                                .unwrap_or_else(PoisonError::into_inner),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits, without blocking a runtime thread, until transaction `seq` is durable.
+    async fn durable(&self, seq: u64) -> Result<(), StoreError> {
+        let mut synced = self.inner.synced_async.subscribe();
+        loop {
+            match self.sync_state(seq)? {
+                Some(true) => return Ok(()),
+                Some(false) => {
+                    let store = self.clone();
+                    // Runs to the end even if this future is dropped: others wait on it.
+                    let _ = tokio::task::spawn_blocking(move || store.sync_and_announce()).await;
+                }
+                None => {
+                    let _ = synced.changed().await;
+                }
+            }
+        }
+    }
+
+    /// The durable commit: one `fsync`ed transaction covering every commit before it, then
+    /// the announcement of their changes, in order. Only the writer that set `syncing` runs it.
+    fn sync_and_announce(&self) {
+        let target = lock(&self.inner.group).committed;
+        let outcome = self.commit_durably(target);
+        let ready: Vec<(u64, Announced)> = {
+            let mut group = lock(&self.inner.group);
+            match &outcome {
+                Ok(()) => {
+                    let mut ready = Vec::new();
+                    while group.pending.front().is_some_and(|(seq, _)| *seq <= target) {
+                        ready.extend(group.pending.pop_front());
+                    }
+                    ready
+                }
+                Err(e) => {
+                    group.failed = Some(format!(
+                        "a durable commit failed ({e}); restart to recover the store"
+                    ));
+                    Vec::new()
+                }
+            }
+        };
+        {
+            let observers = self
+                .inner
+                .observers
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            for (change, object) in ready.into_iter().flat_map(|(_, changes)| changes) {
+                self.inner
+                    .metrics
+                    .changes
+                    .get_or_create(&ChangeLabels {
+                        kind: change.kind.clone(),
+                        change: change.kind_of_change.as_str().to_owned(),
+                    })
+                    .inc();
+                for observer in observers.iter() {
+                    observer(&change, object.as_ref());
+                }
+                // No receivers is fine: nobody is watching yet.
+                let _ = self.inner.events.send(change);
+            }
+        }
+        {
+            let mut group = lock(&self.inner.group);
+            if outcome.is_ok() {
+                group.synced = group.synced.max(target);
+            }
+            group.syncing = false;
+        }
+        self.inner.synced_blocking.notify_all();
+        self.inner.synced_async.send_replace(target);
+    }
+
+    fn commit_durably(&self, target: u64) -> Result<(), StoreError> {
+        let mut txn = self.inner.db.begin_write()?;
+        txn.set_durability(Durability::Immediate)?;
+        txn.open_table(META)?.insert(SYNCED_KEY, target)?;
+        txn.commit()?;
+        self.inner.metrics.durable_commits.inc();
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]
@@ -1549,6 +1863,71 @@ mod tests {
         // And the stale-version check still holds across the restart.
         let stale = store.write_status("Task", "iot", "t", json!({}), Some("2"));
         assert!(matches!(stale, Err(StoreError::Conflict { .. })));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_writers_share_durable_commits_and_changes_keep_commit_order() {
+        let (dir, store) = store();
+        let names: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
+        let docs = names.iter().map(|n| task("iot", n, json!({}))).collect();
+        store.apply_all(docs).unwrap();
+        let mut rx = store.subscribe();
+        let mut writers = tokio::task::JoinSet::new();
+        for name in names.clone() {
+            let store = store.clone();
+            writers.spawn(async move {
+                store
+                    .write_status_async("Task", "iot", &name, json!({"phase": "Running"}), None)
+                    .await
+            });
+        }
+        while let Some(written) = writers.join_next().await {
+            let written = written.unwrap().unwrap();
+            // Returned means announced: the change is already in the channel.
+            assert_eq!(written["status"]["phase"], "Running");
+        }
+        let changes = drain(&mut rx);
+        assert_eq!(changes.len(), 40);
+        let mut versions = Vec::new();
+        for (_, name, _) in &changes {
+            let obj = store.get("Task", "iot", name).unwrap().unwrap();
+            versions.push(rv(&obj).parse::<u64>().unwrap());
+        }
+        assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+        drop(store);
+        let reopened = ObjectStore::open(dir.path()).unwrap();
+        let running = reopened
+            .list("Task", Some("iot"))
+            .unwrap()
+            .into_iter()
+            .filter(|t| t["status"]["phase"] == "Running")
+            .count();
+        assert_eq!(running, 40, "every returned write survived the reopen");
+    }
+
+    #[test]
+    fn apply_all_stores_everything_or_nothing() {
+        let (_dir, store) = store();
+        store.apply(task("iot", "b", json!({}))).unwrap();
+        let good = task("iot", "a", json!({}));
+        let mut stale = task("iot", "b", json!({"n": 2}));
+        stale["metadata"]["resourceVersion"] = json!("999");
+        let refused = store.apply_all(vec![good.clone(), stale]);
+        assert!(
+            matches!(&refused, Err(DocumentError { index: 1, error }) if matches!(**error, StoreError::Conflict { .. })),
+            "{refused:?}"
+        );
+        assert!(
+            store.get("Task", "iot", "a").unwrap().is_none(),
+            "rolled back"
+        );
+        let unnamed = json!({"kind": "Task", "metadata": {}});
+        assert!(matches!(
+            store.apply_all(vec![good.clone(), unnamed]),
+            Err(DocumentError { index: 1, error }) if matches!(*error, StoreError::Invalid(_))
+        ));
+        let applied = store.apply_all(vec![good]).unwrap();
+        assert!(applied[0].created);
     }
 
     #[test]

@@ -1,0 +1,430 @@
+//! Typed in-memory copies of the stored Proplets and Tasks, the standalone counterpart of
+//! kube-rs reflectors.
+//!
+//! Reconciles look at many objects besides their own: a Task's scheduling reads every
+//! Proplet and the tasks each runs, a heartbeat is routed by client id, a result by task UID.
+//! Reading those from the database would deserialize every object on every reconcile, so
+//! the driver reads them here instead. The cache is fed by a store [`Observer`], which runs
+//! before a write returns: once a writer has seen its write complete, the cache has it too.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::crd::proplet::Proplet;
+use crate::crd::task::{Task, TaskPhase};
+use crate::decision::dag::Graph;
+use crate::decision::task::occupied;
+
+use super::driver::{PROPLET, TASK};
+use super::store::{Change, ObjectStore, StoreError};
+
+/// `(namespace, name)`.
+type Name = (String, String);
+
+/// The cached Proplets and Tasks with the indexes the driver looks them up by.
+#[derive(Default)]
+pub struct ObjectCache {
+    inner: RwLock<Cached>,
+}
+
+#[derive(Default)]
+struct Cached {
+    proplets: BTreeMap<Name, Arc<Proplet>>,
+    tasks: BTreeMap<Name, Arc<Task>>,
+    proplet_by_client: HashMap<String, Name>,
+    task_by_uid: HashMap<String, Name>,
+    /// Tasks occupying each proplet (`(namespace, proplet)` → task names): its load.
+    occupants: HashMap<Name, BTreeSet<String>>,
+    /// Tasks depending on each task (`(namespace, dependency)` → task names).
+    dependents: HashMap<Name, BTreeSet<String>>,
+    credential_epoch: u64,
+}
+
+fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Name {
+    (
+        meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> u64 {
+    meta.resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Cached {
+    fn put_proplet(&mut self, proplet: Proplet, only_if_newer: bool) {
+        let key = name_of(&proplet.metadata);
+        let old = self.proplets.get(&key);
+        if only_if_newer && old.is_some_and(|o| version(&o.metadata) >= version(&proplet.metadata))
+        {
+            return;
+        }
+        let credentials_change = old.is_none_or(|o| {
+            o.metadata.generation != proplet.metadata.generation
+                || o.metadata.deletion_timestamp.is_some()
+                    != proplet.metadata.deletion_timestamp.is_some()
+        });
+        if let Some(old) = old {
+            self.proplet_by_client.remove(old.client_id());
+        }
+        self.proplet_by_client
+            .insert(proplet.client_id().to_owned(), key.clone());
+        self.proplets.insert(key, Arc::new(proplet));
+        if credentials_change {
+            self.credential_epoch += 1;
+        }
+    }
+
+    fn remove_proplet(&mut self, key: &Name) {
+        if let Some(old) = self.proplets.remove(key) {
+            if self.proplet_by_client.get(old.client_id()) == Some(key) {
+                self.proplet_by_client.remove(old.client_id());
+            }
+            self.credential_epoch += 1;
+        }
+    }
+
+    fn put_task(&mut self, task: Task, only_if_newer: bool) {
+        let key = name_of(&task.metadata);
+        if only_if_newer
+            && self
+                .tasks
+                .get(&key)
+                .is_some_and(|o| version(&o.metadata) >= version(&task.metadata))
+        {
+            return;
+        }
+        self.remove_task(&key);
+        if let Some(uid) = &task.metadata.uid {
+            self.task_by_uid.insert(uid.clone(), key.clone());
+        }
+        let (ns, name) = &key;
+        for proplet in occupied(&task) {
+            self.occupants
+                .entry((ns.clone(), proplet.to_owned()))
+                .or_default()
+                .insert(name.clone());
+        }
+        for dep in &task.spec.depends_on {
+            self.dependents
+                .entry((ns.clone(), dep.clone()))
+                .or_default()
+                .insert(name.clone());
+        }
+        self.tasks.insert(key, Arc::new(task));
+    }
+
+    fn remove_task(&mut self, key: &Name) {
+        let Some(old) = self.tasks.remove(key) else {
+            return;
+        };
+        if let Some(uid) = &old.metadata.uid {
+            self.task_by_uid.remove(uid);
+        }
+        let (ns, name) = key;
+        let unlink = |index: &mut HashMap<Name, BTreeSet<String>>, of: &str| {
+            let at = (ns.clone(), of.to_owned());
+            if let Some(names) = index.get_mut(&at) {
+                names.remove(name);
+                if names.is_empty() {
+                    index.remove(&at);
+                }
+            }
+        };
+        for proplet in occupied(&old) {
+            unlink(&mut self.occupants, proplet);
+        }
+        for dep in &old.spec.depends_on {
+            unlink(&mut self.dependents, dep);
+        }
+    }
+}
+
+fn decode<K: DeserializeOwned>(object: &Value) -> Option<K> {
+    match serde_json::from_value(object.clone()) {
+        Ok(typed) => Some(typed),
+        Err(e) => {
+            tracing::warn!(%e, "a stored object does not match its kind; not cached");
+            None
+        }
+    }
+}
+
+impl ObjectCache {
+    /// A cache of `store`'s Proplets and Tasks, kept current from now on.
+    pub fn attach(store: &ObjectStore) -> Result<Arc<Self>, StoreError> {
+        let cache = Arc::new(Self::default());
+        let weak = Arc::downgrade(&cache);
+        store.observe(Arc::new(move |change, object| {
+            if let Some(cache) = weak.upgrade() {
+                cache.observe(change, object);
+            }
+        }));
+        // Holding the lock while listing: changes announced meanwhile wait, then apply on
+        // top; the version check keeps a listed object from replacing a newer one.
+        let mut cached = cache.write();
+        for value in store.list(PROPLET, None)? {
+            if let Some(p) = decode::<Proplet>(&value) {
+                cached.put_proplet(p, true);
+            }
+        }
+        for value in store.list(TASK, None)? {
+            if let Some(t) = decode::<Task>(&value) {
+                cached.put_task(t, true);
+            }
+        }
+        drop(cached);
+        Ok(cache)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Cached> {
+        self.inner.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Cached> {
+        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn observe(&self, change: &Change, object: Option<&Value>) {
+        let key = (change.namespace.clone(), change.name.clone());
+        match (change.kind.as_str(), object) {
+            (PROPLET, Some(value)) => {
+                if let Some(p) = decode::<Proplet>(value) {
+                    self.write().put_proplet(p, false);
+                }
+            }
+            (PROPLET, None) => self.write().remove_proplet(&key),
+            (TASK, Some(value)) => {
+                if let Some(t) = decode::<Task>(value) {
+                    self.write().put_task(t, false);
+                }
+            }
+            (TASK, None) => self.write().remove_task(&key),
+            _ => {}
+        }
+    }
+
+    /// Every Proplet, by namespace then name.
+    pub fn proplets(&self) -> Vec<Arc<Proplet>> {
+        self.read().proplets.values().cloned().collect()
+    }
+
+    /// Every Task, by namespace then name.
+    pub fn tasks(&self) -> Vec<Arc<Task>> {
+        self.read().tasks.values().cloned().collect()
+    }
+
+    /// The Proplet that logs in to the broker as `client_id`.
+    pub fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
+        let cached = self.read();
+        let key = cached.proplet_by_client.get(client_id)?;
+        cached.proplets.get(key).cloned()
+    }
+
+    /// The Task with this UID.
+    pub fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
+        let cached = self.read();
+        let key = cached.task_by_uid.get(uid)?;
+        cached.tasks.get(key).cloned()
+    }
+
+    /// One Task.
+    pub fn task(&self, namespace: &str, name: &str) -> Option<Arc<Task>> {
+        self.read()
+            .tasks
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// The phase of Task `namespace`/`name`, if it exists.
+    pub fn task_phase(&self, namespace: &str, name: &str) -> Option<TaskPhase> {
+        self.read()
+            .tasks
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default())
+    }
+
+    /// The dependency graph of the Tasks in `namespace`.
+    pub fn dependency_graph(&self, namespace: &str) -> Graph {
+        self.read()
+            .tasks
+            .range((namespace.to_owned(), String::new())..)
+            .take_while(|((ns, _), _)| ns == namespace)
+            .map(|((_, name), t)| (name.clone(), t.spec.depends_on.clone()))
+            .collect()
+    }
+
+    /// The Proplets of `namespace`.
+    pub fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>> {
+        self.read()
+            .proplets
+            .range((namespace.to_owned(), String::new())..)
+            .take_while(|((ns, _), _)| ns == namespace)
+            .map(|(_, p)| p.clone())
+            .collect()
+    }
+
+    /// The Tasks of `namespace`.
+    pub fn tasks_in(&self, namespace: &str) -> Vec<Arc<Task>> {
+        self.read()
+            .tasks
+            .range((namespace.to_owned(), String::new())..)
+            .take_while(|((ns, _), _)| ns == namespace)
+            .map(|(_, t)| t.clone())
+            .collect()
+    }
+
+    /// Names of the Tasks that occupy proplet `namespace`/`proplet` (scheduled or running
+    /// there).
+    pub fn occupants(&self, namespace: &str, proplet: &str) -> Vec<String> {
+        self.read()
+            .occupants
+            .get(&(namespace.to_owned(), proplet.to_owned()))
+            .map(|names| names.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many Tasks occupy proplet `namespace`/`proplet`.
+    pub fn load(&self, namespace: &str, proplet: &str) -> u32 {
+        self.read()
+            .occupants
+            .get(&(namespace.to_owned(), proplet.to_owned()))
+            .map(|names| u32::try_from(names.len()).unwrap_or(u32::MAX))
+            .unwrap_or(0)
+    }
+
+    /// Names of the Tasks in `namespace` that depend on Task `name`.
+    pub fn dependents(&self, namespace: &str, name: &str) -> Vec<String> {
+        self.read()
+            .dependents
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|names| names.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Moves whenever the broker's credential table must be rebuilt: a Proplet appeared or
+    /// went, started terminating, or got a new spec generation.
+    pub fn credential_epoch(&self) -> u64 {
+        self.read().credential_epoch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn proplet(name: &str, client: &str) -> Value {
+        json!({"apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+               "metadata": {"name": name},
+               "spec": {"type": "external", "connectionConfig": {
+                   "mqttAddress": "tcp://127.0.0.1:1883", "domainId": "d", "channelId": "c",
+                   "clientId": client, "clientKeySecretRef": {"name": "k", "key": "key"}}}})
+    }
+
+    fn task(name: &str) -> Value {
+        json!({"apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Task",
+               "metadata": {"name": name},
+               "spec": {"name": name, "functionName": "add", "file": "AA=="}})
+    }
+
+    #[test]
+    fn follows_every_write_before_it_returns() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = ObjectStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        store
+            .apply(proplet("before", "c-before"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let cache = ObjectCache::attach(&store).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            cache.proplet_by_client("c-before").is_some(),
+            "loaded at attach"
+        );
+        let epoch = cache.credential_epoch();
+
+        store
+            .apply(proplet("after", "c-after"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            cache
+                .proplet_by_client("c-after")
+                .and_then(|p| p.metadata.name.clone())
+                .as_deref(),
+            Some("after")
+        );
+        assert!(
+            cache.credential_epoch() > epoch,
+            "a new Proplet moves the epoch"
+        );
+
+        let epoch = cache.credential_epoch();
+        store
+            .write_status(
+                PROPLET,
+                "default",
+                "after",
+                json!({"phase": "Running"}),
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cache.credential_epoch(), epoch, "status writes do not");
+
+        let mut dependent = task("t2");
+        dependent["spec"]["dependsOn"] = json!(["t1"]);
+        store.apply(dependent).unwrap_or_else(|e| panic!("{e}"));
+        let created = store.apply(task("t1")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cache.dependents("default", "t1"), vec!["t2".to_owned()]);
+        store
+            .write_status(
+                TASK,
+                "default",
+                "t1",
+                json!({"phase": "running", "assignedProplet": "after"}),
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cache.load("default", "after"), 1);
+        assert_eq!(cache.occupants("default", "after"), vec!["t1".to_owned()]);
+        assert_eq!(cache.task_phase("default", "t1"), Some(TaskPhase::Running));
+        store
+            .write_status(
+                TASK,
+                "default",
+                "t1",
+                json!({"phase": "completed", "assignedProplet": "after"}),
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            cache.load("default", "after"),
+            0,
+            "a finished task frees it"
+        );
+        let uid = created.object["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(cache.task_by_uid(uid).is_some());
+        store
+            .delete(TASK, "default", "t1")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(cache.task_by_uid(uid).is_none());
+        assert!(cache.task("default", "t1").is_none());
+        store
+            .delete(TASK, "default", "t2")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(cache.dependents("default", "t1").is_empty());
+        assert!(cache.tasks_in("default").is_empty());
+
+        store
+            .delete(PROPLET, "default", "before")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(cache.proplet_by_client("c-before").is_none());
+        assert_eq!(cache.proplets().len(), 1);
+    }
+}

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Heartbeat scale: `propeller standalone` holding N Proplets (default 10,000), each with its
+# own Secret, and N simulated proplets (`propeller-loadgen heartbeats`: real MQTT
+# connections, each logging in with its own key) heartbeating every 10 s. After a steady
+# minute, 1,000 of them go silent (connected, no heartbeats).
+#
+#   scripts/bench-heartbeats.sh [N]
+#
+# Reports, from /proc and the standalone API's /metrics:
+#   - time from the first connection to all N Running;
+#   - steady state (all Running, before the silence): propeller's CPU (% of one core),
+#     RSS, Proplet status writes per second and per proplet per flush interval;
+#   - time from the silence to all 1,000 Offline (threshold 30 s).
+# Every connection costs propeller 3 file descriptors (the device's socket and both ends of
+# the relay to rumqttd); N is lowered to what this shell's descriptor limit allows.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/build-release.sh
+BIN=target/release
+N=${1:-10000}
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+LIMIT=$(ulimit -n)
+MAX=$(( (LIMIT - 1000) / 3 ))
+if [ "$N" -gt "$MAX" ]; then
+  echo "note: the descriptor limit here is $LIMIT (ulimit -Hn), which allows $MAX proplets at 3 descriptors each; running $MAX instead of $N"
+  N=$MAX
+fi
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+MQTT=$(free_port); API=$(free_port)
+RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
+  --api-listen "127.0.0.1:$API" --liveliness-interval 10s --last-seen-threshold 30s \
+  --status-flush-interval 5s >"$WORK/standalone.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
+
+python3 - "$API" "$WORK" "$MQTT" "$BIN" "$N" "${PIDS[0]}" <<'PY'
+import http.client, json, os, re, statistics, subprocess, sys, threading, time
+api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+SILENT = min(1000, n // 10)
+THRESHOLD, FLUSH = 30, 5
+token = open(os.path.join(work, "data", "api-token")).read().strip()
+tick = os.sysconf("SC_CLK_TCK")
+
+def call(method, path, body=None):
+    conn = http.client.HTTPConnection("127.0.0.1", int(api_port), timeout=120)
+    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"})
+    r = conn.getresponse()
+    data = r.read()
+    if r.status >= 300:
+        raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
+    return data
+
+def metrics():
+    text = call("GET", "/metrics").decode()
+    def one(pattern):
+        m = re.search(pattern, text, re.M)
+        return float(m.group(1)) if m else 0.0
+    return {
+        "running": one(r'^propeller_proplets\{phase="Running"\} (\S+)'),
+        "offline": one(r'^propeller_proplets\{phase="Offline"\} (\S+)'),
+        "proplet_writes": one(r'^propeller_store_changes_total\{kind="Proplet",change="Modified"\} (\S+)'),
+        "durable": one(r'^propeller_store_durable_commits_total (\S+)'),
+        "transactions": one(r'^propeller_store_transactions_total (\S+)'),
+    }
+
+def cpu_seconds():
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+def rss_mib():
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+# N Secrets and N Proplets, in chunks that stay under the API's body limit.
+t = time.time()
+for start in range(0, n, 500):
+    docs = []
+    for i in range(start, min(n, start + 500)):
+        docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: hb-{i}-key\nstringData:\n  key: hb-{i}-key\n")
+        docs.append(f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: hb-{i}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d\n    channelId: c\n    clientId: hb-{i}\n    clientKeySecretRef: {{name: hb-{i}-key, key: key}}\n")
+    call("POST", "/v1/apply", "---\n".join(docs))
+# Wait for the reconcilers to settle (finalizers on, credentials built).
+last = -1
+while True:
+    now = metrics()["transactions"]
+    if now == last:
+        break
+    last = now
+    time.sleep(2)
+print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} s; RSS {rss_mib():.0f} MiB")
+
+samples = []  # (time, cpu seconds, rss MiB, metrics)
+stop = threading.Event()
+def sample():
+    while not stop.is_set():
+        try:
+            samples.append((time.time(), cpu_seconds(), rss_mib(), metrics()))
+        except Exception as e:  # the run ends; keep what we have
+            print(f"sampling stopped: {e}")
+            return
+        stop.wait(0.5)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+
+gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", mqtt,
+                        "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
+                        "--silent", str(SILENT), "--silence-after-secs", "70",
+                        "--run-after-silence-secs", str(THRESHOLD + 20)],
+                       stdout=subprocess.PIPE, text=True)
+events = {}
+for line in gen.stdout:
+    e = json.loads(line)
+    events[e["event"]] = e
+    print(f"loadgen: {line.strip()}")
+rc = gen.wait()
+stop.set()
+sampler.join()
+if rc != 0:
+    raise SystemExit(f"the load generator failed ({rc})")
+
+start = events["connecting"]["unix_ms"] / 1000
+silenced = events["silenced"]["unix_ms"] / 1000
+all_running = next((s[0] for s in samples if s[3]["running"] >= n), None)
+all_offline = next((s[0] for s in samples if s[0] >= silenced and s[3]["offline"] >= SILENT), None)
+steady = [s for s in samples if all_running and all_running + 10 <= s[0] <= silenced]
+if len(steady) < 2:
+    raise SystemExit("no steady window: the proplets never all ran")
+a, b = steady[0], steady[-1]
+span = b[0] - a[0]
+cpu = (b[1] - a[1]) / span * 100
+writes = (b[3]["proplet_writes"] - a[3]["proplet_writes"]) / span
+fsyncs = (b[3]["durable"] - a[3]["durable"]) / span
+rss = [s[2] for s in steady]
+print()
+print(f"| measure | figure | target | met |")
+print(f"|---|---|---|---|")
+print(f"| proplets (real MQTT connections, own credentials) | {n} | 10,000 | {'yes' if n >= 10000 else 'no (descriptor limit)'} |")
+print(f"| first connection -> all {n} Running | {all_running - start:.1f} s | - | - |")
+print(f"| propeller CPU, steady {span:.0f} s window | {cpu:.1f}% of one core | < 50% | {'yes' if cpu < 50 else 'no'} |")
+print(f"| propeller RSS, steady (max) | {statistics.median(rss):.0f} MiB ({max(rss):.0f}) | < 300 MiB | {'yes' if max(rss) < 300 else 'no'} |")
+print(f"| Proplet status writes | {writes:.0f}/s = {writes * FLUSH / n:.2f} per proplet per {FLUSH} s flush interval ({fsyncs:.0f} fsyncs/s) | <= 1 | {'yes' if writes * FLUSH / n <= 1 else 'no'} |")
+if all_offline:
+    took = all_offline - silenced
+    print(f"| {SILENT} silent -> all Offline | {took:.1f} s | <= {THRESHOLD} + 2 s | {'yes' if took <= THRESHOLD + 2 else 'no'} |")
+else:
+    print(f"| {SILENT} silent -> all Offline | not within the run | <= {THRESHOLD} + 2 s | no |")
+print(f"peak RSS over the whole run: {max(s[2] for s in samples):.0f} MiB")
+PY
