@@ -1,7 +1,8 @@
-//! Cold (compile + run) and warm (cached module) latency of upstream's add(10, 32) sample on
-//! this machine's Wasm runtime, as the agent runs it.
+//! Cold (compile + run) and warm (cached module) latency of upstream's add(10, 32) sample and
+//! of a WASI "hello" command on this machine's Wasm runtime, as the agent runs them.
 //!
 //! `cargo run --profile release-agent -p proplet-agent --example add_latency`
+//! (`-- --hello-base64` prints the WASI command's module instead, for task manifests).
 
 use std::time::{Duration, Instant};
 
@@ -10,12 +11,63 @@ use proplet_agent::wasm::{Invocation, Limits, StopFlag, WasmRuntime};
 
 const ADD_B64: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwgBBG1haW4AAAoJAQcAIAAgAWoL";
 
+/// A WASI command that prints one line.
+const HELLO_WAT: &str = r#"(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "hello from wasi\n")
+  (func (export "_start")
+    (i32.store (i32.const 0) (i32.const 16))
+    (i32.store (i32.const 4) (i32.const 16))
+    (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))"#;
+
+/// Median cold (fresh runtime, so compiled) and warm (cached) latency of running `bytes`.
+fn measure(
+    bytes: &[u8],
+    invocation: &Invocation,
+    expected: &str,
+) -> anyhow::Result<(Duration, Duration)> {
+    let stop = StopFlag::default();
+    let mut cold = Vec::new();
+    for _ in 0..20 {
+        let runtime = WasmRuntime::new(Limits::default())?;
+        let started = Instant::now();
+        let (compiled, cached) = runtime.compile(bytes)?;
+        let outcome = runtime.run(&compiled, invocation, &stop)?;
+        cold.push(started.elapsed());
+        anyhow::ensure!(
+            !cached && outcome.output == expected,
+            "unexpected {outcome:?}"
+        );
+    }
+    let runtime = WasmRuntime::new(Limits::default())?;
+    runtime.compile(bytes)?;
+    let mut warm = Vec::new();
+    for _ in 0..1000 {
+        let started = Instant::now();
+        let (compiled, cached) = runtime.compile(bytes)?;
+        let outcome = runtime.run(&compiled, invocation, &stop)?;
+        warm.push(started.elapsed());
+        anyhow::ensure!(
+            cached && outcome.output == expected,
+            "unexpected {outcome:?}"
+        );
+    }
+    Ok((median(cold), median(warm)))
+}
+
 fn median(mut samples: Vec<Duration>) -> Duration {
     samples.sort();
     samples[samples.len() / 2]
 }
 
 fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--hello-base64") {
+        // For scripts that submit the same command as a task.
+        let hello = wat::parse_str(HELLO_WAT)?;
+        println!("{}", base64::engine::general_purpose::STANDARD.encode(hello));
+        return Ok(());
+    }
     let bytes = base64::engine::general_purpose::STANDARD.decode(ADD_B64)?;
     let invocation = Invocation {
         function: "add".into(),
@@ -23,37 +75,20 @@ fn main() -> anyhow::Result<()> {
         timeout: Some(Duration::from_secs(5)),
         ..Invocation::default()
     };
-    let stop = StopFlag::default();
-
-    let mut cold = Vec::new();
-    for _ in 0..20 {
-        // A fresh runtime has an empty module cache, so this includes compilation.
-        let runtime = WasmRuntime::new(Limits::default())?;
-        let started = Instant::now();
-        let (compiled, cached) = runtime.compile(&bytes)?;
-        let outcome = runtime.run(&compiled, &invocation, &stop)?;
-        cold.push(started.elapsed());
-        anyhow::ensure!(!cached && outcome.output == "42", "unexpected {outcome:?}");
-    }
-
-    let runtime = WasmRuntime::new(Limits::default())?;
-    runtime.compile(&bytes)?;
-    let mut warm = Vec::new();
-    for _ in 0..1000 {
-        let started = Instant::now();
-        let (compiled, cached) = runtime.compile(&bytes)?;
-        let outcome = runtime.run(&compiled, &invocation, &stop)?;
-        warm.push(started.elapsed());
-        anyhow::ensure!(cached && outcome.output == "42", "unexpected {outcome:?}");
-    }
+    let (cold, warm) = measure(&bytes, &invocation, "42")?;
     println!("add(10, 32) = 42");
-    println!(
-        "cold (compile + instantiate + call), median of 20: {:?}",
-        median(cold)
-    );
-    println!(
-        "warm (cached module), median of 1000:              {:?}",
-        median(warm)
-    );
+    println!("cold (compile + instantiate + call), median of 20: {cold:?}");
+    println!("warm (cached module), median of 1000:              {warm:?}");
+
+    let hello = wat::parse_str(HELLO_WAT)?;
+    let start = Invocation {
+        function: "_start".into(),
+        timeout: Some(Duration::from_secs(5)),
+        ..Invocation::default()
+    };
+    let (cold, warm) = measure(&hello, &start, "hello from wasi\n")?;
+    println!("WASI hello command prints \"hello from wasi\"");
+    println!("cold (compile + instantiate + run), median of 20:  {cold:?}");
+    println!("warm (cached module), median of 1000:              {warm:?}");
     Ok(())
 }

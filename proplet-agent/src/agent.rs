@@ -52,6 +52,9 @@ struct Fetch {
     waiters: Vec<oneshot::Sender<Vec<u8>>>,
 }
 
+/// Starts whose result is awaited that the turnaround timing keeps track of at most.
+const MAX_TRACKED_ARRIVALS: usize = 10_000;
+
 /// Acknowledgement tracking for the spool sender.
 #[derive(Debug, Clone, Copy)]
 enum AckSignal {
@@ -70,6 +73,8 @@ pub struct Agent {
     running: Mutex<HashMap<String, StopFlag>>,
     latent: Mutex<HashMap<String, Arc<Latent>>>,
     fetches: Mutex<HashMap<String, Fetch>>,
+    /// When each accepted start arrived, until its result is published.
+    arrivals: Mutex<HashMap<String, std::time::Instant>>,
     slots: Arc<Semaphore>,
     http: HttpFetcher,
     metrics: Arc<AgentMetrics>,
@@ -165,6 +170,7 @@ impl Agent {
             running: Mutex::new(HashMap::new()),
             latent: Mutex::new(HashMap::new()),
             fetches: Mutex::new(HashMap::new()),
+            arrivals: Mutex::new(HashMap::new()),
             session,
             http,
             metrics: Arc::new(AgentMetrics::default()),
@@ -378,6 +384,7 @@ impl Agent {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+            self.time_turnaround(&entry.topic, &entry.payload);
             let mut pkid = None;
             let deadline = tokio::time::sleep(ACK_TIMEOUT);
             tokio::pin!(deadline);
@@ -403,6 +410,33 @@ impl Agent {
                 }
                 self.metrics.spooled_results.set(self.spool.len() as i64);
             }
+        }
+    }
+
+    /// Observes how long a result took from its start's arrival, once it is published.
+    fn time_turnaround(&self, topic: &str, payload: &str) {
+        if topic != self.channel.results() {
+            return;
+        }
+        let Ok(result) = serde_json::from_str::<serde_json::Value>(payload) else {
+            return;
+        };
+        let Some(id) = result.get("task_id").and_then(|v| v.as_str()) else {
+            return;
+        };
+        let arrived = self
+            .arrivals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        if let Some(arrived) = arrived {
+            let took = arrived.elapsed();
+            self.metrics.task_turnaround.observe(took.as_secs_f64());
+            debug!(
+                task_id = id,
+                turnaround_us = took.as_micros() as u64,
+                "result published"
+            );
         }
     }
 
@@ -451,6 +485,7 @@ impl Agent {
     }
 
     async fn on_start(self: Arc<Self>, request: StartRequest) {
+        let arrived = std::time::Instant::now();
         if !request.is_for(&self.config.client_id) {
             return;
         }
@@ -470,6 +505,14 @@ impl Agent {
                 return;
             }
             running.insert(id.clone(), stop.clone());
+        }
+        {
+            let mut arrivals = self.arrivals.lock().unwrap_or_else(|e| e.into_inner());
+            // Results that were never published (spool overflow) must not pile up here.
+            if arrivals.len() >= MAX_TRACKED_ARRIVALS {
+                arrivals.clear();
+            }
+            arrivals.insert(id.clone(), arrived);
         }
         info!(task_id = id, name = request.name, "task accepted");
         self.metrics.tasks_started.inc();

@@ -7,13 +7,17 @@ use std::sync::Arc;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use propeller_broker::http::{Handler, Reply, OPENMETRICS};
 use tokio::net::TcpListener;
 
 /// Counters the agent keeps about its work.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct AgentMetrics {
+    /// From a start request's arrival to its result handed to the MQTT client (compile or
+    /// cache lookup, run, and the result's durable spooling included).
+    pub task_turnaround: Histogram,
     /// Tasks accepted for execution.
     pub tasks_started: Counter,
     /// Tasks that produced a result.
@@ -30,9 +34,30 @@ pub struct AgentMetrics {
     pub spooled_results: Gauge,
 }
 
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        Self {
+            // 50 µs to about 1.6 s.
+            task_turnaround: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            tasks_started: Counter::default(),
+            tasks_succeeded: Counter::default(),
+            tasks_failed: Counter::default(),
+            tasks_running: Gauge::default(),
+            mqtt_sessions: Counter::default(),
+            mqtt_connected: Gauge::default(),
+            spooled_results: Gauge::default(),
+        }
+    }
+}
+
 impl AgentMetrics {
     fn registry(&self) -> Registry {
         let mut r = Registry::with_prefix("proplet");
+        r.register(
+            "task_turnaround_seconds",
+            "From a start request's arrival to its result handed to the MQTT client",
+            self.task_turnaround.clone(),
+        );
         r.register(
             "tasks_started",
             "Tasks accepted",

@@ -147,7 +147,7 @@ impl Cached {
 }
 
 fn decode<K: DeserializeOwned>(object: &Value) -> Option<K> {
-    match serde_json::from_value(object.clone()) {
+    match K::deserialize(object) {
         Ok(typed) => Some(typed),
         Err(e) => {
             tracing::warn!(%e, "a stored object does not match its kind; not cached");
@@ -232,6 +232,14 @@ impl ObjectCache {
         let cached = self.read();
         let key = cached.task_by_uid.get(uid)?;
         cached.tasks.get(key).cloned()
+    }
+
+    /// One Proplet.
+    pub fn proplet(&self, namespace: &str, name: &str) -> Option<Arc<Proplet>> {
+        self.read()
+            .proplets
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
     }
 
     /// One Task.

@@ -521,10 +521,9 @@ impl Driver {
         key: &Key,
         now: DateTime<Utc>,
     ) -> Result<Option<DateTime<Utc>>, DriverError> {
-        let Some(proplet) = self
-            .store
-            .get_typed::<Proplet>(PROPLET, &key.namespace, &key.name)?
-        else {
+        // The cache holds every durable write; a write that is not durable yet makes this
+        // reconcile's conditional write conflict, and it runs again at once.
+        let Some(proplet) = self.cache.proplet(&key.namespace, &key.name) else {
             return Ok(None);
         };
         let client_id = proplet.client_id().to_owned();
@@ -611,15 +610,13 @@ impl Driver {
         key: &Key,
         now: DateTime<Utc>,
     ) -> Result<Option<DateTime<Utc>>, DriverError> {
-        let Some(task) = self
-            .store
-            .get_typed::<Task>(TASK, &key.namespace, &key.name)?
-        else {
+        let Some(cached) = self.cache.task(&key.namespace, &key.name) else {
             return Ok(None);
         };
+        let task: &Task = &cached;
         let proplets = self.cache.proplets_in(&key.namespace);
         let mut observed = observe_indexed(
-            &task,
+            task,
             |dep| self.cache.task_phase(&key.namespace, dep),
             || self.cache.dependency_graph(&key.namespace),
             &refs(&proplets),
@@ -630,13 +627,13 @@ impl Driver {
                 )
             },
         );
-        self.state.complete(&task, &mut observed);
-        if awaits_job(&task, &observed) {
+        self.state.complete(task, &mut observed);
+        if awaits_job(task, &observed) {
             observed.job = None;
         }
-        let plan = plan_task(&task, &observed, &self.settings.task, now);
+        let plan = plan_task(task, &observed, &self.settings.task, now);
         let writer = StoreTasks { store: &self.store };
-        apply_task(&writer, &task, &plan, &self.state.effects(&self.publisher)).await?;
+        apply_task(&writer, task, &plan, &self.state.effects(&self.publisher)).await?;
         if let Some(chosen) = &plan.chosen {
             self.state.chose(&key.namespace, chosen);
         }
