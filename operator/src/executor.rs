@@ -39,6 +39,22 @@ pub trait ObjectWriter: Sync {
         version: Option<&str>,
     ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
 
+    /// Sets the finalizers, then replaces the status, as one step where the backend can
+    /// (the embedded store writes both in one transaction; the API server needs two calls).
+    fn set_finalizers_and_status(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        old: &Value,
+        new: &Value,
+        version: Option<&str>,
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send {
+        async move {
+            let version = self.set_finalizers(meta, finalizers, version).await?;
+            self.write_status(meta, old, new, version.as_deref()).await
+        }
+    }
+
     /// Creates the ConfigMap and Job that run `task` on a `k8s` proplet.
     fn create_task_job(&self, task: &Task)
         -> impl Future<Output = Result<(), BackendError>> + Send;
@@ -86,18 +102,28 @@ pub async fn apply_task<W: ObjectWriter>(
     let mut finalizers = meta.finalizers.clone().unwrap_or_default();
     let mut current = task.status.clone().unwrap_or_default();
 
-    if plan.finalizer == Some(FinalizerChange::Add) {
+    let adds_finalizer = plan.finalizer == Some(FinalizerChange::Add);
+    if adds_finalizer {
         finalizers.push(TASK_FINALIZER.to_owned());
-        version = writer
-            .set_finalizers(meta, &finalizers, version.as_deref())
-            .await
-            .map_err(TaskApplyError::Backend)?;
+        if plan.status.is_none() {
+            version = writer
+                .set_finalizers(meta, &finalizers, version.as_deref())
+                .await
+                .map_err(TaskApplyError::Backend)?;
+        }
     }
     if let Some(status) = &plan.status {
-        version = writer
-            .write_status(meta, &json(&current), &json(status), version.as_deref())
-            .await
-            .map_err(TaskApplyError::Backend)?;
+        let (old, new) = (json(&current), json(status));
+        version = if adds_finalizer {
+            writer
+                .set_finalizers_and_status(meta, &finalizers, &old, &new, version.as_deref())
+                .await
+        } else {
+            writer
+                .write_status(meta, &old, &new, version.as_deref())
+                .await
+        }
+        .map_err(TaskApplyError::Backend)?;
         current = status.clone();
         let metrics = plan
             .consumed_metrics

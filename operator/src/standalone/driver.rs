@@ -190,6 +190,29 @@ impl ObjectWriter for StoreTasks<'_> {
         Ok(version_of(&updated))
     }
 
+    async fn set_finalizers_and_status(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        _old: &Value,
+        new: &Value,
+        version: Option<&str>,
+    ) -> Result<Option<String>, BackendError> {
+        let key = Key::of(TASK, meta);
+        let updated = self
+            .store
+            .set_finalizers_and_status_async(
+                TASK,
+                &key.namespace,
+                &key.name,
+                finalizers.to_vec(),
+                new.clone(),
+                version,
+            )
+            .await?;
+        Ok(version_of(&updated))
+    }
+
     async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
         Err(format!(
             "task {} was assigned to a k8s proplet; those run only under Kubernetes",

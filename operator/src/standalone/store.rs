@@ -1102,6 +1102,26 @@ impl ObjectStore {
         Ok(out)
     }
 
+    /// [`ObjectStore::set_finalizers_async`] then [`ObjectStore::write_status_async`] in one
+    /// transaction (one commit for a reconcile's first write).
+    pub async fn set_finalizers_and_status_async(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        finalizers: Vec<String>,
+        status: Value,
+        expected_version: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        let (out, seq) = self.commit(|tx| {
+            tx.set_finalizers(&key, finalizers, expected_version)?;
+            tx.write_status(&key, status, None)
+        })?;
+        self.durable(seq).await?;
+        Ok(out)
+    }
+
     /// Replaces the finalizers of an object. On a terminating object finalizers can only be
     /// removed, and removing the last one removes the object (and cascades to what it owns);
     /// the object's last state is returned then. With `expected_version`, a stale read is
@@ -1266,12 +1286,15 @@ impl ObjectStore {
     /// The durable commit: one `fsync`ed transaction covering every commit before it, then
     /// the announcement of their changes, in order. Only the writer that set `syncing` runs it.
     fn sync_and_announce(&self) {
-        let target = lock(&self.inner.group).committed;
-        let outcome = self.commit_durably(target);
+        let outcome = self.commit_durably();
+        let target = match &outcome {
+            Ok(target) => *target,
+            Err(_) => lock(&self.inner.group).committed,
+        };
         let ready: Vec<(u64, Announced)> = {
             let mut group = lock(&self.inner.group);
             match &outcome {
-                Ok(()) => {
+                Ok(_) => {
                     let mut ready = Vec::new();
                     while group.pending.front().is_some_and(|(seq, _)| *seq <= target) {
                         ready.extend(group.pending.pop_front());
@@ -1319,13 +1342,16 @@ impl ObjectStore {
         self.inner.synced_async.send_replace(target);
     }
 
-    fn commit_durably(&self, target: u64) -> Result<(), StoreError> {
+    /// Commits durably; returns the last transaction it covers. That is read once the write
+    /// lock is held, so writers that got the lock first are covered too.
+    fn commit_durably(&self) -> Result<u64, StoreError> {
         let mut txn = self.inner.db.begin_write()?;
+        let target = lock(&self.inner.group).committed;
         txn.set_durability(Durability::Immediate)?;
         txn.open_table(META)?.insert(SYNCED_KEY, target)?;
         txn.commit()?;
         self.inner.metrics.durable_commits.inc();
-        Ok(())
+        Ok(target)
     }
 }
 
