@@ -20,18 +20,23 @@ BIN=target/release
 N=${1:-10000}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 LIMIT=$(ulimit -n)
-MAX=$(( (LIMIT - 1000) / 3 ))
+MAX=$(( (LIMIT - 2000) / 3 ))
 if [ "$N" -gt "$MAX" ]; then
   echo "note: the descriptor limit here is $LIMIT (ulimit -Hn), which allows $MAX proplets at 3 descriptors each; running $MAX instead of $N"
   N=$MAX
 fi
 WORK="$(mktemp -d)"
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+# The standalone log is kept for a look after the run.
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  cp "$WORK/standalone.log" "${TMPDIR:-/tmp}/bench-heartbeats-standalone.log" 2>/dev/null || true
+  rm -rf "$WORK"
+}
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 MQTT=$(free_port); API=$(free_port)
-RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
+RUST_LOG=warn,rumqttd=off "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
   --api-listen "127.0.0.1:$API" --liveliness-interval 10s --last-seen-threshold 30s \
   --status-flush-interval 5s >"$WORK/standalone.log" 2>&1 &
 PIDS+=($!)
@@ -40,7 +45,7 @@ for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; don
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "$N" "${PIDS[0]}" <<'PY'
 import http.client, json, os, re, statistics, subprocess, sys, threading, time
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-SILENT = min(1000, n // 10)
+SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
 token = open(os.path.join(work, "data", "api-token")).read().strip()
 tick = os.sysconf("SC_CLK_TCK")

@@ -65,7 +65,10 @@ fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--hello-base64") {
         // For scripts that submit the same command as a task.
         let hello = wat::parse_str(HELLO_WAT)?;
-        println!("{}", base64::engine::general_purpose::STANDARD.encode(hello));
+        println!(
+            "{}",
+            base64::engine::general_purpose::STANDARD.encode(hello)
+        );
         return Ok(());
     }
     let bytes = base64::engine::general_purpose::STANDARD.decode(ADD_B64)?;

@@ -150,7 +150,11 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     let settings = StandaloneSettings {
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(),
-        sweep: cmd.reconcile.liveliness_interval,
+        // A safety net only: each proplet has its own timer for the offline check.
+        sweep: cmd
+            .reconcile
+            .last_seen_threshold
+            .max(cmd.reconcile.liveliness_interval),
     };
     let events_log = Arc::new(EventLog::new());
     let controller_metrics = Arc::new(ControllerMetrics::default());

@@ -59,6 +59,10 @@ pub const CONFIG_MAP: &str = "ConfigMap";
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 
+/// How often Proplet and Secret changes are folded into the broker's credential table. A
+/// new Proplet's device can log in at most this long after the Proplet is stored.
+const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
+
 /// Reconciles in flight at once. They mostly wait for the store's group commit, so several
 /// share each `fsync`.
 pub const MAX_CONCURRENT_RECONCILES: usize = 64;
@@ -147,11 +151,41 @@ pub struct Driver {
     credentials_built: Mutex<Option<(u64, Instant)>>,
     /// The time each key's pending timer fires.
     timers: Mutex<HashMap<Key, DateTime<Utc>>>,
+    /// A Secret changed since the last credential rebuild.
+    secrets_changed: std::sync::atomic::AtomicBool,
+    own_writes: OwnWrites,
 }
 
 /// Writes Tasks into the embedded store.
 struct StoreTasks<'a> {
     store: &'a ObjectStore,
+}
+
+/// The latest version each Proplet's reconcile wrote itself. Its watch event is not a reason
+/// to reconcile again: the Proplet plan already asked for its next look (the offline check,
+/// a deferred flush), which halves the reconciles of heartbeating proplets. Task plans still
+/// rely on seeing their own writes (the time limit is planned from the written start), so
+/// Tasks are not recorded here.
+#[derive(Default)]
+struct OwnWrites(Mutex<HashMap<Key, String>>);
+
+impl OwnWrites {
+    fn record(&self, kind: &str, meta: &ObjectMeta, written: &Value) {
+        if let Some(version) = version_of(written) {
+            lock(&self.0).insert(Key::of(kind, meta), version);
+        }
+    }
+
+    /// Whether `version` is the last write the key's own reconcile made (forgotten once
+    /// asked).
+    fn is_own(&self, key: &Key, version: u64) -> bool {
+        let mut own = lock(&self.0);
+        if own.get(key).is_some_and(|v| *v == version.to_string()) {
+            own.remove(key);
+            return true;
+        }
+        false
+    }
 }
 
 impl ObjectWriter for StoreTasks<'_> {
@@ -258,6 +292,8 @@ impl Driver {
             cache,
             credentials_built: Mutex::new(None),
             timers: Mutex::new(HashMap::new()),
+            secrets_changed: std::sync::atomic::AtomicBool::new(false),
+            own_writes: OwnWrites::default(),
         });
         Ok((driver, rx))
     }
@@ -411,8 +447,11 @@ impl Driver {
                     self.enqueue(Key::new(TASK, &key.namespace, &other));
                 }
             }
-            PROPLET => self.refresh_credentials(false),
-            SECRET => self.refresh_credentials(true),
+            // Rebuilt on the next credential tick: a burst of new Proplets costs one rebuild,
+            // not one per Proplet.
+            SECRET => self
+                .secrets_changed
+                .store(true, std::sync::atomic::Ordering::Relaxed),
             TRAINING_ROUND => {
                 if let Ok(Some(round)) =
                     self.store
@@ -438,10 +477,14 @@ impl Driver {
         self.enqueue_everything();
         let mut changes = self.store.subscribe();
         let mut sweep = tokio::time::interval(self.settings.sweep.max(Duration::from_secs(1)));
+        let mut credential_tick = tokio::time::interval(CREDENTIAL_TICK);
         let mut running: JoinSet<()> = JoinSet::new();
         let mut in_flight: HashMap<tokio::task::Id, Key> = HashMap::new();
         // Keys asked for while a reconcile of theirs runs: they run again after it.
         let mut again: HashSet<Key> = HashSet::new();
+        // The latest stored change of a key while its reconcile runs: it runs again after
+        // unless the change was that reconcile's own last write.
+        let mut changed_meanwhile: HashMap<Key, u64> = HashMap::new();
         tokio::pin!(shutdown);
         info!("standalone reconcilers running");
         loop {
@@ -467,7 +510,10 @@ impl Driver {
                         }
                     };
                     if let Some(key) = in_flight.remove(&id) {
-                        if again.remove(&key) {
+                        let changed = changed_meanwhile
+                            .remove(&key)
+                            .is_some_and(|version| !self.own_writes.is_own(&key, version));
+                        if again.remove(&key) || changed {
                             self.enqueue(key);
                         }
                     }
@@ -477,7 +523,11 @@ impl Driver {
                     Ok(change) => {
                         let key = Key::new(&change.kind, &change.namespace, &change.name);
                         self.related(&key);
-                        self.enqueue(key);
+                        if in_flight.values().any(|k| *k == key) {
+                            changed_meanwhile.insert(key, change.resource_version);
+                        } else if !self.own_writes.is_own(&key, change.resource_version) {
+                            self.enqueue(key);
+                        }
                     }
                     // Missed changes: look at everything again.
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
@@ -485,6 +535,12 @@ impl Driver {
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
+                _ = credential_tick.tick() => {
+                    let secrets = self
+                        .secrets_changed
+                        .swap(false, std::sync::atomic::Ordering::Relaxed);
+                    self.refresh_credentials(secrets);
+                }
                 _ = sweep.tick() => {
                     for p in self.cache.proplets() {
                         self.enqueue(Key::of(PROPLET, &p.metadata));
@@ -560,7 +616,7 @@ impl Driver {
             self.store
                 .set_finalizers_async(PROPLET, &key.namespace, &key.name, finalizers, version)
                 .await?;
-            self.refresh_credentials(false);
+            // The credential tick revokes its login.
             return Ok(None);
         }
         let mut version = version.map(str::to_owned);
@@ -589,7 +645,8 @@ impl Driver {
         let written = proplet.status.clone().unwrap_or_default();
         if let Some(status) = plan.status.as_ref() {
             let value = serde_json::to_value(status).unwrap_or(Value::Null);
-            self.store
+            let updated = self
+                .store
                 .write_status_async(
                     PROPLET,
                     &key.namespace,
@@ -598,6 +655,7 @@ impl Driver {
                     version.as_deref(),
                 )
                 .await?;
+            self.own_writes.record(PROPLET, &proplet.metadata, &updated);
             self.state
                 .liveness
                 .clear_written(&client_id, &observed.external);

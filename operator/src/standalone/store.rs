@@ -266,6 +266,8 @@ pub struct Change {
     pub name: String,
     /// What happened to it.
     pub kind_of_change: ChangeKind,
+    /// The resourceVersion the change gave it, so a writer can tell its own changes.
+    pub resource_version: u64,
 }
 
 /// Called with every durable change, in commit order, and the object as stored after it
@@ -404,12 +406,13 @@ impl Key {
         }
     }
 
-    fn change(&self, kind_of_change: ChangeKind) -> Change {
+    fn change(&self, kind_of_change: ChangeKind, resource_version: u64) -> Change {
         Change {
             kind: self.kind.clone(),
             namespace: self.namespace.clone(),
             name: self.name.clone(),
             kind_of_change,
+            resource_version,
         }
     }
 }
@@ -575,7 +578,8 @@ impl Tx<'_> {
         let bytes = serde_json::to_vec(obj)?;
         self.objects
             .insert(key.encoded().as_str(), bytes.as_slice())?;
-        self.changes.push((key.change(change), Some(obj.clone())));
+        self.changes
+            .push((key.change(change, self.version), Some(obj.clone())));
         Ok(())
     }
 
@@ -583,7 +587,8 @@ impl Tx<'_> {
     fn remove(&mut self, key: &Key, mut obj: Value) -> Result<Value, StoreError> {
         self.stamp(&mut obj);
         self.objects.remove(key.encoded().as_str())?;
-        self.changes.push((key.change(ChangeKind::Deleted), None));
+        self.changes
+            .push((key.change(ChangeKind::Deleted, self.version), None));
         Ok(obj)
     }
 
@@ -1829,6 +1834,7 @@ mod tests {
                 namespace: "default".into(),
                 name: "t".into(),
                 kind_of_change: ChangeKind::Added,
+                resource_version: 1,
             }
         );
         // Every clone shares the watchers.
