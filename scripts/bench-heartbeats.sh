@@ -126,8 +126,9 @@ for line in gen.stdout:
 rc = gen.wait()
 stop.set()
 sampler.join()
-if rc != 0:
+if "done" not in events:
     raise SystemExit(f"the load generator failed ({rc})")
+lost = events["done"]["failed"]
 
 start = events["connecting"]["unix_ms"] / 1000
 silenced = events["silenced"]["unix_ms"] / 1000
@@ -156,4 +157,5 @@ if all_offline:
 else:
     print(f"| {SILENT} silent -> all Offline | not within the run | <= {THRESHOLD} + 2 s | no |")
 print(f"peak RSS over the whole run: {max(s[2] for s in samples):.0f} MiB")
+print(f"simulated proplets whose connection the broker closed during the run: {lost} of {n}")
 PY

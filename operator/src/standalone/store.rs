@@ -1086,9 +1086,8 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        let (out, seq) = self.commit(|tx| tx.write_status(&key, status, expected_version))?;
-        self.durable(seq).await?;
-        Ok(out)
+        self.write_async(|tx| tx.write_status(&key, status, expected_version))
+            .await
     }
 
     /// [`ObjectStore::set_finalizers`] for async callers (see
@@ -1102,9 +1101,8 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        let (out, seq) = self.commit(|tx| tx.set_finalizers(&key, finalizers, expected_version))?;
-        self.durable(seq).await?;
-        Ok(out)
+        self.write_async(|tx| tx.set_finalizers(&key, finalizers, expected_version))
+            .await
     }
 
     /// [`ObjectStore::set_finalizers_async`] then [`ObjectStore::write_status_async`] in one
@@ -1119,12 +1117,11 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        let (out, seq) = self.commit(|tx| {
+        self.write_async(|tx| {
             tx.set_finalizers(&key, finalizers, expected_version)?;
             tx.write_status(&key, status, None)
-        })?;
-        self.durable(seq).await?;
-        Ok(out)
+        })
+        .await
     }
 
     /// Replaces the finalizers of an object. On a terminating object finalizers can only be
@@ -1193,6 +1190,16 @@ impl ObjectStore {
     ) -> Result<T, StoreError> {
         let (out, seq) = self.commit(f)?;
         self.durable_blocking(seq)?;
+        Ok(out)
+    }
+
+    /// [`ObjectStore::write`] for async callers: waits for durability without holding a thread.
+    async fn write_async<T>(
+        &self,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let (out, seq) = self.commit(f)?;
+        self.durable(seq).await?;
         Ok(out)
     }
 
