@@ -47,20 +47,12 @@ RUST_LOG=warn target/debug/propeller standalone --data-dir "$work/sa" --mqtt-lis
 sa_pid=$!
 for _ in $(seq 1 100); do [ -s "$work/sa/api-token" ] && break; sleep 0.1; done
 python3 - "$api_port" "$mqtt_port" "$work" "$agent" "$hello" <<'PY'
-import http.client, json, os, re, statistics, subprocess, sys, time
+import os, re, statistics, subprocess, sys, time
+sys.path.insert(0, "scripts")
+from bench_api import Api, proplet_manifest
 api, mqtt, work, agent, hello = sys.argv[1:6]
-token = open(os.path.join(work, "sa", "api-token")).read().strip()
-def call(method, path, body=None):
-    conn = http.client.HTTPConnection("127.0.0.1", int(api))
-    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"})
-    r = conn.getresponse()
-    data = r.read()
-    if r.status >= 300:
-        raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
-    return json.loads(data)
-call("POST", "/v1/apply", "apiVersion: v1\nkind: Secret\nmetadata: {name: pi-key}\nstringData: {key: pi-secret}\n---\n"
-     f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata: {{name: pi}}\nspec:\n  type: external\n"
-     f"  connectionConfig: {{mqttAddress: 'tcp://127.0.0.1:{mqtt}', domainId: d, channelId: c, clientId: pi, clientKeySecretRef: {{name: pi-key, key: key}}}}\n")
+call = Api(api, os.path.join(work, "sa")).call
+call("POST", "/v1/apply", proplet_manifest("pi", mqtt, "pi-secret"))
 log = open(os.path.join(work, "agent-debug.log"), "w")
 env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d", PROPLET_CHANNEL_ID="c",
            PROPLET_CLIENT_ID="pi", PROPLET_CLIENT_KEY="pi-secret", PROPLET_STATE_DIR=os.path.join(work, "pi"),

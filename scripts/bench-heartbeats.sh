@@ -43,21 +43,14 @@ PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
 
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "$N" "${PIDS[0]}" <<'PY'
-import http.client, json, os, re, statistics, subprocess, sys, threading, time
+import json, os, re, statistics, subprocess, sys, threading, time
+sys.path.insert(0, "scripts")
+from bench_api import Api, proplet_manifest
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
-token = open(os.path.join(work, "data", "api-token")).read().strip()
 tick = os.sysconf("SC_CLK_TCK")
-
-def call(method, path, body=None):
-    conn = http.client.HTTPConnection("127.0.0.1", int(api_port), timeout=120)
-    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"})
-    r = conn.getresponse()
-    data = r.read()
-    if r.status >= 300:
-        raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
-    return data
+call = Api(api_port, os.path.join(work, "data")).raw
 
 def metrics():
     text = call("GET", "/metrics").decode()
@@ -85,10 +78,7 @@ def rss_mib():
 # N Secrets and N Proplets, in chunks that stay under the API's body limit.
 t = time.time()
 for start in range(0, n, 500):
-    docs = []
-    for i in range(start, min(n, start + 500)):
-        docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: hb-{i}-key\nstringData:\n  key: hb-{i}-key\n")
-        docs.append(f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: hb-{i}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d\n    channelId: c\n    clientId: hb-{i}\n    clientKeySecretRef: {{name: hb-{i}-key, key: key}}\n")
+    docs = [proplet_manifest(f"hb-{i}", mqtt, f"hb-{i}-key") for i in range(start, min(n, start + 500))]
     call("POST", "/v1/apply", "---\n".join(docs))
 # Wait for the reconcilers to settle (finalizers on, credentials built).
 last = -1

@@ -24,32 +24,16 @@ PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
 
 python3 - "$API" "$WORK" "$MQTT" "$BIN" <<'PY'
-import http.client, json, os, statistics, subprocess, sys, time
+import os, statistics, subprocess, sys, time
+sys.path.insert(0, "scripts")
+from bench_api import Api, proplet_manifest
 api_port, work, mqtt, bin_dir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-token = open(os.path.join(work, "data", "api-token")).read().strip()
+api = Api(api_port, os.path.join(work, "data"))
+call = api.call
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
 
-conn = http.client.HTTPConnection("127.0.0.1", int(api_port))
-def call(method, path, body=None):
-    global conn
-    for attempt in range(3):
-        try:
-            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"})
-            r = conn.getresponse()
-            data = r.read()
-            if r.status >= 300:
-                raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
-            return json.loads(data)
-        except (ConnectionError, http.client.HTTPException):
-            conn = http.client.HTTPConnection("127.0.0.1", int(api_port))
-    raise SystemExit(f"{method} {path}: no answer")
-
 agents = []
-docs = []
-for i in range(4):
-    docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: w{i}-key\nstringData:\n  key: w{i}-secret\n")
-    docs.append(f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: w{i}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d\n    channelId: c\n    clientId: w{i}\n    clientKeySecretRef: {{name: w{i}-key, key: key}}\n")
-call("POST", "/v1/apply", "---\n".join(docs))
+call("POST", "/v1/apply", "---\n".join(proplet_manifest(f"w{i}", mqtt, f"w{i}-secret") for i in range(4)))
 for i in range(4):
     env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
                PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=f"w{i}", PROPLET_CLIENT_KEY=f"w{i}-secret",

@@ -1,0 +1,51 @@
+"""The standalone API as the benchmark scripts use it: bearer-token calls and the manifest of
+one external Proplet with its key Secret. Imported by the `scripts/bench-*.sh` drivers."""
+import http.client
+import json
+import os
+
+
+class Api:
+    """Calls `propeller standalone`'s HTTP API on 127.0.0.1:`port` with the token it wrote
+    into `data_dir`."""
+
+    def __init__(self, port, data_dir, timeout=120):
+        self.port = int(port)
+        self.timeout = timeout
+        # One kept-alive connection, so polling measures the API and not TCP set-up. Use an
+        # Api from one thread at a time.
+        self.conn = None
+        with open(os.path.join(data_dir, "api-token")) as f:
+            self.token = f.read().strip()
+
+    def raw(self, method, path, body=None):
+        """The response body as bytes; a non-2xx answer ends the script with its message."""
+        for _ in range(3):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+            try:
+                self.conn.request(method, path, body=body,
+                                  headers={"Authorization": f"Bearer {self.token}"})
+                r = self.conn.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException):
+                self.conn.close()
+                self.conn = None
+                continue
+            if r.status >= 300:
+                raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
+            return data
+        raise SystemExit(f"{method} {path}: no answer")
+
+    def call(self, method, path, body=None):
+        """The response body as JSON."""
+        return json.loads(self.raw(method, path, body))
+
+
+def proplet_manifest(name, mqtt_port, key):
+    """An external Proplet `name` on channel d/c whose device logs in as `name` with `key`."""
+    return (f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {key}\n"
+            f"---\napiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\n"
+            f"spec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n"
+            f"    domainId: d\n    channelId: c\n    clientId: {name}\n"
+            f"    clientKeySecretRef: {{name: {name}-key, key: key}}\n")
