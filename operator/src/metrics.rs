@@ -91,6 +91,34 @@ impl ControllerMetrics {
             .get()
     }
 
+    /// Sets the per-phase gauges of Proplets and Tasks from the objects a driver holds.
+    pub fn count_phases<'a>(
+        &self,
+        proplets: impl IntoIterator<Item = &'a crate::crd::proplet::Proplet>,
+        tasks: impl IntoIterator<Item = &'a crate::crd::task::Task>,
+    ) {
+        let mut by_phase = std::collections::BTreeMap::new();
+        for p in proplets {
+            let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            *by_phase.entry(phase.to_string()).or_insert(0) += 1;
+        }
+        Self::set_phases(
+            &self.proplets,
+            ["Initializing", "Running", "Offline"],
+            &by_phase,
+        );
+        let mut by_phase = std::collections::BTreeMap::new();
+        for t in tasks {
+            let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            *by_phase.entry(phase.as_str().to_owned()).or_insert(0) += 1;
+        }
+        Self::set_phases(
+            &self.tasks,
+            crate::crd::task::TaskPhase::ALL.iter().map(|p| p.as_str()),
+            &by_phase,
+        );
+    }
+
     /// Replaces a per-phase gauge family's values with `counts`.
     pub fn set_phases<'a>(
         family: &Family<PhaseLabels, Gauge>,

@@ -7,7 +7,7 @@
 //! wrote. A result for a Task the cache does not know yet waits in the inbox until the Task
 //! appears, when its own watch event reconciles it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -511,26 +511,10 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
 
 /// Sets the per-phase gauges from the caches.
 pub fn count_phases(ctx: &Shared) {
-    let mut proplets = BTreeMap::new();
-    for p in ctx.proplets.state() {
-        let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
-        *proplets.entry(phase.to_string()).or_insert(0) += 1;
-    }
-    let mut tasks = BTreeMap::new();
-    for t in ctx.tasks.state() {
-        let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
-        *tasks.entry(phase.to_string()).or_insert(0) += 1;
-    }
-    ControllerMetrics::set_phases(
-        &ctx.metrics.proplets,
-        ["Initializing", "Running", "Offline"],
-        &proplets,
-    );
-    ControllerMetrics::set_phases(
-        &ctx.metrics.tasks,
-        TaskPhase::ALL.iter().map(|p| p.as_str()),
-        &tasks,
-    );
+    let proplets = ctx.proplets.state();
+    let tasks = ctx.tasks.state();
+    ctx.metrics
+        .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
 }
 
 fn trigger_task(ctx: &Shared, uid: &str) {

@@ -339,25 +339,11 @@ impl Driver {
 
     /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
     pub fn count_phases(&self) {
-        let mut proplets = BTreeMap::new();
-        for p in self.cache.proplets() {
-            let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
-            *proplets.entry(phase.to_string()).or_insert(0) += 1;
-        }
-        let mut tasks = BTreeMap::new();
-        for t in self.cache.tasks() {
-            let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
-            *tasks.entry(phase.as_str().to_owned()).or_insert(0) += 1;
-        }
-        ControllerMetrics::set_phases(
-            &self.metrics.proplets,
-            ["Initializing", "Running", "Offline"],
-            &proplets,
-        );
-        ControllerMetrics::set_phases(
-            &self.metrics.tasks,
-            TaskPhase::ALL.iter().map(|p| p.as_str()),
-            &tasks,
+        let proplets = self.cache.proplets();
+        let tasks = self.cache.tasks();
+        self.metrics.count_phases(
+            proplets.iter().map(Arc::as_ref),
+            tasks.iter().map(Arc::as_ref),
         );
     }
 
