@@ -167,11 +167,11 @@ struct StoreTasks<'a> {
 /// rely on seeing their own writes (the time limit is planned from the written start), so
 /// Tasks are not recorded here.
 #[derive(Default)]
-struct OwnWrites(Mutex<HashMap<Key, String>>);
+struct OwnWrites(Mutex<HashMap<Key, u64>>);
 
 impl OwnWrites {
     fn record(&self, kind: &str, meta: &ObjectMeta, written: &Value) {
-        if let Some(version) = version_of(written) {
+        if let Some(version) = version_of(written).and_then(|v| v.parse().ok()) {
             lock(&self.0).insert(Key::of(kind, meta), version);
         }
     }
@@ -180,7 +180,7 @@ impl OwnWrites {
     /// asked).
     fn is_own(&self, key: &Key, version: u64) -> bool {
         let mut own = lock(&self.0);
-        if own.get(key).is_some_and(|v| *v == version.to_string()) {
+        if own.get(key) == Some(&version) {
             own.remove(key);
             return true;
         }
@@ -652,8 +652,7 @@ impl Driver {
                         .status
                         .as_ref()
                         .is_none_or(|s| s.phase == TaskPhase::Pending);
-                    if task.metadata.namespace.as_deref() == Some(key.namespace.as_str()) && waiting
-                    {
+                    if waiting {
                         self.enqueue(Key::of(TASK, &task.metadata));
                     }
                 }
