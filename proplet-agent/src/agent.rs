@@ -353,22 +353,13 @@ impl Agent {
                 }
                 continue;
             };
-            let spool = self.spool.clone();
-            let entry = match tokio::task::spawn_blocking(move || spool.oldest()).await {
-                Ok(Ok(Some(entry))) => entry,
-                Ok(Ok(None)) => {
-                    tokio::select! {
-                        _ = self.spool.added() => {}
-                        _ = session.changed() => {}
-                    }
-                    continue;
+            let Some(entry) = self.spool.oldest() else {
+                // A push between the look and this wait is not missed: it left a permit.
+                tokio::select! {
+                    _ = self.spool.added() => {}
+                    _ = session.changed() => {}
                 }
-                Ok(Err(e)) => {
-                    warn!(%e, "cannot read the result spool");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
-                }
-                Err(_) => return,
+                continue;
             };
             while acks.try_recv().is_ok() {}
             let sent = self
@@ -405,8 +396,11 @@ impl Agent {
                 }
             };
             if acked {
-                if let Err(e) = self.spool.remove(&entry) {
-                    warn!(%e, "cannot remove a delivered result from the spool");
+                let spool = self.spool.clone();
+                match tokio::task::spawn_blocking(move || spool.remove(&entry)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => warn!(%e, "cannot record a delivered result in the spool"),
+                    Err(_) => return,
                 }
                 self.metrics.spooled_results.set(self.spool.len() as i64);
             }

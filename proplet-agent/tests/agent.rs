@@ -382,13 +382,7 @@ async fn spooled_result_survives_an_agent_restart() {
     let spool_dir = state.path().join("spool");
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let queued = std::fs::read_dir(&spool_dir)
-            .map(|d| {
-                d.filter_map(Result::ok)
-                    .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-                    .count()
-            })
-            .unwrap_or(0);
+        let queued = proplet_agent::spool::pending_in(&spool_dir).unwrap_or(0);
         if queued == 1 {
             break;
         }
