@@ -23,11 +23,17 @@ RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen 
 PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
 
-python3 - "$API" "$WORK" "$MQTT" "$BIN" <<'PY'
+python3 - "$API" "$WORK" "$MQTT" "$BIN" "${PIDS[0]}" <<'PY'
 import os, statistics, subprocess, sys, time
 sys.path.insert(0, "scripts")
 from bench_api import Api, proplet_manifest
-api_port, work, mqtt, bin_dir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+api_port, work, mqtt, bin_dir, propeller_pid = sys.argv[1:6]
+
+def cpu_seconds(pid):
+    """User + system CPU time the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 api = Api(api_port, os.path.join(work, "data"))
 call = api.call
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
@@ -73,29 +79,47 @@ try:
 
     # 2. 1,000 tasks at once.
     names = [f"burst-{n}" for n in range(1000)]
+    STORE = ("propeller_store_transactions_total", "propeller_store_durable_commits_total")
+    before = api.counters(*STORE)
+    finished_before = api.metric("propeller_tasks", phase="completed") + api.metric("propeller_tasks", phase="failed")
+    cpu_before = [cpu_seconds(propeller_pid)] + [cpu_seconds(a.pid) for a in agents]
     t0 = time.time()
     call("POST", "/v1/apply", "---\n".join(task(n) for n in names))
     applied = time.time()
     deadline = t0 + 300
+    # Wait on the phase counts in /metrics: listing 1,000 tasks every poll would cost
+    # propeller more CPU than the work being measured.
+    def finished_count():
+        return api.metric("propeller_tasks", phase="completed") + api.metric("propeller_tasks", phase="failed")
     while time.time() < deadline:
-        tasks = [t for t in call("GET", "/v1/objects/task?namespace=default") if t["metadata"]["name"].startswith("burst-")]
-        done = [t for t in tasks if t.get("status", {}).get("phase") in ("completed", "failed")]
-        if len(done) == 1000:
+        if finished_count() >= finished_before + 1000:
             break
         time.sleep(0.05)
     else:
-        raise SystemExit(f"only {len(done)} of 1000 finished in 300 s")
+        raise SystemExit(f"only {finished_count() - finished_before:.0f} of 1000 finished in 300 s")
+    last_seen = time.time()
+    cpu_after = [cpu_seconds(propeller_pid)] + [cpu_seconds(a.pid) for a in agents]
+    after = api.counters(*STORE)
+    window = last_seen - t0
+    tasks = [t for t in call("GET", "/v1/objects/task?namespace=default") if t["metadata"]["name"].startswith("burst-")]
+    done = [t for t in tasks if t.get("status", {}).get("phase") in ("completed", "failed")]
     from datetime import datetime
     def ts(s):
         return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
     finished = [ts(t["status"]["finishedAt"]) for t in done]
     created = [ts(t["metadata"]["creationTimestamp"]) for t in done]
     failed = sum(1 for t in done if t["status"]["phase"] != "completed")
+    cpu = [a - b for a, b in zip(cpu_after, cpu_before)]
+    txns, syncs = (after[k] - before[k] for k in STORE)
     span = max(finished) - t0
     per_task = sorted((f - t0) * 1000 for f in finished)
     print(f"1000 tasks in one apply (answered after {(applied - t0) * 1000:.0f} ms): all finished {span:.2f} s after it "
           f"-> {1000 / span:.0f} tasks/s; apply -> finished p50 {statistics.median(per_task):.0f} ms, "
           f"p99 {per_task[989]:.0f} ms; failed {failed}")
+    print(f"store during the burst: {txns:.0f} transactions, {syncs:.0f} fsynced commits "
+          f"({txns / max(syncs, 1):.1f} transactions per fsync)")
+    print(f"CPU during the burst (until the last task was seen finished): propeller {cpu[0]:.2f} s, "
+          f"the 4 agents {sum(cpu[1:]):.2f} s, of {2 * window:.2f} s on 2 cores")
 finally:
     for a in agents:
         a.terminate()

@@ -41,6 +41,30 @@ class Api:
         """The response body as JSON."""
         return json.loads(self.raw(method, path, body))
 
+    def counters(self, *names):
+        """The current value of each named metric in `/metrics`, summed over its labels."""
+        totals = dict.fromkeys(names, 0.0)
+        for name, _, value in self.samples():
+            if name in totals:
+                totals[name] += value
+        return totals
+
+    def metric(self, name, **labels):
+        """The sum of metric `name` over the samples carrying every given label value."""
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(value for n, lbl, value in self.samples()
+                   if n == name and all(w in lbl for w in wanted))
+
+    def samples(self):
+        """`(name, labels text, value)` for every sample in `/metrics`, a small answer that
+        polls more cheaply than listing objects."""
+        for line in self.raw("GET", "/metrics").decode().splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            metric, _, value = line.rpartition(" ")
+            name, _, labels = metric.partition("{")
+            yield name, labels, float(value)
+
 
 def proplet_manifest(name, mqtt_port, key):
     """An external Proplet `name` on channel d/c whose device logs in as `name` with `key`."""

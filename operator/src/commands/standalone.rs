@@ -203,7 +203,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
 
     let mut agent = None;
     if cmd.demo {
-        agent = Some(start_demo(&api_state, mqtt, &cmd.data_dir)?);
+        agent = Some(start_demo(&api_state, mqtt, &cmd.data_dir).await?);
         tokio::spawn(print_results(store.clone()));
     }
     let shutdown = async {
@@ -221,7 +221,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
 
 /// Applies the quickstart with a freshly generated proplet key and starts a local `proplet`
 /// (found next to this binary) that logs in with it.
-fn start_demo(
+async fn start_demo(
     api_state: &ApiState,
     mqtt: SocketAddr,
     data_dir: &Path,
@@ -241,9 +241,11 @@ fn start_demo(
             _ => {}
         }
     }
-    let applied = api::apply_documents(api_state, &docs).map_err(|problems| {
-        anyhow::anyhow!("the quickstart does not apply:\n{}", problems.join("\n"))
-    })?;
+    let applied = api::apply_documents(api_state, &docs)
+        .await
+        .map_err(|problems| {
+            anyhow::anyhow!("the quickstart does not apply:\n{}", problems.join("\n"))
+        })?;
     for a in &applied {
         println!(
             "  applied {} {}",

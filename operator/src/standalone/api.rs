@@ -198,20 +198,21 @@ async fn apply(
         ));
     }
     let outcome = apply_documents(&state, &docs)
+        .await
         .map_err(|problems| ApiError(StatusCode::UNPROCESSABLE_ENTITY, problems.join("\n")))?;
     Ok(Json(Value::Array(outcome)))
 }
 
 /// Admits every document, then stores them all in one transaction: nothing is stored when
 /// one is refused. Returns what happened to each (`kind`, `namespace`, `name`, `action`).
-pub fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
+pub async fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
     let admitted = admit_all(state, docs)?;
     let described: Vec<String> = admitted
         .iter()
         .enumerate()
         .map(|(i, doc)| describe_doc(i, doc))
         .collect();
-    let applied = state.store.apply_all(admitted).map_err(|e| {
+    let applied = state.store.apply_all_async(admitted).await.map_err(|e| {
         let what = described
             .get(e.index)
             .map(String::as_str)
@@ -270,7 +271,7 @@ async fn delete_one(
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     let kind = kind_or_404(&kind)?;
-    let outcome = match state.store.delete(kind, &ns, &name)? {
+    let outcome = match state.store.delete_async(kind, &ns, &name).await? {
         Deleted::Removed(_) => "deleted",
         Deleted::Pending(_) => "deleting (waiting for finalizers)",
     };

@@ -561,9 +561,20 @@ impl Driver {
         let result = match key.kind.as_str() {
             PROPLET => self.reconcile_proplet(key, now).await,
             TASK => self.reconcile_task(key, now).await,
-            PROPELLER_JOB => self.reconcile_propeller_job(key, now),
-            FEDERATED_JOB => self.reconcile_federated_job(key, now),
-            TRAINING_ROUND => self.reconcile_training_round(key, now),
+            PROPELLER_JOB | FEDERATED_JOB | TRAINING_ROUND => {
+                // These reconcilers write through the blocking store calls, which wait for
+                // redb's write lock and an `fsync`: keep that off the runtime threads.
+                let (driver, key) = (Arc::clone(self), key.clone());
+                tokio::task::spawn_blocking(move || match key.kind.as_str() {
+                    PROPELLER_JOB => driver.reconcile_propeller_job(&key, now),
+                    FEDERATED_JOB => driver.reconcile_federated_job(&key, now),
+                    _ => driver.reconcile_training_round(&key, now),
+                })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(StoreError::Database(format!("the reconcile did not finish: {e}")).into())
+                })
+            }
             _ => Ok(None),
         };
         self.metrics

@@ -30,6 +30,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use chrono::{SecondsFormat, Utc};
@@ -166,6 +167,15 @@ pub struct DocumentError {
     pub index: usize,
     /// Why it was refused.
     pub error: Box<StoreError>,
+}
+
+impl DocumentError {
+    fn at(index: usize, error: StoreError) -> Self {
+        Self {
+            index,
+            error: Box::new(error),
+        }
+    }
 }
 
 /// What [`ObjectStore::apply`] did.
@@ -956,25 +966,20 @@ impl ObjectStore {
     /// Applies every object like [`ObjectStore::apply`], all in one transaction: either all
     /// are stored or, on the first error, none.
     pub fn apply_all(&self, objs: Vec<Value>) -> Result<Vec<Applied>, DocumentError> {
-        let failed = |index, error| DocumentError {
-            index,
-            error: Box::new(error),
-        };
-        let keys = objs
-            .iter()
-            .enumerate()
-            .map(|(i, obj)| Key::of(obj).map_err(|e| failed(i, e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut failed_at = 0;
-        self.write(|tx| {
-            let mut applied = Vec::with_capacity(objs.len());
-            for (i, (key, obj)) in keys.iter().zip(objs).enumerate() {
-                failed_at = i;
-                applied.push(tx.apply(key, obj, false)?);
-            }
-            Ok(applied)
-        })
-        .map_err(|e| failed(failed_at, e))
+        let keys = document_keys(&objs)?;
+        let failed_at = AtomicUsize::new(0);
+        self.write(|tx| apply_each(tx, keys, objs, &failed_at))
+            .map_err(|e| DocumentError::at(failed_at.load(Ordering::Relaxed), e))
+    }
+
+    /// [`ObjectStore::apply_all`] for async callers (see [`ObjectStore::write_async`]).
+    pub async fn apply_all_async(&self, objs: Vec<Value>) -> Result<Vec<Applied>, DocumentError> {
+        let keys = document_keys(&objs)?;
+        let failed_at = Arc::new(AtomicUsize::new(0));
+        let at = failed_at.clone();
+        self.write_async(move |tx| apply_each(tx, keys, objs, &at))
+            .await
+            .map_err(|e| DocumentError::at(failed_at.load(Ordering::Relaxed), e))
     }
 
     /// Creates `obj` like [`ObjectStore::apply`] does, but fails with
@@ -1086,7 +1091,8 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        self.write_async(|tx| tx.write_status(&key, status, expected_version))
+        let expected = expected_version.map(str::to_owned);
+        self.write_async(move |tx| tx.write_status(&key, status, expected.as_deref()))
             .await
     }
 
@@ -1101,7 +1107,8 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        self.write_async(|tx| tx.set_finalizers(&key, finalizers, expected_version))
+        let expected = expected_version.map(str::to_owned);
+        self.write_async(move |tx| tx.set_finalizers(&key, finalizers, expected.as_deref()))
             .await
     }
 
@@ -1117,8 +1124,9 @@ impl ObjectStore {
         expected_version: Option<&str>,
     ) -> Result<Value, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        self.write_async(|tx| {
-            tx.set_finalizers(&key, finalizers, expected_version)?;
+        let expected = expected_version.map(str::to_owned);
+        self.write_async(move |tx| {
+            tx.set_finalizers(&key, finalizers, expected.as_deref())?;
             tx.write_status(&key, status, None)
         })
         .await
@@ -1146,10 +1154,18 @@ impl ObjectStore {
     /// recursively and under the same finalizer rule (background cascading deletion).
     pub fn delete(&self, kind: &str, namespace: &str, name: &str) -> Result<Deleted, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        self.write(|tx| {
-            let current = tx.load_existing(&key)?;
-            tx.delete_tree(&key, current, false)
-        })
+        self.write(move |tx| delete_key(tx, &key))
+    }
+
+    /// [`ObjectStore::delete`] for async callers (see [`ObjectStore::write_async`]).
+    pub async fn delete_async(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Deleted, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        self.write_async(move |tx| delete_key(tx, &key)).await
     }
 
     /// The last resourceVersion handed out (0 for a new store).
@@ -1193,12 +1209,25 @@ impl ObjectStore {
         Ok(out)
     }
 
-    /// [`ObjectStore::write`] for async callers: waits for durability without holding a thread.
-    async fn write_async<T>(
+    /// [`ObjectStore::write`] for async callers: durability is awaited without holding a
+    /// thread. A durable commit holds redb's write lock through its `fsync`; while one runs,
+    /// the transaction goes to a blocking thread, so the wait for the lock stalls no runtime
+    /// thread and every writer arriving meanwhile joins the next group commit. Otherwise it
+    /// commits right here: a commit without `fsync` is short, and the hop to another thread
+    /// would cost a single write more than the commit.
+    async fn write_async<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let (out, seq) = self.commit(f)?;
+        let syncing = lock(&self.inner.group).syncing;
+        let (out, seq) = if syncing {
+            let store = self.clone();
+            tokio::task::spawn_blocking(move || store.commit(f))
+                .await
+                .map_err(|e| StoreError::Database(format!("a store write did not finish: {e}")))??
+        } else {
+            self.commit(f)?
+        };
         self.durable(seq).await?;
         Ok(out)
     }
@@ -1284,9 +1313,19 @@ impl ObjectStore {
             match self.sync_state(seq)? {
                 Some(true) => return Ok(()),
                 Some(false) => {
-                    let store = self.clone();
-                    // Runs to the end even if this future is dropped: others wait on it.
-                    let _ = tokio::task::spawn_blocking(move || store.sync_and_announce()).await;
+                    // The leader syncs on its own thread, handing the runtime's other tasks
+                    // to another one: a single write then waits for no thread wake-up, which
+                    // costs up to milliseconds on a busy virtual machine. Either way the sync
+                    // runs to the end even if this future is dropped: others wait on it.
+                    if tokio::runtime::Handle::current().runtime_flavor()
+                        == tokio::runtime::RuntimeFlavor::MultiThread
+                    {
+                        tokio::task::block_in_place(|| self.sync_and_announce());
+                    } else {
+                        let store = self.clone();
+                        let _ =
+                            tokio::task::spawn_blocking(move || store.sync_and_announce()).await;
+                    }
                 }
                 None => {
                     let _ = synced.changed().await;
@@ -1365,6 +1404,35 @@ impl ObjectStore {
         self.inner.metrics.durable_commits.inc();
         Ok(target)
     }
+}
+
+/// The key of every document, or the first document without a valid one.
+fn document_keys(objs: &[Value]) -> Result<Vec<Key>, DocumentError> {
+    objs.iter()
+        .enumerate()
+        .map(|(i, obj)| Key::of(obj).map_err(|e| DocumentError::at(i, e)))
+        .collect()
+}
+
+/// Applies the documents in order inside one transaction, noting which one is being applied
+/// so a failure can name it.
+fn apply_each(
+    tx: &mut Tx<'_>,
+    keys: Vec<Key>,
+    objs: Vec<Value>,
+    failed_at: &AtomicUsize,
+) -> Result<Vec<Applied>, StoreError> {
+    let mut applied = Vec::with_capacity(objs.len());
+    for (i, (key, obj)) in keys.iter().zip(objs).enumerate() {
+        failed_at.store(i, Ordering::Relaxed);
+        applied.push(tx.apply(key, obj, false)?);
+    }
+    Ok(applied)
+}
+
+fn delete_key(tx: &mut Tx<'_>, key: &Key) -> Result<Deleted, StoreError> {
+    let current = tx.load_existing(key)?;
+    tx.delete_tree(key, current, false)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
