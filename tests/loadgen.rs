@@ -157,6 +157,11 @@ async fn simulated_proplet(
     options.set_credentials(&id, format!("{id}-key"));
     options.set_keep_alive(Duration::from_secs(60));
     let (client, mut eventloop) = AsyncClient::new(options, 16);
+    // Wait out a slow CONNACK during the connect storm instead of reconnecting after
+    // rumqttc's default 5 s: a client that reconnects while its first attempt is still being
+    // accepted runs into rumqttd 0.20's takeover race (BENCHMARKS.md, section 4), which would
+    // then be measured instead of the heartbeat load.
+    eventloop.network_options.set_connection_timeout(60);
     let alive = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
         .map_err(|e| anyhow::anyhow!("channel: {e}"))?
         .alive();

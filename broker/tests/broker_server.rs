@@ -311,3 +311,29 @@ async fn meters_are_exported_in_prometheus_text() {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
 }
+
+/// A device that reconnects while its previous connection is still open (a half-open socket
+/// after a network drop, or a client that gave up waiting for CONNACK) keeps the new one.
+/// rumqttd on its own reuses the old connection's id for the new one and then disconnects the
+/// new one when the old one's link ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_with_the_same_client_id_replaces_the_old_connection_and_stays() {
+    let b = TestBroker::start().await;
+    let start = topic("control/manager/start");
+    let old = connect_as(b.addr(), "dev-a", "key-a").await;
+    let mut new = connect_as(b.addr(), "dev-a", "key-a").await;
+    // The broker closes the old connection.
+    match tokio::time::timeout(WAIT, old.task).await {
+        Ok(_) => {}
+        Err(_) => panic!("the old connection of dev-a was not closed"),
+    }
+    // The new one outlives the old one's end and works.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    new.subscribe(&start).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let operator = connect_as(b.addr(), "watcher", "key-w").await;
+    operator.publish(&start, r#"{"id":"t1"}"#).await;
+    let got = new.next_publish().await;
+    assert_eq!(got.topic, start);
+    assert!(!new.task.is_finished(), "the new connection was dropped");
+}

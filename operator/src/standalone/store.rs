@@ -875,8 +875,14 @@ struct Inner {
     synced_blocking: Condvar,
     /// Wakes async writers when a durable commit finished; carries [`GroupCommit::synced`].
     synced_async: watch::Sender<u64>,
+    /// Blocking threads async writers may hold while a durable commit runs. Commits take
+    /// turns on the write lock anyway; more threads would only each hold memory.
+    commit_threads: tokio::sync::Semaphore,
     metrics: StoreMetrics,
 }
+
+/// See [`Inner::commit_threads`].
+const COMMIT_THREADS: usize = 16;
 
 /// Where the group commit stands. Sequence numbers count committed write transactions.
 #[derive(Default)]
@@ -937,6 +943,7 @@ impl ObjectStore {
                 group: Mutex::new(GroupCommit::default()),
                 synced_blocking: Condvar::new(),
                 synced_async: watch::Sender::new(0),
+                commit_threads: tokio::sync::Semaphore::new(COMMIT_THREADS),
                 metrics: StoreMetrics::default(),
             }),
         })
@@ -1221,6 +1228,8 @@ impl ObjectStore {
     ) -> Result<T, StoreError> {
         let syncing = lock(&self.inner.group).syncing;
         let (out, seq) = if syncing {
+            // Never closed, so acquiring only waits.
+            let _thread = self.inner.commit_threads.acquire().await;
             let store = self.clone();
             tokio::task::spawn_blocking(move || store.commit(f))
                 .await
@@ -1313,19 +1322,9 @@ impl ObjectStore {
             match self.sync_state(seq)? {
                 Some(true) => return Ok(()),
                 Some(false) => {
-                    // The leader syncs on its own thread, handing the runtime's other tasks
-                    // to another one: a single write then waits for no thread wake-up, which
-                    // costs up to milliseconds on a busy virtual machine. Either way the sync
-                    // runs to the end even if this future is dropped: others wait on it.
-                    if tokio::runtime::Handle::current().runtime_flavor()
-                        == tokio::runtime::RuntimeFlavor::MultiThread
-                    {
-                        tokio::task::block_in_place(|| self.sync_and_announce());
-                    } else {
-                        let store = self.clone();
-                        let _ =
-                            tokio::task::spawn_blocking(move || store.sync_and_announce()).await;
-                    }
+                    let store = self.clone();
+                    // Runs to the end even if this future is dropped: others wait on it.
+                    let _ = tokio::task::spawn_blocking(move || store.sync_and_announce()).await;
                 }
                 None => {
                     let _ = synced.changed().await;
