@@ -43,37 +43,24 @@ PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
 
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "$N" "${PIDS[0]}" <<'PY'
-import json, os, re, statistics, subprocess, sys, threading, time
+import json, os, statistics, subprocess, sys, threading, time
 sys.path.insert(0, "scripts")
-from bench_api import Api, proplet_manifest
+from bench_api import Api, cpu_seconds, pick, proplet_manifest, rss_mib
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
-tick = os.sysconf("SC_CLK_TCK")
-call = Api(api_port, os.path.join(work, "data")).raw
+api = Api(api_port, os.path.join(work, "data"))
+call = api.raw
 
 def metrics():
-    text = call("GET", "/metrics").decode()
-    def one(pattern):
-        m = re.search(pattern, text, re.M)
-        return float(m.group(1)) if m else 0.0
+    samples = api.samples()
     return {
-        "running": one(r'^propeller_proplets\{phase="Running"\} (\S+)'),
-        "offline": one(r'^propeller_proplets\{phase="Offline"\} (\S+)'),
-        "proplet_writes": one(r'^propeller_store_changes_total\{kind="Proplet",change="Modified"\} (\S+)'),
-        "durable": one(r'^propeller_store_durable_commits_total (\S+)'),
-        "transactions": one(r'^propeller_store_transactions_total (\S+)'),
+        "running": pick(samples, "propeller_proplets", phase="Running"),
+        "offline": pick(samples, "propeller_proplets", phase="Offline"),
+        "proplet_writes": pick(samples, "propeller_store_changes_total", kind="Proplet", change="Modified"),
+        "durable": pick(samples, "propeller_store_durable_commits_total"),
+        "transactions": pick(samples, "propeller_store_transactions_total"),
     }
-
-def cpu_seconds():
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
-
-def rss_mib():
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 # N Secrets and N Proplets, in chunks that stay under the API's body limit.
 t = time.time()
@@ -88,14 +75,14 @@ while True:
         break
     last = now
     time.sleep(2)
-print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} s; RSS {rss_mib():.0f} MiB")
+print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} s; RSS {rss_mib(pid):.0f} MiB")
 
 samples = []  # (time, cpu seconds, rss MiB, metrics)
 stop = threading.Event()
 def sample():
     while not stop.is_set():
         try:
-            samples.append((time.time(), cpu_seconds(), rss_mib(), metrics()))
+            samples.append((time.time(), cpu_seconds(pid), rss_mib(pid), metrics()))
         except Exception as e:  # the run ends; keep what we have
             print(f"sampling stopped: {e}")
             return

@@ -26,14 +26,8 @@ for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; don
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "${PIDS[0]}" <<'PY'
 import os, statistics, subprocess, sys, time
 sys.path.insert(0, "scripts")
-from bench_api import Api, proplet_manifest
+from bench_api import Api, cpu_seconds, pick, proplet_manifest
 api_port, work, mqtt, bin_dir, propeller_pid = sys.argv[1:6]
-
-def cpu_seconds(pid):
-    """User + system CPU time the process has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 api = Api(api_port, os.path.join(work, "data"))
 call = api.call
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
@@ -80,8 +74,14 @@ try:
     # 2. 1,000 tasks at once.
     names = [f"burst-{n}" for n in range(1000)]
     STORE = ("propeller_store_transactions_total", "propeller_store_durable_commits_total")
-    before = api.counters(*STORE)
-    finished_before = api.metric("propeller_tasks", phase="completed") + api.metric("propeller_tasks", phase="failed")
+    def store_counters():
+        samples = api.samples()
+        return [pick(samples, name) for name in STORE]
+    def finished_count():
+        samples = api.samples()
+        return sum(pick(samples, "propeller_tasks", phase=p) for p in ("completed", "failed"))
+    before = store_counters()
+    finished_before = finished_count()
     cpu_before = [cpu_seconds(propeller_pid)] + [cpu_seconds(a.pid) for a in agents]
     t0 = time.time()
     call("POST", "/v1/apply", "---\n".join(task(n) for n in names))
@@ -89,8 +89,6 @@ try:
     deadline = t0 + 300
     # Wait on the phase counts in /metrics: listing 1,000 tasks every poll would cost
     # propeller more CPU than the work being measured.
-    def finished_count():
-        return api.metric("propeller_tasks", phase="completed") + api.metric("propeller_tasks", phase="failed")
     while time.time() < deadline:
         if finished_count() >= finished_before + 1000:
             break
@@ -99,7 +97,7 @@ try:
         raise SystemExit(f"only {finished_count() - finished_before:.0f} of 1000 finished in 300 s")
     last_seen = time.time()
     cpu_after = [cpu_seconds(propeller_pid)] + [cpu_seconds(a.pid) for a in agents]
-    after = api.counters(*STORE)
+    after = store_counters()
     window = last_seen - t0
     tasks = [t for t in call("GET", "/v1/objects/task?namespace=default") if t["metadata"]["name"].startswith("burst-")]
     done = [t for t in tasks if t.get("status", {}).get("phase") in ("completed", "failed")]
@@ -110,7 +108,7 @@ try:
     created = [ts(t["metadata"]["creationTimestamp"]) for t in done]
     failed = sum(1 for t in done if t["status"]["phase"] != "completed")
     cpu = [a - b for a, b in zip(cpu_after, cpu_before)]
-    txns, syncs = (after[k] - before[k] for k in STORE)
+    txns, syncs = (a - b for a, b in zip(after, before))
     span = max(finished) - t0
     per_task = sorted((f - t0) * 1000 for f in finished)
     print(f"1000 tasks in one apply (answered after {(applied - t0) * 1000:.0f} ms): all finished {span:.2f} s after it "

@@ -41,29 +41,39 @@ class Api:
         """The response body as JSON."""
         return json.loads(self.raw(method, path, body))
 
-    def counters(self, *names):
-        """The current value of each named metric in `/metrics`, summed over its labels."""
-        totals = dict.fromkeys(names, 0.0)
-        for name, _, value in self.samples():
-            if name in totals:
-                totals[name] += value
-        return totals
-
-    def metric(self, name, **labels):
-        """The sum of metric `name` over the samples carrying every given label value."""
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        return sum(value for n, lbl, value in self.samples()
-                   if n == name and all(w in lbl for w in wanted))
-
     def samples(self):
-        """`(name, labels text, value)` for every sample in `/metrics`, a small answer that
-        polls more cheaply than listing objects."""
+        """`(name, labels text, value)` for every sample in `/metrics`: one small request,
+        which polls more cheaply than listing objects."""
+        out = []
         for line in self.raw("GET", "/metrics").decode().splitlines():
             if line.startswith("#") or not line.strip():
                 continue
             metric, _, value = line.rpartition(" ")
             name, _, labels = metric.partition("{")
-            yield name, labels, float(value)
+            out.append((name, labels, float(value)))
+        return out
+
+
+def pick(samples, name, **labels):
+    """The sum of metric `name` over the `samples` carrying every given label value."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(value for n, lbl, value in samples if n == name and all(w in lbl for w in wanted))
+
+
+def cpu_seconds(pid):
+    """User + system CPU time process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid):
+    """Resident memory of process `pid`, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def proplet_manifest(name, mqtt_port, key):

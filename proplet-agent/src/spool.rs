@@ -73,10 +73,21 @@ const HEADER: usize = 17;
 /// Larger bodies are read as corruption: results are bounded far below this by MQTT.
 const MAX_BODY: usize = 256 * 1024 * 1024;
 
+/// An entry record's body; borrowed when written, owned when read back.
 #[derive(Serialize, Deserialize)]
-struct Body {
-    topic: String,
-    payload: String,
+struct Body<'a> {
+    #[serde(borrow)]
+    topic: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    payload: std::borrow::Cow<'a, str>,
+}
+
+fn encode_body(topic: &str, payload: &str) -> io::Result<Vec<u8>> {
+    serde_json::to_vec(&Body {
+        topic: topic.into(),
+        payload: payload.into(),
+    })
+    .map_err(io::Error::other)
 }
 
 impl Spool {
@@ -185,11 +196,7 @@ impl Spool {
     /// Writes an entry record (and a consumed record for an entry pushed out); returns the
     /// dropped entry and the record count to sync through.
     fn append(&self, topic: &str, payload: &str) -> io::Result<(Option<Entry>, u64)> {
-        let body = serde_json::to_vec(&Body {
-            topic: topic.to_owned(),
-            payload: payload.to_owned(),
-        })
-        .map_err(io::Error::other)?;
+        let body = encode_body(topic, payload)?;
         let mut journal = self.lock_journal();
         let seq = journal.next_seq;
         let size = journal.write_record(KIND_ENTRY, seq, &body)?;
@@ -232,11 +239,7 @@ impl Spool {
         let tmp = self.dir.join(format!("{JOURNAL}.rewrite"));
         let mut bytes = Vec::with_capacity(journal.live_bytes as usize);
         for (seq, (entry, _)) in &journal.pending {
-            let body = serde_json::to_vec(&Body {
-                topic: entry.topic.clone(),
-                payload: entry.payload.clone(),
-            })
-            .map_err(io::Error::other)?;
+            let body = encode_body(&entry.topic, &entry.payload)?;
             encode_record(&mut bytes, KIND_ENTRY, *seq, &body);
         }
         {
@@ -274,8 +277,9 @@ impl Spool {
                 fs::remove_file(&path)?;
                 continue;
             }
-            match fs::read(&path).map(|b| serde_json::from_slice::<Body>(&b)) {
-                Ok(Ok(body)) => {
+            let bytes = fs::read(&path).unwrap_or_default();
+            match serde_json::from_slice::<Body>(&bytes) {
+                Ok(body) => {
                     let (_, appended) = self.append(&body.topic, &body.payload)?;
                     last = appended;
                     imported.push(path);
@@ -343,8 +347,8 @@ fn replay(bytes: &[u8]) -> Replayed {
                     break;
                 };
                 let entry = Entry {
-                    topic: parsed.topic,
-                    payload: parsed.payload,
+                    topic: parsed.topic.into_owned(),
+                    payload: parsed.payload.into_owned(),
                     seq,
                 };
                 pending.insert(seq, (entry, size as u64));

@@ -9,6 +9,7 @@
 //! object from the store.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -152,7 +153,7 @@ pub struct Driver {
     /// The time each key's pending timer fires.
     timers: Mutex<HashMap<Key, DateTime<Utc>>>,
     /// A Secret changed since the last credential rebuild.
-    secrets_changed: std::sync::atomic::AtomicBool,
+    secrets_changed: AtomicBool,
     own_writes: OwnWrites,
 }
 
@@ -292,7 +293,7 @@ impl Driver {
             cache,
             credentials_built: Mutex::new(None),
             timers: Mutex::new(HashMap::new()),
-            secrets_changed: std::sync::atomic::AtomicBool::new(false),
+            secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
         });
         Ok((driver, rx))
@@ -435,9 +436,7 @@ impl Driver {
             }
             // Rebuilt on the next credential tick: a burst of new Proplets costs one rebuild,
             // not one per Proplet.
-            SECRET => self
-                .secrets_changed
-                .store(true, std::sync::atomic::Ordering::Relaxed),
+            SECRET => self.secrets_changed.store(true, AtomicOrdering::Relaxed),
             TRAINING_ROUND => {
                 if let Ok(Some(round)) =
                     self.store
@@ -524,7 +523,7 @@ impl Driver {
                 _ = credential_tick.tick() => {
                     let secrets = self
                         .secrets_changed
-                        .swap(false, std::sync::atomic::Ordering::Relaxed);
+                        .swap(false, AtomicOrdering::Relaxed);
                     self.refresh_credentials(secrets);
                 }
                 _ = sweep.tick() => {
@@ -561,19 +560,18 @@ impl Driver {
         let result = match key.kind.as_str() {
             PROPLET => self.reconcile_proplet(key, now).await,
             TASK => self.reconcile_task(key, now).await,
+            // These reconcilers write through the blocking store calls, which wait for
+            // redb's write lock and an `fsync`: keep that off the runtime threads.
             PROPELLER_JOB | FEDERATED_JOB | TRAINING_ROUND => {
-                // These reconcilers write through the blocking store calls, which wait for
-                // redb's write lock and an `fsync`: keep that off the runtime threads.
                 let (driver, key) = (Arc::clone(self), key.clone());
-                tokio::task::spawn_blocking(move || match key.kind.as_str() {
-                    PROPELLER_JOB => driver.reconcile_propeller_job(&key, now),
-                    FEDERATED_JOB => driver.reconcile_federated_job(&key, now),
-                    _ => driver.reconcile_training_round(&key, now),
-                })
-                .await
-                .unwrap_or_else(|e| {
-                    Err(StoreError::Database(format!("the reconcile did not finish: {e}")).into())
-                })
+                tokio::task::spawn_blocking(move || driver.reconcile_job(&key, now))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(
+                            StoreError::Database(format!("the reconcile did not finish: {e}"))
+                                .into(),
+                        )
+                    })
             }
             _ => Ok(None),
         };
@@ -724,6 +722,20 @@ impl Driver {
                 .record(TASK, &key.namespace, &key.name, note, now);
         }
         Ok(plan.requeue_at)
+    }
+
+    /// The reconcilers of the job kinds, which use the blocking store calls.
+    fn reconcile_job(
+        &self,
+        key: &Key,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, DriverError> {
+        match key.kind.as_str() {
+            PROPELLER_JOB => self.reconcile_propeller_job(key, now),
+            FEDERATED_JOB => self.reconcile_federated_job(key, now),
+            TRAINING_ROUND => self.reconcile_training_round(key, now),
+            _ => Ok(None),
+        }
     }
 
     fn reconcile_propeller_job(
