@@ -11,8 +11,8 @@
 #   - steady state (all Running, before the silence): propeller's CPU (% of one core),
 #     RSS, Proplet status writes per second and per proplet per flush interval;
 #   - time from the silence to all 1,000 Offline (threshold 30 s).
-# Every connection costs propeller 3 file descriptors (the device's socket and both ends of
-# the relay to rumqttd); N is lowered to what this shell's descriptor limit allows.
+# Every connection costs propeller one file descriptor (and the load generator one); N is
+# lowered to what this shell's descriptor limit allows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build-release.sh
@@ -20,9 +20,9 @@ BIN=target/release
 N=${1:-10000}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 LIMIT=$(ulimit -n)
-MAX=$(( (LIMIT - 2000) / 3 ))
+MAX=$(( LIMIT - 2000 ))
 if [ "$N" -gt "$MAX" ]; then
-  echo "note: the descriptor limit here is $LIMIT (ulimit -Hn), which allows $MAX proplets at 3 descriptors each; running $MAX instead of $N"
+  echo "note: the descriptor limit here is $LIMIT (ulimit -Hn), which allows $MAX proplets; running $MAX instead of $N"
   N=$MAX
 fi
 WORK="$(mktemp -d)"

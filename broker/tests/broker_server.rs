@@ -337,3 +337,65 @@ async fn a_reconnect_with_the_same_client_id_replaces_the_old_connection_and_sta
     assert_eq!(got.topic, start);
     assert!(!new.task.is_finished(), "the new connection was dropped");
 }
+
+/// MQTT 3.1.1 CONNECT with clean session, keep-alive 60 s, and a username and password.
+fn raw_connect(client_id: &str, username: &str, password: &str) -> Vec<u8> {
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0b1100_0010, 0, 60];
+    for field in [client_id, username, password] {
+        body.extend_from_slice(&(field.len() as u16).to_be_bytes());
+        body.extend_from_slice(field.as_bytes());
+    }
+    assert!(body.len() < 128, "one-byte remaining length");
+    let mut packet = vec![0x10, body.len() as u8];
+    packet.extend_from_slice(&body);
+    packet
+}
+
+/// Connects over a raw socket and reads the CONNACK; panics unless it accepts.
+async fn raw_session(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::AsyncReadExt;
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(&raw_connect("dev-a", "dev-a", "key-a"))
+        .await
+        .unwrap();
+    let mut connack = [0u8; 4];
+    tokio::time::timeout(WAIT, socket.read_exact(&mut connack))
+        .await
+        .expect("CONNACK in time")
+        .expect("CONNACK");
+    assert_eq!(connack, [0x20, 0x02, 0x00, 0x00], "connection accepted");
+    socket
+}
+
+/// The race behind devices thrown out after a reconnect: the replaced connection's link ends
+/// just as the new connection takes over its connection id. Its end must not be taken for
+/// the new connection's. Closing the old socket while the new CONNECT is on its way makes
+/// the old link end either before or after the takeover, so repeated rounds hit both orders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_end_of_a_replaced_connection_does_not_drop_its_successor() {
+    use tokio::io::AsyncReadExt;
+    let b = TestBroker::start().await;
+    for round in 0..20 {
+        let old = raw_session(b.addr()).await;
+        let mut new = tokio::net::TcpStream::connect(b.addr()).await.unwrap();
+        let connect = raw_connect("dev-a", "dev-a", "key-a");
+        let (sent, ()) = tokio::join!(new.write_all(&connect), async { drop(old) });
+        sent.unwrap();
+        let mut connack = [0u8; 4];
+        tokio::time::timeout(WAIT, new.read_exact(&mut connack))
+            .await
+            .expect("CONNACK in time")
+            .expect("CONNACK");
+        assert_eq!(connack, [0x20, 0x02, 0x00, 0x00], "round {round}: accepted");
+        // Give the old link time to end, then check the new connection still answers.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        new.write_all(&[0xC0, 0x00]).await.unwrap();
+        let mut pingresp = [0u8; 2];
+        let answered = tokio::time::timeout(WAIT, new.read_exact(&mut pingresp)).await;
+        assert!(
+            matches!(answered, Ok(Ok(_))) && pingresp == [0xD0, 0x00],
+            "round {round}: the new connection was dropped ({answered:?})"
+        );
+    }
+}

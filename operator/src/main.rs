@@ -7,6 +7,12 @@ use clap::{Parser, Subcommand};
 
 mod commands;
 
+/// jemalloc instead of glibc's malloc: thousands of connections and tasks allocate and free
+/// from many threads, where glibc's per-thread arenas fragment and keep memory.
+#[cfg(all(unix, not(target_env = "musl")))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Propeller: orchestrates WebAssembly workloads on Kubernetes and edge devices.
 #[derive(Parser, Debug)]
 #[command(name = "propeller", version, about)]

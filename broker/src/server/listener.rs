@@ -1,30 +1,30 @@
-//! Public listeners in front of rumqttd.
+//! Public listeners in front of rumqttd's connection handling.
 //!
-//! rumqttd's `Server` binds its own socket (so it cannot report an ephemeral port) and runs
-//! the TLS handshake inside its accept loop with no timeout, so one silent client stalls every
-//! other connect. Our listeners accept on the public addresses, enforce the connection cap,
-//! run each TLS handshake in its own task under a deadline, and then relay bytes to rumqttd's
-//! plain listener on a loopback port. MQTT-level timeouts (CONNECT wait, keep-alive) remain
-//! rumqttd's.
+//! rumqttd's `Server::start` binds its own socket (so it cannot report an ephemeral port) and
+//! runs the TLS handshake inside its accept loop with no timeout, so one silent client stalls
+//! every other connect. Our listeners accept on the public addresses, enforce the connection
+//! cap, run each TLS or websocket handshake in its own task under a deadline, and then hand
+//! the stream to rumqttd (`Server::serve_connection`, from our patch of rumqttd) in the same
+//! task. A connection costs one socket and no intake copy. MQTT-level timeouts (CONNECT wait,
+//! keep-alive) remain rumqttd's.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
+use rumqttd::Server;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
+use super::guard::Guard;
 use super::metrics::BrokerMetrics;
 use super::BrokerError;
 
@@ -102,8 +102,9 @@ pub(crate) fn tls_acceptor(settings: &TlsSettings) -> Result<TlsAcceptor, Broker
 
 /// Everything a front listener needs per connection.
 #[derive(Clone)]
-pub(crate) struct Relay {
-    pub(crate) backend: SocketAddr,
+pub(crate) struct Intake {
+    /// rumqttd's connection handling, shared by every listener.
+    pub(crate) core: Arc<Server<Guard>>,
     pub(crate) slots: Arc<Semaphore>,
     pub(crate) handshake_timeout: Duration,
     pub(crate) metrics: BrokerMetrics,
@@ -120,13 +121,13 @@ pub(crate) enum Front {
     WebSocket,
 }
 
-/// Accepts on `listener` until the task is aborted, relaying each connection to rumqttd.
-pub(crate) async fn serve(listener: TcpListener, relay: Relay, front: Front) {
+/// Accepts on `listener` until the task is aborted, handing each connection to rumqttd.
+pub(crate) async fn serve(listener: TcpListener, intake: Intake, front: Front) {
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            // Reap finished relays so the set does not grow with the connection count.
+            // Reap finished connections so the set does not grow with the connection count.
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let (stream, peer) = match accepted {
@@ -138,31 +139,32 @@ pub(crate) async fn serve(listener: TcpListener, relay: Relay, front: Front) {
                 continue;
             }
         };
-        let Ok(permit) = relay.slots.clone().try_acquire_owned() else {
-            relay.metrics.refused_connection("max_connections");
+        let Ok(permit) = intake.slots.clone().try_acquire_owned() else {
+            intake.metrics.refused_connection("max_connections");
             warn!(%peer, "connection refused: connection limit reached");
             drop(stream);
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let relay = relay.clone();
+        let intake = intake.clone();
         let front = front.clone();
         connections.spawn(async move {
             let _permit = permit;
             match front {
-                Front::Plain => pipe(stream, &relay, peer).await,
-                Front::WebSocket => pipe_websocket(stream, &relay, peer).await,
+                // Each runs to the end of the connection, holding the permit until then.
+                Front::Plain => intake.core.serve_connection(stream).await,
+                Front::WebSocket => pipe_websocket(stream, &intake, peer).await,
                 Front::Tls(acceptor) => {
-                    match tokio::time::timeout(relay.handshake_timeout, acceptor.accept(stream))
+                    match tokio::time::timeout(intake.handshake_timeout, acceptor.accept(stream))
                         .await
                     {
-                        Ok(Ok(tls_stream)) => pipe(tls_stream, &relay, peer).await,
+                        Ok(Ok(tls_stream)) => intake.core.serve_connection(tls_stream).await,
                         Ok(Err(error)) => {
-                            relay.metrics.refused_connection("tls_handshake_failed");
+                            intake.metrics.refused_connection("tls_handshake_failed");
                             debug!(%peer, %error, "TLS handshake failed");
                         }
                         Err(_) => {
-                            relay.metrics.refused_connection("tls_handshake_timeout");
+                            intake.metrics.refused_connection("tls_handshake_timeout");
                             debug!(%peer, "TLS handshake timed out");
                         }
                     }
@@ -172,30 +174,9 @@ pub(crate) async fn serve(listener: TcpListener, relay: Relay, front: Front) {
     }
 }
 
-async fn pipe<S>(mut client: S, relay: &Relay, peer: SocketAddr)
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    let Some(mut backend) = backend_for(relay, peer).await else {
-        return;
-    };
-    // 4 KiB each way instead of tokio's 8 KiB: device traffic is small packets, and at ten
-    // thousand connections the buffers are a large part of the broker's memory.
-    if let Err(error) = tokio::io::copy_bidirectional_with_sizes(
-        &mut client,
-        &mut backend,
-        RELAY_BUFFER,
-        RELAY_BUFFER,
-    )
-    .await
-    {
-        debug!(%peer, %error, "connection ended");
-    }
-}
-
 /// Relays MQTT carried in websocket binary frames. The handshake runs under the same
 /// deadline as TLS handshakes.
-async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
+async fn pipe_websocket(stream: TcpStream, intake: &Intake, peer: SocketAddr) {
     use futures_util::{SinkExt, StreamExt};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
@@ -220,28 +201,27 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
         Ok(response)
     };
     let handshake = tokio_tungstenite::accept_hdr_async(stream, offer_mqtt);
-    let websocket = match tokio::time::timeout(relay.handshake_timeout, handshake).await {
+    let websocket = match tokio::time::timeout(intake.handshake_timeout, handshake).await {
         Ok(Ok(ws)) => ws,
         Ok(Err(error)) => {
-            relay
+            intake
                 .metrics
                 .refused_connection("websocket_handshake_failed");
             debug!(%peer, %error, "websocket handshake failed");
             return;
         }
         Err(_) => {
-            relay
+            intake
                 .metrics
                 .refused_connection("websocket_handshake_timeout");
             debug!(%peer, "websocket handshake timed out");
             return;
         }
     };
-    let Some(backend) = backend_for(relay, peer).await else {
-        return;
-    };
+    // rumqttd reads and writes a byte stream: an in-memory pipe carries the frames' bytes.
+    let (bridge_end, core_end) = tokio::io::duplex(WEBSOCKET_PIPE_BUFFER);
     let (mut ws_out, mut ws_in) = websocket.split();
-    let (mut core_in, mut core_out) = tokio::io::split(backend);
+    let (mut core_in, mut core_out) = tokio::io::split(bridge_end);
     let upstream = async {
         while let Some(message) = ws_in.next().await {
             match message {
@@ -271,82 +251,16 @@ async fn pipe_websocket(stream: TcpStream, relay: &Relay, peer: SocketAddr) {
         }
         let _ = ws_out.close().await;
     };
-    // Either side closing ends the relay; dropping the other half closes its socket.
-    tokio::select! {
-        _ = upstream => {}
-        _ = downstream => {}
-    }
-}
-
-/// Bytes buffered per direction of a relayed connection.
-const RELAY_BUFFER: usize = 4096;
-
-/// Our end of a connection to rumqttd. rumqttd leaves Nagle's algorithm on for its
-/// sockets, so a small packet it sends right after another (a start request after a PUBACK)
-/// is held until we acknowledge the first, and Linux delays that ACK by up to 40 ms. Asking
-/// for an immediate ACK after every read takes that wait out of each command's latency.
-struct CoreConnection(TcpStream);
-
-impl AsyncRead for CoreConnection {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.0).poll_read(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            #[cfg(any(target_os = "linux", target_os = "android"))]
-            let _ = self.0.set_quickack(true);
+    // Either side closing ends the bridge, and dropping the bridge's end of the pipe ends
+    // rumqttd's connection. rumqttd's side is never cancelled: it must tell its router.
+    let bridge = async {
+        tokio::select! {
+            _ = upstream => {}
+            _ = downstream => {}
         }
-        polled
-    }
+    };
+    tokio::join!(intake.core.serve_connection(core_end), bridge);
 }
 
-impl AsyncWrite for CoreConnection {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
-    }
-}
-
-/// The rumqttd connection for one client, or `None` (counted and logged) if unreachable.
-async fn backend_for(relay: &Relay, peer: SocketAddr) -> Option<CoreConnection> {
-    match connect_backend(relay.backend).await {
-        Ok(stream) => Some(CoreConnection(stream)),
-        Err(error) => {
-            relay.metrics.refused_connection("backend_unavailable");
-            warn!(%peer, %error, "broker core not reachable");
-            None
-        }
-    }
-}
-
-/// Connects to rumqttd's loopback listener, waiting briefly for it right after start-up.
-async fn connect_backend(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let mut attempt = 0;
-    loop {
-        match TcpStream::connect(addr).await {
-            Ok(stream) => {
-                let _ = stream.set_nodelay(true);
-                return Ok(stream);
-            }
-            Err(error) if attempt < 40 && error.kind() == std::io::ErrorKind::ConnectionRefused => {
-                attempt += 1;
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            Err(error) => return Err(error),
-        }
-    }
-}
+/// Bytes buffered per direction between a websocket and rumqttd.
+const WEBSOCKET_PIPE_BUFFER: usize = 16 * 1024;

@@ -33,12 +33,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
-use rumqttd::{ConnectionSettings, LinkType, Router, RouterConfig, Server, ServerSettings};
+use rumqttd::{ConnectionSettings, Router, RouterConfig, Server, ServerSettings};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
-use tracing::{error, info};
+use tracing::info;
 
 use crate::protocol::{
     Channel, Decoder, FlRoundStart, InvokeRequest, RegistryChunk, StartRequest, StopRequest,
@@ -57,7 +57,7 @@ pub use policy::{
 };
 
 use guard::{Guard, Shared};
-use listener::{serve, tls_acceptor, Front, Relay};
+use listener::{serve, tls_acceptor, Front, Intake};
 
 /// Large enough for a 512 KiB raw registry chunk in base64 (~700 KB) inside its JSON.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
@@ -178,7 +178,6 @@ impl EmbeddedBroker {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let backend = reserve_loopback_port().await?;
 
         let metrics = BrokerMetrics::default();
         let (event_tx, event_rx) = unbounded_channel();
@@ -212,19 +211,16 @@ impl EmbeddedBroker {
             // Counting and logging of failures happen in the guard, which sees every CONNECT.
             async move { authenticate(shared.credentials.as_ref(), &client_id, &user, &pass).is_ok() }
         });
+        // Never started: our listeners accept and hand each stream to `serve_connection`.
         let settings = ServerSettings {
             name: "propeller".into(),
-            listen: backend,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             tls: None,
             next_connection_delay_ms: 0,
             connections,
         };
-        let mut core = Server::new(settings, router_tx.clone(), Guard::new(shared));
-        let mut tasks = vec![tokio::spawn(async move {
-            if let Err(e) = core.start(LinkType::Remote).await {
-                error!(error = %e, "broker core stopped");
-            }
-        })];
+        let core = Arc::new(Server::new(settings, router_tx.clone(), Guard::new(shared)));
+        let mut tasks = Vec::new();
 
         // Building a local link waits on the router thread's reply: keep it off async threads.
         let (link_tx, link_rx, _connack) = tokio::task::spawn_blocking(move || {
@@ -237,8 +233,8 @@ impl EmbeddedBroker {
         .map_err(|e| BrokerError::Router(e.to_string()))??;
         let publisher = Publisher::new(link_tx, link_rx);
 
-        let relay = Relay {
-            backend,
+        let intake = Intake {
+            core,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             handshake_timeout: config.connect_timeout,
             metrics: metrics.clone(),
@@ -261,7 +257,7 @@ impl EmbeddedBroker {
                 Front::Tls(_) => tls_addr = addr,
                 Front::WebSocket => ws_addr = addr,
             }
-            tasks.push(tokio::spawn(serve(listener, relay.clone(), front)));
+            tasks.push(tokio::spawn(serve(listener, intake.clone(), front)));
         }
         info!(tcp = ?tcp_addr, tls = ?tls_addr, websocket = ?ws_addr, "MQTT broker listening");
         Ok(Self {
@@ -305,7 +301,7 @@ impl EmbeddedBroker {
         &self.metrics
     }
 
-    /// Stops accepting connections (established relays end with their tasks).
+    /// Stops accepting connections (established connections end with them).
     pub fn shutdown(&mut self) {
         for task in self.tasks.drain(..) {
             task.abort();
@@ -334,17 +330,6 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, BrokerError> {
     socket.set_reuseaddr(true).map_err(bind_error)?;
     socket.bind(addr).map_err(bind_error)?;
     socket.listen(LISTEN_BACKLOG).map_err(bind_error)
-}
-
-/// A free loopback port for rumqttd's own listener (it binds by address, not by socket).
-async fn reserve_loopback_port() -> Result<SocketAddr, BrokerError> {
-    let probe = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-    let addr = probe.local_addr().map_err(|source| BrokerError::Bind {
-        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        source,
-    })?;
-    drop(probe);
-    Ok(addr)
 }
 
 struct LinkHalves {
