@@ -884,6 +884,11 @@ struct Inner {
 /// See [`Inner::commit_threads`].
 const COMMIT_THREADS: usize = 16;
 
+/// redb's page cache (its default is 1 GiB). Reads are served by the typed cache in front of
+/// the store, so redb's cache mostly keeps pages of objects that are about to be rewritten;
+/// the OS page cache holds the rest of the file.
+const REDB_CACHE_BYTES: usize = 32 * 1024 * 1024;
+
 /// Where the group commit stands. Sequence numbers count committed write transactions.
 #[derive(Default)]
 struct GroupCommit {
@@ -924,7 +929,9 @@ impl ObjectStore {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Database(format!("cannot create {}: {e}", dir.display())))?;
         let path = dir.join(DB_FILE);
-        let db = Database::create(&path)?;
+        let db = Database::builder()
+            .set_cache_size(REDB_CACHE_BYTES)
+            .create(&path)?;
         // Create the tables up front so that reads never meet a missing table.
         let txn = db.begin_write()?;
         {

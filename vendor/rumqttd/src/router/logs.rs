@@ -380,8 +380,10 @@ impl AckLog {
     /// New log
     pub fn new() -> AckLog {
         AckLog {
-            committed: VecDeque::with_capacity(100),
-            recorded: VecDeque::with_capacity(100),
+            // Propeller patch: grow on demand instead of reserving 100 acks and 100 QoS 2
+            // publishes per connection.
+            committed: VecDeque::new(),
+            recorded: VecDeque::new(),
         }
     }
 
