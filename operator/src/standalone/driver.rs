@@ -640,9 +640,10 @@ impl Driver {
         let written = proplet.status.clone().unwrap_or_default();
         if let Some(status) = plan.status.as_ref() {
             let value = serde_json::to_value(status).unwrap_or(Value::Null);
+            // Batched: thousands of heartbeating proplets each write every flush interval.
             let updated = self
                 .store
-                .write_status_async(
+                .write_status_batched(
                     PROPLET,
                     &key.namespace,
                     &key.name,

@@ -878,6 +878,8 @@ struct Inner {
     /// Blocking threads async writers may hold while a durable commit runs. Commits take
     /// turns on the write lock anyway; more threads would only each hold memory.
     commit_threads: tokio::sync::Semaphore,
+    /// Status writes waiting to share one transaction.
+    batch: Mutex<StatusBatch>,
     metrics: StoreMetrics,
 }
 
@@ -902,6 +904,31 @@ struct GroupCommit {
     failed: Option<String>,
     /// Changes of transactions not yet durable, to announce once they are.
     pending: VecDeque<(u64, Announced)>,
+}
+
+/// How long the first status write of a batch waits for others to join it. Status writes of
+/// heartbeating proplets arrive spread out, about one per proplet per flush interval; each
+/// transaction of its own cost more CPU than the heartbeat it records (copy-on-write of the
+/// tree's pages, the counter, the commit), and a few milliseconds more on a status that is
+/// refreshed every few seconds changes nothing a reader can see.
+const BATCH_WINDOW: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Status writes queued for the next batch transaction (see
+/// [`ObjectStore::write_status_batched`]).
+#[derive(Default)]
+struct StatusBatch {
+    queued: Vec<QueuedStatus>,
+    /// A flusher task is waiting out the window; writes join `queued` until it takes them.
+    open: bool,
+}
+
+/// One queued status write and where its outcome goes: the object as stored and the
+/// transaction to wait on for durability.
+struct QueuedStatus {
+    key: Key,
+    status: Value,
+    expected: Option<String>,
+    reply: tokio::sync::oneshot::Sender<Result<(Value, u64), StoreError>>,
 }
 
 /// A durable store of Kubernetes-style objects with API server semantics (see the module
@@ -951,6 +978,7 @@ impl ObjectStore {
                 synced_blocking: Condvar::new(),
                 synced_async: watch::Sender::new(0),
                 commit_threads: tokio::sync::Semaphore::new(COMMIT_THREADS),
+                batch: Mutex::new(StatusBatch::default()),
                 metrics: StoreMetrics::default(),
             }),
         })
@@ -1110,6 +1138,82 @@ impl ObjectStore {
             .await
     }
 
+    /// [`ObjectStore::write_status_async`] for frequent, unhurried writers (heartbeat figures
+    /// of many proplets): the write waits up to [`BATCH_WINDOW`] for others and commits in
+    /// one transaction with them. Each write keeps its own outcome: a conflict or a missing
+    /// object fails that write alone, before it changes anything.
+    pub async fn write_status_batched(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        status: Value,
+        expected_version: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        let (reply, outcome) = tokio::sync::oneshot::channel();
+        let start_flusher = {
+            let mut batch = lock(&self.inner.batch);
+            batch.queued.push(QueuedStatus {
+                key,
+                status,
+                expected: expected_version.map(str::to_owned),
+                reply,
+            });
+            !std::mem::replace(&mut batch.open, true)
+        };
+        if start_flusher {
+            // A task of its own, so that a caller that gives up does not strand the batch.
+            let store = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(BATCH_WINDOW).await;
+                store.flush_batch().await;
+            });
+        }
+        let (stored, seq) = outcome.await.map_err(|_| {
+            StoreError::Database("a batched status write was dropped unanswered".into())
+        })??;
+        self.durable(seq).await?;
+        Ok(stored)
+    }
+
+    /// Commits every queued status write in one transaction and answers each writer.
+    async fn flush_batch(&self) {
+        let queued = {
+            let mut batch = lock(&self.inner.batch);
+            batch.open = false;
+            std::mem::take(&mut batch.queued)
+        };
+        let (writes, replies): (Vec<_>, Vec<_>) = queued
+            .into_iter()
+            .map(|q| ((q.key, q.status, q.expected), q.reply))
+            .unzip();
+        let committed = self
+            .write_async_nowait(move |tx| {
+                Ok(writes
+                    .into_iter()
+                    .map(|(key, status, expected)| {
+                        tx.write_status(&key, status, expected.as_deref())
+                    })
+                    .collect::<Vec<_>>())
+            })
+            .await;
+        match committed {
+            Ok((outcomes, seq)) => {
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    // A writer that gave up is no reason to fail the others.
+                    let _ = reply.send(outcome.map(|stored| (stored, seq)));
+                }
+            }
+            Err(error) => {
+                let message = error.to_string();
+                for reply in replies {
+                    let _ = reply.send(Err(StoreError::Database(message.clone())));
+                }
+            }
+        }
+    }
+
     /// [`ObjectStore::set_finalizers`] for async callers (see
     /// [`ObjectStore::write_status_async`]).
     pub async fn set_finalizers_async(
@@ -1233,6 +1337,17 @@ impl ObjectStore {
         &self,
         f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
+        let (out, seq) = self.write_async_nowait(f).await?;
+        self.durable(seq).await?;
+        Ok(out)
+    }
+
+    /// The commit of [`ObjectStore::write_async`] without the wait for durability: returns
+    /// the transaction's sequence number to wait on.
+    async fn write_async_nowait<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<(T, u64), StoreError> {
         let syncing = lock(&self.inner.group).syncing;
         let (out, seq) = if syncing {
             // Never closed, so acquiring only waits.
@@ -1244,8 +1359,7 @@ impl ObjectStore {
         } else {
             self.commit(f)?
         };
-        self.durable(seq).await?;
-        Ok(out)
+        Ok((out, seq))
     }
 
     /// Runs `f` in one write transaction and commits it without `fsync`. Returns the
@@ -1976,6 +2090,52 @@ mod tests {
         // And the stale-version check still holds across the restart.
         let stale = store.write_status("Task", "iot", "t", json!({}), Some("2"));
         assert!(matches!(stale, Err(StoreError::Conflict { .. })));
+    }
+
+    #[tokio::test]
+    async fn batched_status_writes_share_one_transaction_and_keep_their_own_outcomes() {
+        let (dir, store) = store();
+        let docs = ["a", "b", "c"]
+            .iter()
+            .map(|n| task("iot", n, json!({})))
+            .collect();
+        let applied = store.apply_all(docs).unwrap();
+        let stale = applied[2].object["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        store
+            .write_status("Task", "iot", "c", json!({"phase": "Pending"}), None)
+            .unwrap();
+        let before = store.metrics().transactions.get();
+        let running = json!({"phase": "Running"});
+        let (a, b, c, missing) = tokio::join!(
+            store.write_status_batched("Task", "iot", "a", running.clone(), None),
+            store.write_status_batched("Task", "iot", "b", running.clone(), None),
+            store.write_status_batched("Task", "iot", "c", running.clone(), Some(&stale)),
+            store.write_status_batched("Task", "iot", "gone", running.clone(), None),
+        );
+        assert_eq!(a.unwrap()["status"]["phase"], "Running");
+        assert_eq!(b.unwrap()["status"]["phase"], "Running");
+        assert!(matches!(c, Err(StoreError::Conflict { .. })), "{c:?}");
+        assert!(
+            matches!(missing, Err(StoreError::NotFound { .. })),
+            "{missing:?}"
+        );
+        assert_eq!(
+            store.metrics().transactions.get() - before,
+            1,
+            "the two writes that applied shared one transaction"
+        );
+        // Returned means durable: both survive a reopen, and the refused one changed nothing.
+        drop(store);
+        let reopened = ObjectStore::open(dir.path()).unwrap();
+        let phase = |name: &str| {
+            reopened.get("Task", "iot", name).unwrap().unwrap()["status"]["phase"].clone()
+        };
+        assert_eq!(phase("a"), "Running");
+        assert_eq!(phase("b"), "Running");
+        assert_eq!(phase("c"), "Pending");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
