@@ -351,20 +351,25 @@ fn raw_connect(client_id: &str, username: &str, password: &str) -> Vec<u8> {
     packet
 }
 
-/// Connects over a raw socket and reads the CONNACK; panics unless it accepts.
-async fn raw_session(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+/// Reads the CONNACK on `socket`; panics unless it accepts the connection.
+async fn expect_accepted(socket: &mut tokio::net::TcpStream, what: &str) {
     use tokio::io::AsyncReadExt;
-    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-    socket
-        .write_all(&raw_connect("dev-a", "dev-a", "key-a"))
-        .await
-        .unwrap();
     let mut connack = [0u8; 4];
     tokio::time::timeout(WAIT, socket.read_exact(&mut connack))
         .await
         .expect("CONNACK in time")
         .expect("CONNACK");
-    assert_eq!(connack, [0x20, 0x02, 0x00, 0x00], "connection accepted");
+    assert_eq!(connack, [0x20, 0x02, 0x00, 0x00], "{what}: accepted");
+}
+
+/// Connects `dev-a` over a raw socket and reads its CONNACK.
+async fn raw_session(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(&raw_connect("dev-a", "dev-a", "key-a"))
+        .await
+        .unwrap();
+    expect_accepted(&mut socket, "first connection").await;
     socket
 }
 
@@ -382,12 +387,7 @@ async fn the_end_of_a_replaced_connection_does_not_drop_its_successor() {
         let connect = raw_connect("dev-a", "dev-a", "key-a");
         let (sent, ()) = tokio::join!(new.write_all(&connect), async { drop(old) });
         sent.unwrap();
-        let mut connack = [0u8; 4];
-        tokio::time::timeout(WAIT, new.read_exact(&mut connack))
-            .await
-            .expect("CONNACK in time")
-            .expect("CONNACK");
-        assert_eq!(connack, [0x20, 0x02, 0x00, 0x00], "round {round}: accepted");
+        expect_accepted(&mut new, &format!("round {round}")).await;
         // Give the old link time to end, then check the new connection still answers.
         tokio::time::sleep(Duration::from_millis(100)).await;
         new.write_all(&[0xC0, 0x00]).await.unwrap();
