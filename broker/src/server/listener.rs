@@ -5,8 +5,8 @@
 //! every other connect. Our listeners accept on the public addresses, enforce the connection
 //! cap, run each TLS or websocket handshake in its own task under a deadline, and then hand
 //! the stream to rumqttd (`Server::serve_connection`, from our patch of rumqttd) in the same
-//! task. A connection costs one socket and no intake copy. MQTT-level timeouts (CONNECT wait,
-//! keep-alive) remain rumqttd's.
+//! task. A connection costs one socket, with no relay in between. MQTT-level timeouts (CONNECT
+//! wait, keep-alive) remain rumqttd's.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

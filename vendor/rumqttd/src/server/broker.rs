@@ -404,7 +404,8 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
         let delay = Duration::from_millis(self.config.next_connection_delay_ms);
         let mut count: usize = 0;
 
-        let config = Arc::new(self.config.connections.clone());
+        // Propeller patch: the settings the server already shares (see `serve_connection`).
+        let config = self.connection_settings.clone();
         info!(
             config = self.config.name,
             listen_addr = self.config.listen.to_string(),
