@@ -278,7 +278,7 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     }
     let samples = std::env::var("PROPELLER_SAMPLES_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| support::repo_root().join("../shared/samples/upstream"));
+        .unwrap_or_else(|_| support::repo_root().join("tests/fixtures/upstream-samples"));
     for file in [
         "propeller_v1_task.yaml",
         "propeller_v1_task_dag_a.yaml",

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::crd::task::{Task, TASK_FINALIZER};
 use crate::decision::task::{FinalizerChange, TaskPlan};
-use crate::inbox::{DispatchLedger, TaskInbox};
+use crate::inbox::{DispatchLedger, LiveSessions, TaskInbox};
 
 /// An error of the object backend (API server or embedded store).
 pub type BackendError = Box<dyn std::error::Error + Send + Sync>;
@@ -82,6 +82,19 @@ pub struct TaskEffects<'a> {
     pub ledger: &'a DispatchLedger,
     /// Results and metrics waiting to be written.
     pub inbox: &'a TaskInbox,
+    /// Devices listening for starts.
+    pub sessions: &'a LiveSessions,
+}
+
+/// How far a plan's dispatch got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Dispatch {
+    /// Everything in the plan was applied.
+    Done,
+    /// The starts were held back because this device has not been heard from since it (or
+    /// this process) last went away; the task stays `scheduled`. Reconcile again shortly.
+    WaitingFor(String),
 }
 
 fn json<T: serde::Serialize>(value: &T) -> Value {
@@ -95,7 +108,7 @@ pub async fn apply_task<W: ObjectWriter>(
     task: &Task,
     plan: &TaskPlan,
     fx: &TaskEffects<'_>,
-) -> Result<(), TaskApplyError> {
+) -> Result<Dispatch, TaskApplyError> {
     let meta = &task.metadata;
     let uid = meta.uid.as_deref().unwrap_or_default();
     let mut version = meta.resource_version.clone();
@@ -140,6 +153,14 @@ pub async fn apply_task<W: ObjectWriter>(
     if !plan.starts.is_empty() {
         let run = current.run_count.unwrap_or(0);
         if !fx.ledger.contains(uid, run) {
+            let absent = plan
+                .starts
+                .iter()
+                .filter_map(|s| s.request.proplet_id.as_deref())
+                .find(|client| !fx.sessions.contains(client));
+            if let Some(client) = absent {
+                return Ok(Dispatch::WaitingFor(client.to_owned()));
+            }
             for start in &plan.starts {
                 let channel = Channel::new(start.domain.clone(), start.channel.clone())?;
                 fx.publisher.start(&channel, &start.request).await?;
@@ -166,5 +187,5 @@ pub async fn apply_task<W: ObjectWriter>(
         fx.ledger.forget(uid);
         fx.inbox.forget(uid);
     }
-    Ok(())
+    Ok(Dispatch::Done)
 }

@@ -132,6 +132,38 @@ impl DispatchLedger {
     }
 }
 
+/// MQTT client ids this process has heard from (heartbeat or discovery) since they last
+/// went away. A start published to a device that is not listening is lost (sessions are not
+/// persistent), so dispatch waits for the device to be heard from first: after an operator
+/// restart or a leader failover, a Proplet's stored `Running` may predate this broker.
+#[derive(Debug, Default)]
+pub struct LiveSessions {
+    clients: Mutex<HashSet<String>>,
+}
+
+impl LiveSessions {
+    fn lock(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.clients.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `client_id` reported since it last went away.
+    pub fn contains(&self, client_id: &str) -> bool {
+        self.lock().contains(client_id)
+    }
+
+    /// The device reported: it is connected and subscribed.
+    pub fn heard_from(&self, client_id: &str) {
+        if !self.contains(client_id) {
+            self.lock().insert(client_id.to_owned());
+        }
+    }
+
+    /// The device went away (goodbye, Last Will, or a closed connection).
+    pub fn gone(&self, client_id: &str) {
+        self.lock().remove(client_id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,7 @@ use crate::decision::aggregation;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
 use crate::executor::TaskEffects;
-use crate::inbox::{DispatchLedger, Queued, TaskInbox};
+use crate::inbox::{DispatchLedger, LiveSessions, Queued, TaskInbox};
 use crate::k8s::observations::ObservationStore;
 
 /// In-memory driver state: device reports not yet written, starts already sent, and the
@@ -28,6 +28,8 @@ pub struct DriverState {
     pub inbox: TaskInbox,
     /// Starts already published.
     pub ledger: DispatchLedger,
+    /// Devices that are listening for starts.
+    pub sessions: LiveSessions,
     /// The scheduler's rotation.
     pub round_robin: Mutex<RoundRobinState>,
     /// When each Proplet's status was last written (`namespace/name`).
@@ -65,6 +67,11 @@ impl DriverState {
     pub fn record(&self, event: &BrokerEvent, now: DateTime<Utc>) -> Concerns {
         match &event.kind {
             EventKind::Heartbeat(_) | EventKind::Discovered(_) | EventKind::Offline(_) => {
+                if matches!(event.kind, EventKind::Offline(_)) {
+                    self.sessions.gone(&event.client_id);
+                } else {
+                    self.sessions.heard_from(&event.client_id);
+                }
                 self.liveness.record(event, now);
                 Concerns::Proplet(event.client_id.clone())
             }
@@ -199,6 +206,7 @@ impl DriverState {
             publisher,
             ledger: &self.ledger,
             inbox: &self.inbox,
+            sessions: &self.sessions,
         }
     }
 

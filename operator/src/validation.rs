@@ -304,8 +304,11 @@ impl Admission {
         }
         if let Some(pattern) = schema.get("pattern").and_then(Value::as_str) {
             if !self.pattern_matches(pattern, s) {
+                // A refused inline module can be megabytes long: quote only its start.
+                let shown: String = s.chars().take(64).collect();
+                let ellipsis = if shown.len() < s.len() { "..." } else { "" };
                 err(format!(
-                    "{s:?} does not match the expected format {pattern:?}"
+                    "{shown:?}{ellipsis} does not match the expected format {pattern:?}"
                 ));
             }
         }

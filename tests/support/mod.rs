@@ -7,6 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+pub mod envtest;
+
 /// Upper bound on every wait.
 pub const WAIT: Duration = Duration::from_secs(20);
 
@@ -45,6 +47,7 @@ impl Running {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        pdeathsig(&mut cmd);
         let mut child = cmd.spawn().expect("spawn child process");
         let stdout = lines(child.stdout.take().expect("piped stdout"));
         let stderr = lines(child.stderr.take().expect("piped stderr"));
@@ -63,6 +66,11 @@ impl Running {
     /// The first stderr line containing `needle`, within [`WAIT`].
     pub fn stderr_line(&self, needle: &str) -> String {
         wait_for(&self.stderr, needle, "stderr")
+    }
+
+    /// The first stderr line containing `needle`, within `limit`.
+    pub fn stderr_line_within(&self, needle: &str, limit: Duration) -> String {
+        wait_for_within(&self.stderr, needle, "stderr", limit)
     }
 }
 
@@ -100,7 +108,16 @@ fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> 
 }
 
 fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, what: &str) -> String {
-    let deadline = std::time::Instant::now() + WAIT;
+    wait_for_within(rx, needle, what, WAIT)
+}
+
+fn wait_for_within(
+    rx: &mpsc::Receiver<String>,
+    needle: &str,
+    what: &str,
+    limit: Duration,
+) -> String {
+    let deadline = std::time::Instant::now() + limit;
     let mut seen = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -108,7 +125,7 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, what: &str) -> String {
             Ok(line) if line.contains(needle) => return line,
             Ok(line) => seen.push(line),
             Err(_) => panic!(
-                "no {what} line containing {needle:?} within {WAIT:?}; saw:\n{}",
+                "no {what} line containing {needle:?} within {limit:?}; saw:\n{}",
                 seen.join("\n")
             ),
         }
@@ -219,4 +236,19 @@ pub fn propeller_client(api: &str, dir: &std::path::Path, args: &[&str]) -> (boo
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Makes the kernel kill `cmd`'s process when the thread that started it dies, so a test
+/// killed by its runner (timeout, SIGKILL) leaves no servers behind.
+pub fn pdeathsig(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }

@@ -47,9 +47,11 @@ pub struct TaskSpec {
     /// `standard`, or `federated` for federated-learning rounds.
     #[serde(default)]
     pub kind: TaskKind,
-    /// Wasm module, base64-encoded.
+    /// Wasm module, standard base64 with padding. Checked by a pattern, not `format: byte`:
+    /// the API server hands `format: byte` strings to CEL rules decoded as URL-safe base64,
+    /// so every module containing `/` or `+` would fail the spec's rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 1500000), extend("format" = "byte"))]
+    #[schemars(length(min = 1, max = 1500000), regex(pattern = BASE64_PATTERN))]
     pub file: Option<String>,
     /// OCI reference or http(s) URL of the Wasm module.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -148,6 +150,11 @@ fn default_timezone() -> String {
 
 /// Default priority for tasks that do not set one.
 pub const DEFAULT_PRIORITY: i32 = 50;
+
+/// Standard base64 with padding, as Go's `base64.StdEncoding` (and so upstream's `[]byte`
+/// field) accepts it.
+pub const BASE64_PATTERN: &str =
+    r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$";
 
 fn default_priority() -> i32 {
     DEFAULT_PRIORITY

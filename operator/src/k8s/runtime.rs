@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -33,6 +34,7 @@ use crate::decision::liveness::DeploymentObservation;
 use crate::decision::task::{
     active_tasks, awaits_job, observe_caches, plan as plan_task, Note, TaskSettings,
 };
+use crate::executor::Dispatch;
 use crate::state::{lock, Concerns, DriverState};
 
 use super::credentials::{credential_table, RefreshGate};
@@ -406,6 +408,9 @@ async fn reconcile_proplet_inner(
     Ok(Action::requeue(wait))
 }
 
+/// How often a task whose start waits for its device looks again.
+const DEVICE_WAIT: Duration = Duration::from_secs(1);
+
 /// Reconciles one Task (what the controller calls).
 pub async fn reconcile_task(task: Arc<Task>, ctx: Arc<Shared>) -> Result<Action, ReconcileError> {
     let started = Instant::now();
@@ -428,7 +433,7 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     }
     let now = Utc::now();
     let plan = plan_task(task, &observed, &ctx.settings.task, now);
-    apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
+    let dispatch = apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
     if let Some(chosen) = &plan.chosen {
         ctx.state.chose(&ns, chosen);
     }
@@ -463,6 +468,10 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
                 .proplet_trigger
                 .send(ObjectRef::new(&proplet.candidate.name).within(&ns));
         }
+    }
+    if let Dispatch::WaitingFor(client) = dispatch {
+        debug!(task = %task.name_any(), %client, "start held until the device is heard from");
+        return Ok(Action::requeue(DEVICE_WAIT));
     }
     let wait = plan
         .requeue_at
@@ -568,9 +577,15 @@ pub async fn run(
         watcher::Config::default(),
     )
     .owns_stream(deployment_stream);
+    // A task on a `k8s` proplet finishes when its Job does: the Job's changes (it is owned
+    // by the Task) wake the Task's reconcile.
     let task_controller = Controller::new(
         scoped::<Task>(&client, ns.as_deref()),
         watcher::Config::default(),
+    )
+    .owns(
+        scoped::<Job>(&client, ns.as_deref()),
+        watcher::Config::default().labels(super::task_job::TASK_LABEL),
     );
     let caches = Caches {
         proplets: proplet_controller.store(),

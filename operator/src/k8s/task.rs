@@ -6,7 +6,9 @@ use kube::api::{Api, Patch, PatchParams};
 use serde_json::Value;
 
 use crate::crd::task::Task;
-use crate::executor::{apply_task, BackendError, ObjectWriter, TaskApplyError, TaskEffects};
+use crate::executor::{
+    apply_task, BackendError, Dispatch, ObjectWriter, TaskApplyError, TaskEffects,
+};
 
 use super::patch::{finalizers_patch, status_patch};
 
@@ -76,6 +78,6 @@ pub async fn apply(
     task: &Task,
     plan: &crate::decision::task::TaskPlan,
     fx: &TaskEffects<'_>,
-) -> Result<(), TaskApplyError> {
+) -> Result<Dispatch, TaskApplyError> {
     apply_task(&KubeTasks::new(client.clone()), task, plan, fx).await
 }

@@ -31,7 +31,7 @@ use crate::decision::federated::{
 };
 use crate::decision::propeller_job::{reconcile as reconcile_job, JobObservation};
 use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
-use crate::executor::{apply_task, BackendError, ObjectWriter};
+use crate::executor::{apply_task, BackendError, Dispatch, ObjectWriter};
 use crate::k8s::credentials::credential_table;
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
@@ -63,6 +63,8 @@ const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 /// How often Proplet and Secret changes are folded into the broker's credential table. A
 /// new Proplet's device can log in at most this long after the Proplet is stored.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
+/// How often a task whose start waits for its device looks again.
+const DEVICE_WAIT: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 /// Reconciles in flight at once. They mostly wait for the store's group commit, so several
 /// share each `fsync`.
@@ -709,7 +711,8 @@ impl Driver {
         }
         let plan = plan_task(task, &observed, &self.settings.task, now);
         let writer = StoreTasks { store: &self.store };
-        apply_task(&writer, task, &plan, &self.state.effects(&self.publisher)).await?;
+        let dispatch =
+            apply_task(&writer, task, &plan, &self.state.effects(&self.publisher)).await?;
         if let Some(chosen) = &plan.chosen {
             self.state.chose(&key.namespace, chosen);
         }
@@ -721,6 +724,10 @@ impl Driver {
             }
             self.events
                 .record(TASK, &key.namespace, &key.name, note, now);
+        }
+        if let Dispatch::WaitingFor(client) = dispatch {
+            debug!(task = %key.name, %client, "start held until the device is heard from");
+            return Ok(Some(now + DEVICE_WAIT));
         }
         Ok(plan.requeue_at)
     }

@@ -3,13 +3,13 @@
 
 use std::path::PathBuf;
 
-/// Directory of the upstream sample manifests (`../shared/samples/upstream` beside the
-/// repository), overridable with `PROPELLER_SAMPLES_DIR`.
+/// Directory of the upstream sample manifests (`tests/fixtures/upstream-samples`, copied
+/// from upstream), overridable with `PROPELLER_SAMPLES_DIR`.
 pub fn upstream_samples_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("PROPELLER_SAMPLES_DIR") {
         return PathBuf::from(dir);
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/samples/upstream")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/upstream-samples")
 }
 
 /// Every YAML document of every file in `dir`, with the file it came from.

@@ -1,0 +1,729 @@
+//! The operator against a real kube-apiserver (etcd, RBAC, CEL on): the CRDs and every
+//! manifest as the server judges them, and `propeller run` as a separate process with the
+//! rights of the ServiceAccount `configs/rbac` binds, never as admin.
+//!
+//! Each test starts its own control plane (`support::envtest`, about 6 s) because nextest
+//! runs every test in a process of its own. Without the envtest assets the tests print one
+//! SKIPPED line and pass; with `CI=true` they fail instead.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::envtest::{free_port, ControlPlane, Options};
+use support::{binary, repo_root, Running};
+
+/// The add(i32, i32) module of the samples, exported as `add`.
+const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
+/// Liveness threshold the operator runs with in these tests.
+const THRESHOLD_SECS: u64 = 3;
+/// Upper bound on every wait for a status the operator writes.
+const STATUS_WAIT: Duration = Duration::from_secs(60);
+
+/// A control plane with the CRDs, the `propeller-system` namespace, the operator's
+/// ServiceAccount and `configs/rbac` installed; `None` when the assets are missing.
+fn cluster(options: Options) -> Option<(ControlPlane, PathBuf)> {
+    let cp = ControlPlane::start(options)?;
+    cp.install_crds();
+    cp.kubectl_ok(&[
+        "apply",
+        "-f",
+        "configs/deploy/namespace.yaml",
+        "-f",
+        "configs/deploy/service_account.yaml",
+    ]);
+    cp.kubectl_ok(&["apply", "-k", "configs/rbac"]);
+    let kubeconfig = cp.service_account_kubeconfig("propeller-system", "propeller");
+    Some((cp, kubeconfig))
+}
+
+/// `propeller run` as the ServiceAccount, with leader election on; returns the process and
+/// its MQTT and metrics ports once it leads and listens.
+fn start_operator(kubeconfig: &Path, identity: &str) -> (Running, u16, u16) {
+    let (process, metrics) = spawn_operator(kubeconfig, identity);
+    let mqtt = mqtt_port(&process);
+    (process, mqtt, metrics)
+}
+
+fn spawn_operator(kubeconfig: &Path, identity: &str) -> (Running, u16) {
+    let metrics = free_port();
+    let mut cmd = binary("propeller");
+    cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
+        .arg(format!("127.0.0.1:{metrics}"))
+        .args(["--leader-elect", "--lease-namespace", "propeller-system"])
+        .args(["--last-seen-threshold", &format!("{THRESHOLD_SECS}s")])
+        .args([
+            "--liveliness-interval",
+            "1s",
+            "--status-flush-interval",
+            "1s",
+        ])
+        .args(["--log-format", "json"])
+        .env("KUBECONFIG", kubeconfig)
+        .env("HOSTNAME", identity)
+        .env("RUST_LOG", "info");
+    (Running::spawn(cmd), metrics)
+}
+
+/// The MQTT port from the operator's "mqtt listening" log line (JSON logs).
+fn mqtt_port(operator: &Running) -> u16 {
+    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
+    let entry: Value = serde_json::from_str(&line).unwrap_or_default();
+    entry["fields"]["addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {line:?}"))
+}
+
+/// An external Proplet `name` in `namespace` with its key Secret, and its real agent.
+fn device(cp: &ControlPlane, namespace: &str, name: &str, mqtt: u16) -> Running {
+    let manifest = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  external:\n    capabilities: [wasm]\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"
+    );
+    apply(cp, namespace, &manifest);
+    start_agent(cp, name, mqtt)
+}
+
+fn start_agent(cp: &ControlPlane, name: &str, mqtt: u16) -> Running {
+    let mut cmd = binary("proplet");
+    cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{mqtt}"))
+        .env("PROPLET_DOMAIN_ID", "d1")
+        .env("PROPLET_CHANNEL_ID", "c1")
+        .env("PROPLET_CLIENT_ID", name)
+        .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
+        .env(
+            "PROPLET_STATE_DIR",
+            cp.scratch().join(format!("{name}-state")),
+        )
+        .env("PROPLET_LIVELINESS_INTERVAL", "1");
+    Running::spawn(cmd)
+}
+
+/// `kubectl apply` of `manifest` in `namespace`, as the admin (the user).
+fn apply(cp: &ControlPlane, namespace: &str, manifest: &str) {
+    let out = cp.kubectl_stdin(&["-n", namespace, "apply", "-f", "-"], manifest);
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}\n{manifest}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The object as JSON, or `None` when it does not exist.
+fn get(cp: &ControlPlane, namespace: &str, kind: &str, name: &str) -> Option<Value> {
+    let out = cp
+        .kubectl()
+        .args(["-n", namespace, "get", kind, name, "-o", "json"])
+        .output()
+        .expect("run kubectl");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("NotFound"), "kubectl get {kind} {name}: {err}");
+        return None;
+    }
+    Some(serde_json::from_slice(&out.stdout).expect("kubectl JSON"))
+}
+
+/// Polls `kind/name` until `done` holds for it; the object then.
+fn wait_until(
+    cp: &ControlPlane,
+    namespace: &str,
+    kind: &str,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
+    let started = Instant::now();
+    loop {
+        let object = get(cp, namespace, kind, name);
+        if let Some(object) = &object {
+            if done(object) {
+                return object.clone();
+            }
+        }
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "{kind}/{name}: not {what} within {STATUS_WAIT:?}; last seen:\n{:#}",
+            object.map(|o| o["status"].clone()).unwrap_or(Value::Null)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn wait_phase(cp: &ControlPlane, ns: &str, kind: &str, name: &str, phase: &str) -> Value {
+    wait_until(cp, ns, kind, name, phase, |o| {
+        o["status"]["phase"].as_str() == Some(phase)
+    })
+}
+
+fn wait_gone(cp: &ControlPlane, ns: &str, kind: &str, name: &str) {
+    let started = Instant::now();
+    while get(cp, ns, kind, name).is_some() {
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "{kind}/{name} still exists after {STATUS_WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Reasons of the Events recorded about `name` in `namespace`.
+fn event_reasons(cp: &ControlPlane, namespace: &str, name: &str) -> Vec<String> {
+    let out = cp.kubectl_ok(&[
+        "-n",
+        namespace,
+        "get",
+        "events",
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+        "-o",
+        "json",
+    ]);
+    let list: Value = serde_json::from_str(&out).expect("events JSON");
+    list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn task_manifest(name: &str, inputs: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  file: {ADD_WASM}\n  inputs: {inputs}\n{extra}"
+    )
+}
+
+/// At most the first 600 characters of an API server's answer: refusals quote whole
+/// inline modules.
+fn shorten(text: &str) -> String {
+    let mut short: String = text.chars().take(600).collect();
+    if short.len() < text.len() {
+        short.push_str("...");
+    }
+    short
+}
+
+/// Every YAML file directly in `dir`, sorted.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_sample_and_install_file_passes_a_server_side_dry_run() {
+    let Some((cp, _)) = cluster(Options::default()) else {
+        return;
+    };
+    let mut refused = Vec::new();
+    let mut checked = 0;
+    let samples = repo_root().join("tests/fixtures/upstream-samples");
+    let ours = repo_root().join("configs/samples");
+    for file in yaml_files(&samples).into_iter().chain(yaml_files(&ours)) {
+        if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
+            continue;
+        }
+        // Server-side apply: large inline modules do not fit the client-side annotation.
+        let out = cp
+            .kubectl()
+            .args([
+                "-n",
+                "default",
+                "apply",
+                "--server-side",
+                "--dry-run=server",
+            ])
+            .arg("-f")
+            .arg(&file)
+            .output()
+            .expect("run kubectl");
+        checked += 1;
+        if !out.status.success() {
+            refused.push(format!(
+                "{}: {}",
+                file.display(),
+                shorten(&String::from_utf8_lossy(&out.stderr))
+            ));
+        }
+    }
+    // The kustomizations, as kubectl builds them.
+    for dir in [
+        "configs/crd",
+        "configs/rbac",
+        "configs/deploy",
+        "configs/samples",
+    ] {
+        let out = cp
+            .kubectl()
+            .args(["apply", "--server-side", "--dry-run=server", "-k", dir])
+            .output()
+            .expect("run kubectl");
+        checked += 1;
+        if !out.status.success() {
+            refused.push(format!(
+                "-k {dir}: {}",
+                shorten(&String::from_utf8_lossy(&out.stderr))
+            ));
+        }
+    }
+    assert!(checked > 30, "only {checked} manifests found");
+    assert!(
+        refused.is_empty(),
+        "the API server refused:\n{}",
+        refused.join("\n")
+    );
+}
+
+#[test]
+fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let (operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
+    let ns = "e2e";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let _a = device(&cp, ns, "edge-a", mqtt);
+    let mut b = device(&cp, ns, "edge-b", mqtt);
+    wait_phase(&cp, ns, "proplet", "edge-a", "Running");
+    wait_phase(&cp, ns, "proplet", "edge-b", "Running");
+
+    // The quick start's task, exactly as the README applies it.
+    cp.kubectl_ok(&["-n", ns, "apply", "-f", "configs/samples/task-add.yaml"]);
+    let add = wait_phase(&cp, ns, "task", "wasm-add", "completed");
+    assert_eq!(add["status"]["results"], "42", "{:#}", add["status"]);
+    let reasons = event_reasons(&cp, ns, "wasm-add");
+    for reason in ["Scheduled", "Completed"] {
+        assert!(reasons.iter().any(|r| r == reason), "{reasons:?}");
+    }
+
+    // A DAG: second runs after first; the failure branch is skipped.
+    let dag = [
+        task_manifest("first", "[10, 32]", "  workflowId: wf\n"),
+        task_manifest(
+            "second",
+            "[100, 200]",
+            "  workflowId: wf\n  dependsOn: [first]\n  runIf: success\n",
+        ),
+        task_manifest(
+            "on-failure",
+            "[1, 1]",
+            "  workflowId: wf\n  dependsOn: [first]\n  runIf: failure\n",
+        ),
+    ]
+    .join("---\n");
+    apply(&cp, ns, &dag);
+    let first = wait_phase(&cp, ns, "task", "first", "completed");
+    let second = wait_phase(&cp, ns, "task", "second", "completed");
+    assert_eq!(second["status"]["results"], "300");
+    let (done, started) = (
+        first["status"]["finishedAt"].as_str().unwrap_or_default(),
+        second["status"]["startedAt"].as_str().unwrap_or_default(),
+    );
+    assert!(started >= done, "second started {started} before {done}");
+    wait_phase(&cp, ns, "task", "on-failure", "skipped");
+    assert!(event_reasons(&cp, ns, "on-failure")
+        .iter()
+        .any(|r| r == "Skipped"));
+
+    // Broadcast to both agents: every result kept.
+    cp.kubectl_ok(&[
+        "-n",
+        ns,
+        "apply",
+        "-f",
+        "configs/samples/task-broadcast.yaml",
+    ]);
+    let broadcast = wait_phase(&cp, ns, "task", "wasm-add-everywhere", "completed");
+    let results = broadcast["status"]["results"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(results.len(), 2, "{:#}", broadcast["status"]);
+    assert!(results.values().all(|r| r["results"] == "3"), "{results:?}");
+
+    // A PropellerJob in each execution mode.
+    for mode in ["parallel", "sequential", "configurable"] {
+        let depends = if mode == "configurable" {
+            "\n    dependsOn: [first]"
+        } else {
+            ""
+        };
+        apply(
+            &cp,
+            ns,
+            &format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: {mode}\nspec:\n  name: {mode}\n  executionMode: {mode}\n  tasks:\n  - name: first\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [1, 2]\n  - name: second\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [3, 4]{depends}\n"
+            ),
+        );
+    }
+    for mode in ["parallel", "sequential", "configurable"] {
+        wait_phase(&cp, ns, "pjob", mode, "Completed");
+        let first = wait_phase(&cp, ns, "task", &format!("{mode}-first"), "completed");
+        let second = wait_phase(&cp, ns, "task", &format!("{mode}-second"), "completed");
+        assert_eq!(first["status"]["results"], "3", "{mode}");
+        assert_eq!(second["status"]["results"], "7", "{mode}");
+    }
+
+    // The agent killed without a goodbye: Offline within the threshold + 2 s, Running
+    // again once it is back.
+    let killed = Instant::now();
+    let _ = b.child.kill();
+    let _ = b.child.wait();
+    wait_phase(&cp, ns, "proplet", "edge-b", "Offline");
+    let offline_after = killed.elapsed();
+    eprintln!("edge-b Offline {offline_after:?} after SIGKILL");
+    assert!(
+        offline_after <= Duration::from_secs(THRESHOLD_SECS + 2),
+        "Offline after {offline_after:?}"
+    );
+    b = start_agent(&cp, "edge-b", mqtt);
+    wait_phase(&cp, ns, "proplet", "edge-b", "Running");
+
+    // Delete: the finalizer is released and the Task goes.
+    cp.kubectl_ok(&["-n", ns, "delete", "task", "wasm-add", "--wait=false"]);
+    wait_gone(&cp, ns, "task", "wasm-add");
+    drop(b);
+    drop(operator);
+}
+
+#[test]
+fn leader_election_fails_over_and_a_task_applied_meanwhile_runs_once() {
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let (mut leader, mqtt_a, metrics_a) = start_operator(&kubeconfig, "operator-a");
+    let (standby, metrics_b) = spawn_operator(&kubeconfig, "operator-b");
+    // Only the leader is ready; the standby answers /healthz but not /readyz.
+    assert_eq!(http_status(metrics_a, "/readyz"), Some(200));
+    wait_http(metrics_b, "/healthz", 200);
+    assert_eq!(http_status(metrics_b, "/readyz"), Some(503));
+    let lease = get(&cp, "propeller-system", "lease", "propeller-leader").expect("lease");
+    assert_eq!(lease["spec"]["holderIdentity"], "operator-a");
+    let duration = lease["spec"]["leaseDurationSeconds"].as_u64().unwrap_or(15);
+
+    let ns = "failover";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    apply(
+        &cp,
+        ns,
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: dev-key\nstringData:\n  key: dev-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: dev\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:1883\n    domainId: d1\n    channelId: c1\n    clientId: dev\n    clientKeySecretRef: {name: dev-key, key: key}\n",
+    );
+    let agent_a = start_agent(&cp, "dev", mqtt_a);
+    wait_phase(&cp, ns, "proplet", "dev", "Running");
+
+    // SIGKILL: no graceful release of the Lease.
+    let killed = Instant::now();
+    let _ = leader.child.kill();
+    let _ = leader.child.wait();
+    drop(agent_a);
+    apply(&cp, ns, &task_manifest("during-failover", "[20, 22]", ""));
+    let mqtt_b = mqtt_port(&standby);
+    let took_over = killed.elapsed();
+    eprintln!("operator-b led {took_over:?} after operator-a was killed (lease {duration} s)");
+    assert!(
+        took_over <= Duration::from_secs(duration + 5),
+        "the standby led after {took_over:?} (lease {duration} s)"
+    );
+    wait_http(metrics_b, "/readyz", 200);
+    let _agent_b = start_agent(&cp, "dev", mqtt_b);
+    let task = wait_phase(&cp, ns, "task", "during-failover", "completed");
+    assert_eq!(task["status"]["results"], "42");
+    let started = event_reasons(&cp, ns, "during-failover")
+        .iter()
+        .filter(|r| *r == "Scheduled")
+        .count();
+    assert_eq!(started, 1, "the task was scheduled {started} times");
+}
+
+/// The HTTP status of `GET path` on a loopback port, or `None` when nothing answers.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).ok()?;
+    reply.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn wait_http(port: u16, path: &str, status: u16) {
+    let started = Instant::now();
+    while http_status(port, path) != Some(status) {
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "{path} on {port} never answered {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The one Pod matching `selector`, once it exists.
+fn wait_pod(cp: &ControlPlane, ns: &str, selector: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let out = cp.kubectl_ok(&["-n", ns, "get", "pods", "-l", selector, "-o", "json"]);
+        let list: Value = serde_json::from_str(&out).expect("pods JSON");
+        if let Some(pod) = list["items"].as_array().and_then(|items| items.first()) {
+            return pod.clone();
+        }
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "no pod matching {selector} within {STATUS_WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Plays the kubelet: writes `status` to the Pod's status subresource.
+fn set_pod_status(cp: &ControlPlane, ns: &str, pod: &Value, status: Value) {
+    let name = pod["metadata"]["name"].as_str().expect("pod name");
+    let patch = serde_json::json!({ "status": status }).to_string();
+    cp.kubectl_ok(&[
+        "-n",
+        ns,
+        "patch",
+        "pod",
+        name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &patch,
+    ]);
+}
+
+/// The status of a Pod whose only container is `state` (`running` or `terminated`).
+fn container_status(pod: &Value, state: Value, ready: bool) -> Value {
+    let container = &pod["spec"]["containers"][0];
+    serde_json::json!({
+        "name": container["name"],
+        "image": container["image"],
+        "imageID": "",
+        "ready": ready,
+        "restartCount": 0,
+        "state": state,
+    })
+}
+
+#[test]
+fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
+    let Some((cp, kubeconfig)) = cluster(Options {
+        controller_manager: true,
+    }) else {
+        return;
+    };
+    let (_operator, _, _) = start_operator(&kubeconfig, "operator-a");
+    let ns = "jobs";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    cp.kubectl_ok(&["-n", ns, "apply", "-f", "configs/samples/proplet-k8s.yaml"]);
+    let deployment = wait_until(
+        &cp,
+        ns,
+        "deployment",
+        "k8s-proplet-proplet",
+        "created",
+        |_| true,
+    );
+    let owner = &deployment["metadata"]["ownerReferences"][0];
+    assert_eq!(owner["kind"], "Proplet", "{owner:#}");
+    assert_eq!(owner["name"], "k8s-proplet");
+    assert_eq!(owner["controller"], true);
+
+    // The kubelet's part: the Deployment's Pod runs and is Ready.
+    let selector = deployment["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("deployment selector")
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let pod = wait_pod(&cp, ns, &selector);
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    set_pod_status(
+        &cp,
+        ns,
+        &pod,
+        serde_json::json!({
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+            "containerStatuses": [container_status(&pod, serde_json::json!({"running": {"startedAt": now}}), true)],
+        }),
+    );
+    wait_phase(&cp, ns, "proplet", "k8s-proplet", "Running");
+
+    // One task per result source, in the order the operator reads them.
+    let result = "propeller.propeller.absmach.eu/result";
+    for source in [
+        "job-annotation",
+        "termination",
+        "configmap",
+        "secret",
+        "pod-annotation",
+    ] {
+        let task = format!("from-{source}");
+        let job = format!("{task}-job");
+        apply(
+            &cp,
+            ns,
+            &format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {task}\nspec:\n  name: {task}\n  imageUrl: registry.example/app/add:1.0\n  inputs: [1, 2]\n  preferredPropletType: k8s\n"
+            ),
+        );
+        wait_until(&cp, ns, "job", &job, "created", |_| true);
+        let pod = wait_pod(&cp, ns, &format!("job-name={job}"));
+        let pod_name = pod["metadata"]["name"].as_str().unwrap_or_default();
+        let expected = format!("result-{source}");
+        let mut message = String::new();
+        match source {
+            "job-annotation" => {
+                cp.kubectl_ok(&[
+                    "-n",
+                    ns,
+                    "annotate",
+                    "job",
+                    &job,
+                    &format!("{result}={expected}"),
+                ]);
+            }
+            "termination" => message = expected.clone(),
+            "configmap" => {
+                cp.kubectl_ok(&[
+                    "-n",
+                    ns,
+                    "create",
+                    "configmap",
+                    &format!("{job}-result"),
+                    &format!("--from-literal=result={expected}"),
+                ]);
+            }
+            "secret" => {
+                cp.kubectl_ok(&[
+                    "-n",
+                    ns,
+                    "create",
+                    "secret",
+                    "generic",
+                    &format!("{job}-result"),
+                    &format!("--from-literal=result={expected}"),
+                ]);
+            }
+            _ => {
+                cp.kubectl_ok(&[
+                    "-n",
+                    ns,
+                    "annotate",
+                    "pod",
+                    pod_name,
+                    &format!("{result}={expected}"),
+                ]);
+            }
+        }
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let terminated = serde_json::json!({"terminated": {
+            "exitCode": 0, "reason": "Completed", "message": message,
+            "startedAt": now, "finishedAt": now,
+        }});
+        set_pod_status(
+            &cp,
+            ns,
+            &pod,
+            serde_json::json!({
+                "phase": "Succeeded",
+                "containerStatuses": [container_status(&pod, terminated, false)],
+            }),
+        );
+        // The job controller sees the Pod succeed and completes the Job.
+        wait_until(&cp, ns, "job", &job, "Complete", |j| {
+            j["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Complete" && c["status"] == "True")
+            })
+        });
+        let done = wait_phase(&cp, ns, "task", &task, "completed");
+        assert_eq!(done["status"]["results"], expected.as_str(), "{source}");
+    }
+
+    // Deleting releases the finalizer and the garbage collector removes what the Task and
+    // the Proplet owned.
+    cp.kubectl_ok(&["-n", ns, "delete", "task", "from-secret", "--wait=false"]);
+    wait_gone(&cp, ns, "task", "from-secret");
+    wait_gone(&cp, ns, "job", "from-secret-job");
+    cp.kubectl_ok(&["-n", ns, "delete", "proplet", "k8s-proplet", "--wait=false"]);
+    wait_gone(&cp, ns, "proplet", "k8s-proplet");
+    wait_gone(&cp, ns, "deployment", "k8s-proplet-proplet");
+}
+
+/// One row of `tests/fixtures/admission-cases.yaml`.
+#[derive(serde::Deserialize)]
+struct AdmissionCase {
+    name: String,
+    expect: String,
+    #[serde(default)]
+    message: Option<String>,
+    object: Value,
+}
+
+#[test]
+fn the_api_server_and_client_side_admission_judge_every_case_alike() {
+    let Some((cp, _)) = cluster(Options::default()) else {
+        return;
+    };
+    let path = repo_root().join("tests/fixtures/admission-cases.yaml");
+    let text = std::fs::read_to_string(&path).expect("read the admission cases");
+    let cases: Vec<AdmissionCase> = serde_yaml_ng::from_str(&text).expect("parse the cases");
+    assert!(cases.len() >= 30, "only {} cases", cases.len());
+    let admission = propeller_operator::validation::Admission::new();
+    let mut wrong = Vec::new();
+    for case in &cases {
+        let out = cp.kubectl_stdin(
+            &["create", "--dry-run=server", "-o", "name", "-f", "-"],
+            &case.object.to_string(),
+        );
+        let server = if out.status.success() {
+            Ok(())
+        } else {
+            Err(shorten(&String::from_utf8_lossy(&out.stderr)))
+        };
+        let client = admission
+            .admit(&case.object, None)
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"));
+        match (case.expect.as_str(), &server) {
+            ("accepted", Err(e)) => wrong.push(format!("{}: the server refused: {e}", case.name)),
+            ("refused", Ok(())) => wrong.push(format!("{}: the server accepted", case.name)),
+            ("refused", Err(e)) => {
+                let message = case.message.as_deref().unwrap_or_default();
+                if !e.contains(message) {
+                    wrong.push(format!(
+                        "{}: the server said {e:?}, not {message:?}",
+                        case.name
+                    ));
+                }
+            }
+            _ => {}
+        }
+        if server.is_ok() != client.is_ok() {
+            wrong.push(format!(
+                "{}: server {:?} but client-side admission {:?}",
+                case.name, server, client
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
