@@ -211,6 +211,12 @@ fn shorten(text: &str) -> String {
     short
 }
 
+/// The last 3,000 characters of a log.
+fn shorten_tail(text: &str) -> String {
+    let skip = text.chars().count().saturating_sub(3000);
+    text.chars().skip(skip).collect()
+}
+
 /// Every YAML file directly in `dir`, sorted.
 fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -726,4 +732,72 @@ fn the_api_server_and_client_side_admission_judge_every_case_alike() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The shell blocks of the README between the `k8s-steps` markers, in order.
+fn readme_steps() -> String {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("read README.md");
+    let begin = readme
+        .find("<!-- k8s-steps:begin -->")
+        .expect("README has the k8s-steps:begin marker");
+    let end = readme
+        .find("<!-- k8s-steps:end -->")
+        .expect("README has the k8s-steps:end marker");
+    let mut script = String::new();
+    let mut inside = false;
+    for line in readme[begin..end].lines() {
+        match (inside, line.trim_start()) {
+            (false, "```sh") => inside = true,
+            (true, "```") => inside = false,
+            (true, _) => {
+                script.push_str(line);
+                script.push('\n');
+            }
+            _ => {}
+        }
+    }
+    script
+}
+
+#[test]
+fn the_readme_kubernetes_steps_run_as_written() {
+    let Some((cp, _)) = cluster(Options::default()) else {
+        return;
+    };
+    let steps = readme_steps();
+    assert!(steps.contains("propeller run"), "{steps}");
+    // A scratch directory that looks like the repository root, so the steps' files
+    // (propeller.kubeconfig, the agent's state) land there and not in the checkout.
+    let work = cp.scratch().join("readme");
+    std::fs::create_dir_all(&work).expect("scratch dir");
+    for entry in ["configs", "target"] {
+        std::os::unix::fs::symlink(repo_root().join(entry), work.join(entry)).expect("symlink");
+    }
+    let mut cmd = std::process::Command::new("timeout");
+    cmd.args(["120", "bash", "-euo", "pipefail", "-c"])
+        .arg(format!("{steps}\nkill $(jobs -p)\n"))
+        .current_dir(&work)
+        .env("KUBECONFIG", &cp.admin_kubeconfig)
+        .env("TMPDIR", &work)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(work.join("steps.out")).expect("output file"))
+        .stderr(std::fs::File::create(work.join("steps.err")).expect("output file"));
+    // Its own process group, so whatever the steps start in the background is stopped
+    // with it even when a step fails.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    support::pdeathsig(&mut cmd);
+    let mut child = cmd.spawn().expect("run bash");
+    let group = child.id();
+    let status = child.wait().expect("steps exit status");
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{group}")])
+        .status();
+    let stdout = std::fs::read_to_string(work.join("steps.out")).unwrap_or_default();
+    let stderr = std::fs::read_to_string(work.join("steps.err")).unwrap_or_default();
+    assert!(
+        status.success(),
+        "the README's steps failed ({status}):\n{stdout}\n{}",
+        shorten_tail(&stderr)
+    );
+    assert_eq!(stdout.lines().last(), Some("42"), "{stdout}");
 }

@@ -255,7 +255,7 @@ fn exactly_one_of_file_or_image_url_unless_encrypted() {
 fn file_must_be_base64() {
     assert_refused(
         &task(with(task_spec(), "/file", json!("not base64!"))),
-        "spec.file: must be base64",
+        "spec.file: \"not base64!\" does not match the expected format",
     );
 }
 
