@@ -4,13 +4,14 @@
 //! namespace, the operator's ServiceAccount and `configs/rbac`, writes the kubeconfig of a
 //! cluster admin to `<dir>/admin.kubeconfig` and runs until it is interrupted.
 
-mod support;
+#[path = "support/envtest.rs"]
+mod envtest;
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use support::envtest::{ControlPlane, Options};
+use envtest::{ControlPlane, Options};
 
 /// Starts a local control plane and keeps it running until Ctrl-C or SIGTERM.
 #[derive(Parser, Debug)]

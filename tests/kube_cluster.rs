@@ -444,9 +444,17 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
         "the standby led after {took_over:?} (lease {duration} s)"
     );
     wait_http(metrics_b, "/readyz", 200);
-    let _agent_b = start_agent(&cp, "dev", mqtt_b);
+    let agent_b = start_agent(&cp, "dev", mqtt_b);
     let task = wait_phase(&cp, ns, "task", "during-failover", "completed");
     assert_eq!(task["status"]["results"], "42");
+    // Counted on the device's side: the start arrived once.
+    let uid = task["metadata"]["uid"].as_str().expect("uid");
+    let accepted = agent_b
+        .stderr_so_far()
+        .iter()
+        .filter(|l| l.contains("task accepted") && l.contains(uid))
+        .count();
+    assert_eq!(accepted, 1, "the agent accepted the task {accepted} times");
     let started = event_reasons(&cp, ns, "during-failover")
         .iter()
         .filter(|r| *r == "Scheduled")
@@ -800,4 +808,164 @@ fn the_readme_kubernetes_steps_run_as_written() {
         shorten_tail(&stderr)
     );
     assert_eq!(stdout.lines().last(), Some("42"), "{stdout}");
+}
+
+/// A module whose `boom` export traps, base64.
+fn trap_module() -> String {
+    use base64::Engine;
+    let wasm = wat::parse_str(r#"(module (func (export "boom") (result i32) unreachable))"#)
+        .expect("valid WAT");
+    base64::engine::general_purpose::STANDARD.encode(wasm)
+}
+
+#[test]
+fn recurring_tasks_run_at_their_tick_and_waits_and_failures_are_recorded_as_events() {
+    use chrono::Timelike;
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let (_operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
+    let ns = "events";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    // Before any proplet exists: the task waits, and says why once.
+    apply(&cp, ns, &task_manifest("early", "[1, 2]", ""));
+    wait_until(&cp, ns, "task", "early", "waiting for candidates", |t| {
+        t["status"]["conditions"].as_array().is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c["type"] == "Scheduled" && c["reason"] == "NoCandidates")
+        })
+    });
+    let _agent = device(&cp, ns, "worker", mqtt);
+    wait_phase(&cp, ns, "proplet", "worker", "Running");
+    apply(
+        &cp,
+        ns,
+        &task_manifest(
+            "tick",
+            "[20, 22]",
+            "  schedule: \"* * * * *\"\n  isRecurring: true\n",
+        ),
+    );
+    let boom = trap_module();
+    apply(
+        &cp,
+        ns,
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: boom\nspec:\n  name: boom\n  functionName: boom\n  file: {boom}\n"
+        ),
+    );
+    apply(
+        &cp,
+        ns,
+        &task_manifest(
+            "after-boom",
+            "[1, 1]",
+            "  workflowId: wf\n  dependsOn: [boom]\n",
+        ),
+    );
+    wait_phase(&cp, ns, "task", "early", "completed");
+    let failed = wait_phase(&cp, ns, "task", "boom", "failed");
+    assert!(
+        failed["status"]["error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{:#}",
+        failed["status"]
+    );
+    wait_phase(&cp, ns, "task", "after-boom", "skipped");
+
+    let waiting = get(&cp, ns, "task", "tick").expect("tick");
+    let first_tick: chrono::DateTime<chrono::Utc> = waiting["status"]["nextRun"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("nextRun while waiting: {:#}", waiting["status"]));
+    assert_eq!(first_tick.second(), 0, "ticks are on the minute");
+    let started = Instant::now();
+    let status = loop {
+        let task = get(&cp, ns, "task", "tick").expect("tick");
+        if task["status"]["runCount"].as_i64() == Some(1) && task["status"]["phase"] == "completed"
+        {
+            break task["status"].clone();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(75),
+            "no run at the tick: {:#}",
+            task["status"]
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert_eq!(status["results"], "42");
+    let ran: chrono::DateTime<chrono::Utc> = status["startedAt"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("startedAt");
+    assert!(
+        ran >= first_tick && ran < first_tick + chrono::Duration::seconds(3),
+        "started {ran}, tick {first_tick}"
+    );
+
+    // One Event per waiting or failed state, as `kubectl describe` shows them.
+    for (task, reason) in [
+        ("early", "NoCandidates"),
+        ("tick", "WaitingForSchedule"),
+        ("boom", "Failed"),
+        ("after-boom", "Skipped"),
+    ] {
+        let reasons = event_reasons(&cp, ns, task);
+        assert_eq!(
+            reasons.iter().filter(|r| *r == reason).count(),
+            1,
+            "{task}: {reasons:?}"
+        );
+    }
+    let described = cp.kubectl_ok(&["-n", ns, "describe", "task", "boom"]);
+    assert!(described.contains("Failed"), "{described}");
+}
+
+#[test]
+fn a_federated_job_of_two_rounds_stores_the_fedavg_model_in_a_configmap() {
+    use base64::Engine;
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let (_operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
+    let ns = "fl";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let (http, stop) = support::serve_file(support::fl_module());
+    let _a = device(&cp, ns, "a", mqtt);
+    let _b = device(&cp, ns, "bb", mqtt);
+    wait_phase(&cp, ns, "proplet", "a", "Running");
+    wait_phase(&cp, ns, "proplet", "bb", "Running");
+    apply(
+        &cp,
+        ns,
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: FederatedJob\nmetadata:\n  name: fl\nspec:\n  experimentId: fl-e2e\n  taskWasmImage: http://{http}/train.wasm\n  participants:\n  - propletId: a\n  - propletId: bb\n  rounds:\n    total: 2\n  kOfN: 2\n  aggregator:\n    algorithm: fedavg\n"
+        ),
+    );
+    let job = wait_phase(&cp, ns, "federatedjob", "fl", "Completed");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(job["status"]["completedRounds"], 2, "{:#}", job["status"]);
+    let model_ref = job["status"]["aggregatedModelRef"]
+        .as_str()
+        .expect("model ref");
+    let cm = get(&cp, ns, "configmap", model_ref).expect("the model ConfigMap");
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let stored = b64
+        .decode(
+            cm["binaryData"]["model.json"]
+                .as_str()
+                .expect("model bytes"),
+        )
+        .expect("base64");
+    let model: Value = serde_json::from_slice(&stored).expect("model json");
+    assert_eq!(model["num_samples"], 4);
+    let vector = b64
+        .decode(model["update_b64"].as_str().expect("update"))
+        .expect("base64");
+    let vector: Vec<f64> = serde_json::from_slice(&vector).expect("vector");
+    assert_eq!(vector, vec![2.5, 5.0]);
+    // Owned by its round, which the FederatedJob owns: deleting the job removes both.
+    let owner = &cm["metadata"]["ownerReferences"][0];
+    assert_eq!(owner["kind"], "TrainingRound", "{owner:#}");
 }

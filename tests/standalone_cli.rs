@@ -595,69 +595,11 @@ fn a_recurring_task_runs_at_its_tick_and_schedules_the_next() {
     assert_eq!(next, first_tick + chrono::Duration::minutes(1));
 }
 
-/// Serves `body` to every GET on 127.0.0.1 until `stop` is set or a minute passes.
-fn serve_file(body: Vec<u8>) -> (String, std::sync::Arc<std::sync::atomic::AtomicBool>) {
-    use std::io::{Read, Write};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr").to_string();
-    listener.set_nonblocking(true).expect("nonblocking");
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
-    let stopped = stop.clone();
-    std::thread::spawn(move || {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while !stopped.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
-            match listener.accept() {
-                Ok((mut socket, _)) => {
-                    let _ = socket.set_nonblocking(false);
-                    let _ = socket.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-                    let mut head = [0u8; 2048];
-                    let _ = socket.read(&mut head);
-                    let _ = write!(
-                        socket,
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/wasm\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                        body.len()
-                    );
-                    let _ = socket.write_all(&body);
-                }
-                Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
-            }
-        }
-    });
-    (addr, stop)
-}
-
 #[test]
 fn a_federated_job_with_real_wasm_participants_averages_their_updates() {
     use base64::Engine;
-    let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
-    // A WASI command printing an FL update. Which one depends on the parity of the size of
-    // its environment, which differs between participants (their PROPLET_ID lengths differ):
-    // one reports [1, 2] from 1 sample, the other [3, 6] from 3 samples. Whichever is which,
-    // FedAvg is (1·[1,2] + 3·[3,6]) / 4 = [2.5, 5].
-    let even = format!(r#"{{"update_b64":"{}","num_samples":1}}"#, b64("[1,2]"));
-    let odd = format!(r#"{{"update_b64":"{}","num_samples":3}}"#, b64("[3,6]"));
-    let escape = |s: &str| s.replace('"', "\\\"");
-    let module = wat::parse_str(format!(
-        r#"(module
-             (import "wasi_snapshot_preview1" "environ_sizes_get" (func $sizes (param i32 i32) (result i32)))
-             (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
-             (memory (export "memory") 1)
-             (data (i32.const 256) "{even}")
-             (data (i32.const 1024) "{odd}")
-             (func (export "_start")
-               (drop (call $sizes (i32.const 0) (i32.const 4)))
-               (if (i32.and (i32.load (i32.const 4)) (i32.const 1))
-                 (then (i32.store (i32.const 16) (i32.const 1024)) (i32.store (i32.const 20) (i32.const {odd_len})))
-                 (else (i32.store (i32.const 16) (i32.const 256)) (i32.store (i32.const 20) (i32.const {even_len}))))
-               (drop (call $write (i32.const 1) (i32.const 16) (i32.const 1) (i32.const 24)))))"#,
-        even = escape(&even),
-        odd = escape(&odd),
-        even_len = even.len(),
-        odd_len = odd.len(),
-    ))
-    .expect("wat");
-    let (http, stop) = serve_file(module);
+    let module = support::fl_module();
+    let (http, stop) = support::serve_file(module);
 
     let dir = tempfile::tempdir().expect("temp dir");
     let (_server, api, port) = start_standalone(dir.path(), &[]);

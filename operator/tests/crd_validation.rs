@@ -385,3 +385,21 @@ fn wrong_api_version_and_unknown_kind_are_refused() {
     obj["kind"] = json!("Gadget");
     assert!(admit(&obj).unwrap_err().contains("unknown kind"));
 }
+
+/// Tasks the operator builds itself start from `TaskSpec::default()`; the API server
+/// must accept them as a user's manifest with the same fields left out.
+#[test]
+fn a_default_task_spec_is_admitted() {
+    use propeller_operator::crd::task::{Task, TaskSpec};
+    let spec = TaskSpec {
+        name: "round-1-a".into(),
+        image_url: Some("http://127.0.0.1/train.wasm".into()),
+        ..TaskSpec::default()
+    };
+    let mut task = Task::new("round-1-a", spec);
+    task.metadata.namespace = Some("default".into());
+    let object = serde_json::to_value(&task).unwrap();
+    assert_eq!(object["spec"]["timezone"], "UTC");
+    assert_eq!(object["spec"]["priority"], 50);
+    admit(&object).unwrap_or_else(|e| panic!("refused: {e}"));
+}

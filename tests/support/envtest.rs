@@ -1,3 +1,4 @@
+#![allow(dead_code)]
 //! A real Kubernetes control plane for tests: etcd and kube-apiserver (and, when asked,
 //! kube-controller-manager) on ephemeral loopback ports, the kubebuilder "envtest" idea.
 //!
@@ -17,8 +18,6 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-use super::{pdeathsig, repo_root};
 
 /// How long etcd and the API server get to answer `/readyz`.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
@@ -417,4 +416,24 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("ephemeral port")
+}
+
+/// Makes the kernel kill `cmd`'s process when the thread that started it dies, so a test
+/// killed by its runner (timeout, SIGKILL) leaves no servers behind.
+pub fn pdeathsig(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The repository root (this crate's parent).
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }

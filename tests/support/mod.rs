@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 pub mod envtest;
+pub use envtest::pdeathsig;
 
 /// Upper bound on every wait.
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -66,6 +67,11 @@ impl Running {
     /// The first stderr line containing `needle`, within [`WAIT`].
     pub fn stderr_line(&self, needle: &str) -> String {
         wait_for(&self.stderr, needle, "stderr")
+    }
+
+    /// The stderr lines printed so far and not yet read.
+    pub fn stderr_so_far(&self) -> Vec<String> {
+        self.stderr.try_iter().collect()
     }
 
     /// The first stderr line containing `needle`, within `limit`.
@@ -238,17 +244,65 @@ pub fn propeller_client(api: &str, dir: &std::path::Path, args: &[&str]) -> (boo
     )
 }
 
-/// Makes the kernel kill `cmd`'s process when the thread that started it dies, so a test
-/// killed by its runner (timeout, SIGKILL) leaves no servers behind.
-pub fn pdeathsig(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
+/// Serves `body` to every GET on 127.0.0.1 until `stop` is set or a minute passes.
+pub fn serve_file(body: Vec<u8>) -> (String, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    listener.set_nonblocking(true).expect("nonblocking");
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !stopped.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut socket, _)) => {
+                    let _ = socket.set_nonblocking(false);
+                    let _ = socket.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+                    let mut head = [0u8; 2048];
+                    let _ = socket.read(&mut head);
+                    let _ = write!(
+                        socket,
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/wasm\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = socket.write_all(&body);
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
             }
-            Ok(())
-        });
-    }
+        }
+    });
+    (addr, stop)
+}
+
+/// A WASI command printing a federated-learning update. Which one depends on the parity of
+/// the size of its environment, which differs between participants whose PROPLET_ID
+/// lengths differ (`a` and `bb`): one reports [1, 2] from 1 sample, the other [3, 6] from 3
+/// samples. Whichever is which, FedAvg is (1·[1,2] + 3·[3,6]) / 4 = [2.5, 5].
+pub fn fl_module() -> Vec<u8> {
+    use base64::Engine;
+    let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
+    let even = format!(r#"{{"update_b64":"{}","num_samples":1}}"#, b64("[1,2]"));
+    let odd = format!(r#"{{"update_b64":"{}","num_samples":3}}"#, b64("[3,6]"));
+    let escape = |s: &str| s.replace('"', "\\\"");
+    wat::parse_str(format!(
+        r#"(module
+             (import "wasi_snapshot_preview1" "environ_sizes_get" (func $sizes (param i32 i32) (result i32)))
+             (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+             (memory (export "memory") 1)
+             (data (i32.const 256) "{even}")
+             (data (i32.const 1024) "{odd}")
+             (func (export "_start")
+               (drop (call $sizes (i32.const 0) (i32.const 4)))
+               (if (i32.and (i32.load (i32.const 4)) (i32.const 1))
+                 (then (i32.store (i32.const 16) (i32.const 1024)) (i32.store (i32.const 20) (i32.const {odd_len})))
+                 (else (i32.store (i32.const 16) (i32.const 256)) (i32.store (i32.const 20) (i32.const {even_len}))))
+               (drop (call $write (i32.const 1) (i32.const 16) (i32.const 1) (i32.const 24)))))"#,
+        even = escape(&even),
+        odd = escape(&odd),
+        even_len = even.len(),
+        odd_len = odd.len(),
+    ))
+    .expect("wat")
 }

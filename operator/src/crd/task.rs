@@ -15,7 +15,7 @@ use super::common::{
 
 /// Desired state of a Task. The same shape is embedded in `PropellerJob.spec.tasks`, so
 /// rules that only make sense for a stand-alone Task live on the root, not here.
-#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "propeller.propeller.absmach.eu",
     version = "v1",
@@ -142,6 +142,45 @@ pub struct TaskSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 2592000))]
     pub timeout_seconds: Option<i64>,
+}
+
+/// The same defaults as a manifest that leaves the fields out gets (serde's), so objects the
+/// operator builds itself (PropellerJob and federated-round tasks) pass the CRD's schema:
+/// a derived default would give `timezone: ""`, which the API server refuses.
+impl Default for TaskSpec {
+    fn default() -> Self {
+        Self {
+            name: Default::default(),
+            function_name: Default::default(),
+            kind: Default::default(),
+            file: Default::default(),
+            image_url: Default::default(),
+            cli_args: Default::default(),
+            inputs: Default::default(),
+            env: Default::default(),
+            broadcast: Default::default(),
+            mode: Default::default(),
+            metadata: Default::default(),
+            proplet_selector: Default::default(),
+            preferred_proplet_type: Default::default(),
+            resource_requirements: Default::default(),
+            daemon: Default::default(),
+            restart_policy: Default::default(),
+            encrypted: Default::default(),
+            kbs_resource_path: Default::default(),
+            depends_on: Default::default(),
+            run_if: Default::default(),
+            workflow_id: Default::default(),
+            job_id: Default::default(),
+            schedule: Default::default(),
+            is_recurring: Default::default(),
+            timezone: default_timezone(),
+            priority: default_priority(),
+            monitoring_profile: None,
+            hal_storage_path: None,
+            timeout_seconds: None,
+        }
+    }
 }
 
 fn default_timezone() -> String {

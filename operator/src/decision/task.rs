@@ -373,6 +373,42 @@ fn reset_for_rerun(status: &mut TaskStatus) {
     remove_condition(&mut status.conditions, COMPLETED);
 }
 
+/// Reasons a task waits, with whether the wait needs the user's attention (a Warning
+/// Event) rather than time (a Normal one).
+const WAIT_REASONS: [(&str, bool); 6] = [
+    ("NoCandidates", true),
+    ("CycleDetected", true),
+    ("InvalidSchedule", true),
+    ("DependencyPending", false),
+    ("WaitingForSchedule", false),
+    ("ScheduleExhausted", false),
+];
+
+/// An Event when the task starts waiting, or waits for another reason: once per change,
+/// so a task that keeps waiting records one Event, not one per reconcile.
+fn note_new_wait(written: &TaskStatus, desired: &TaskStatus, plan: &mut TaskPlan) {
+    let waiting_on = |status: &TaskStatus| {
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == SCHEDULED && c.status == "False")
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    };
+    let Some((reason, message)) = waiting_on(desired) else {
+        return;
+    };
+    if waiting_on(written).is_some_and(|(before, _)| before == reason) {
+        return;
+    }
+    if let Some((name, warning)) = WAIT_REASONS.iter().find(|(r, _)| *r == reason) {
+        plan.notes.push(if *warning {
+            Note::warning(name, message)
+        } else {
+            Note::normal(name, message)
+        });
+    }
+}
+
 fn waiting(
     status: &mut TaskStatus,
     reason: &'static str,
@@ -498,6 +534,7 @@ pub fn plan(
         _ => {}
     }
 
+    note_new_wait(&written, &desired, &mut plan);
     desired.observed_generation = gen;
     if let Some(after) = plan.after_dispatch.as_mut() {
         after.observed_generation = gen;
@@ -1376,6 +1413,18 @@ mod tests {
         let retry = chrono::Duration::from_std(NO_CANDIDATE_RETRY)
             .unwrap_or_else(|e| panic!("retry interval: {e}"));
         assert_eq!(plan.requeue_at, Some(now() + retry));
+    }
+
+    #[test]
+    fn a_task_that_starts_waiting_records_one_event_not_one_per_reconcile() {
+        let first = plan(&new_task(), &observing(vec![]), &settings(), now());
+        let notes: Vec<_> = first.notes.iter().map(|n| (n.warning, n.reason)).collect();
+        assert_eq!(notes, vec![(true, "NoCandidates")]);
+
+        let mut again = new_task();
+        again.status = Some(written(&first).clone());
+        let second = plan(&again, &observing(vec![]), &settings(), now());
+        assert!(second.notes.is_empty(), "{:?}", second.notes);
     }
 
     #[test]

@@ -93,6 +93,11 @@ pub struct Shared {
     pub tasks: Store<Task>,
     /// Cached proplet Deployments.
     pub deployments: Store<Deployment>,
+    /// Cached Secrets (proplet keys are read from here, never fetched one by one).
+    pub secrets: Store<Secret>,
+    /// Proplet of each MQTT client id, rebuilt with the credential table, so a heartbeat
+    /// finds its Proplet without scanning all of them.
+    clients: std::sync::RwLock<HashMap<String, ObjectRef<Proplet>>>,
     /// Broker logins derived from Proplets.
     pub credentials: Arc<CredentialStore>,
     /// Emits Kubernetes Events.
@@ -147,6 +152,8 @@ pub struct Caches {
     pub tasks: Store<Task>,
     /// Proplet Deployments.
     pub deployments: Store<Deployment>,
+    /// Secrets (proplet keys).
+    pub secrets: Store<Secret>,
 }
 
 /// The receiving ends of the reconcile triggers.
@@ -189,6 +196,8 @@ impl Shared {
             proplets: caches.proplets,
             tasks: caches.tasks,
             deployments: caches.deployments,
+            secrets: caches.secrets,
+            clients: std::sync::RwLock::new(HashMap::new()),
             credentials,
             task_trigger: task_tx,
             proplet_trigger: proplet_tx,
@@ -209,7 +218,17 @@ impl Shared {
     }
 
     fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
-        self.proplets.find(|p| p.client_id() == client_id)
+        let indexed = self
+            .clients
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(client_id)
+            .cloned();
+        match indexed.and_then(|r| self.proplets.get(&r)) {
+            Some(p) if p.client_id() == client_id => Some(p),
+            // Not indexed yet (the table is rebuilt on a tick): look through all of them.
+            _ => self.proplets.find(|p| p.client_id() == client_id),
+        }
     }
 
     fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
@@ -233,9 +252,9 @@ impl Shared {
         }
     }
 
-    /// Rebuilds the broker's credential table from the cached Proplets, reading the Secrets
-    /// they reference.
-    async fn refresh_credentials(&self) {
+    /// Rebuilds the broker's credential table and the client index from the cached
+    /// Proplets and Secrets, when either changed (or at least every [`RESYNC`]).
+    pub fn refresh_credentials(&self) {
         let cached = self.proplets.state();
         if !self
             .credential_gate
@@ -248,29 +267,8 @@ impl Shared {
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .map(|p| (**p).clone())
             .collect();
-        let mut secrets: HashMap<(String, String), Secret> = HashMap::new();
-        for p in &proplets {
-            let Some(crate::crd::proplet::ClientKeySource::Secret(selector)) =
-                p.spec.connection_config.key_source()
-            else {
-                continue;
-            };
-            let ns = p.namespace().unwrap_or_else(|| "default".into());
-            let key = (ns.clone(), selector.name.clone());
-            if secrets.contains_key(&key) {
-                continue;
-            }
-            let api: Api<Secret> = Api::namespaced(self.client.clone(), &ns);
-            match api.get_opt(&selector.name).await {
-                Ok(Some(secret)) => {
-                    secrets.insert(key, secret);
-                }
-                Ok(None) => {}
-                Err(e) => warn!(%e, secret = %selector.name, "cannot read a proplet's Secret"),
-            }
-        }
         let read = |ns: &str, name: &str, key: &str| {
-            let secret = secrets.get(&(ns.to_owned(), name.to_owned()))?;
+            let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
             if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
                 return String::from_utf8(v.0.clone()).ok();
             }
@@ -285,6 +283,11 @@ impl Shared {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
+        let index = proplets
+            .iter()
+            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(p)))
+            .collect();
+        *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
     }
 }
 
@@ -312,7 +315,7 @@ async fn reconcile_proplet_inner(
     let mut finalizers = proplet.finalizers().to_vec();
     let has_finalizer = finalizers.iter().any(|f| f == PROPLET_FINALIZER);
     if proplet.metadata.deletion_timestamp.is_some() {
-        ctx.refresh_credentials().await;
+        // The credential tick drops its login (the gate sees the deletion).
         ctx.state.liveness.forget(&client_id);
         lock(&ctx.state.proplet_writes).remove(&key);
         if has_finalizer {
@@ -343,7 +346,6 @@ async fn reconcile_proplet_inner(
             )
             .await?;
     }
-    ctx.refresh_credentials().await;
     let now = Utc::now();
     let deployment_ref =
         ObjectRef::<Deployment>::new(&crate::decision::names::proplet_deployment_name(&name))
@@ -407,6 +409,11 @@ async fn reconcile_proplet_inner(
         .map_or(RESYNC, |d| d.min(RESYNC) + Duration::from_millis(100));
     Ok(Action::requeue(wait))
 }
+
+/// How often the credential table is rebuilt when Proplets or Secrets changed: a new
+/// device can log in this long after its Proplet is stored, and a burst of new Proplets
+/// costs one rebuild per tick, not one per Proplet.
+const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
 /// How often a task whose start waits for its device looks again.
 const DEVICE_WAIT: Duration = Duration::from_secs(1);
@@ -572,6 +579,17 @@ pub async fn run(
     )
     .applied_objects()
     .default_backoff();
+    // Proplet keys come from a watched Secret cache: reading each Secret whenever the
+    // Proplet set changed cost N GETs per new Proplet.
+    let (secret_reader, secret_writer) = reflector::store::<Secret>();
+    let secret_stream = reflector::reflector(
+        secret_writer,
+        watcher(
+            scoped::<Secret>(&client, ns.as_deref()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff();
     let proplet_controller = Controller::new(
         scoped::<Proplet>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -591,6 +609,7 @@ pub async fn run(
         proplets: proplet_controller.store(),
         tasks: task_controller.store(),
         deployments: deployment_reader,
+        secrets: secret_reader,
     };
     let (shared, triggers) = Shared::new(
         client.clone(),
@@ -603,6 +622,29 @@ pub async fn run(
     );
     let shared = Arc::new(shared);
     let router = tokio::spawn(route_events(rt.events, shared.clone()));
+    let secrets = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(secret_stream);
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(_) => shared.credential_gate.invalidate(),
+                    Err(e) => warn!(%e, "watching Secrets"),
+                }
+            }
+        })
+    };
+    let credential_tick = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(CREDENTIAL_TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                shared.refresh_credentials();
+            }
+        })
+    };
     let gauges = {
         let shared = shared.clone();
         tokio::spawn(async move {
@@ -679,6 +721,8 @@ pub async fn run(
         drive(rounds, "traininground"),
     );
     router.abort();
+    secrets.abort();
+    credential_tick.abort();
     gauges.abort();
     info!("controllers stopped");
 }

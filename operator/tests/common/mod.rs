@@ -263,6 +263,7 @@ impl Harness {
                 proplets: proplet_reader,
                 tasks: task_reader,
                 deployments,
+                secrets: kube::runtime::reflector::store().0,
             },
         );
         Self {

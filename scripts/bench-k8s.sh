@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Kubernetes mode: `propeller run` (release) against a real kube-apiserver on this machine
+# (`propeller-envtest`: etcd and kube-apiserver v1.36, data on /dev/shm), authenticated as
+# its ServiceAccount, with real agents and simulated proplets.
+#
+#   scripts/bench-k8s.sh [pipeline|heartbeats N|all]      (default: all, N = 5000 and 10000)
+#
+# pipeline:   4 `proplet` agents. One add(10, 32) at a time, 30 runs after 5 warm-ups:
+#             POST Task -> a watch event showing it completed (median, p99). Then 1,000 Tasks
+#             POSTed at once from 8 connections: tasks/s from the first POST to the last
+#             completion seen on the watch.
+# heartbeats: N Proplets with their Secrets, N simulated proplets (`propeller-loadgen
+#             heartbeats`, real MQTT connections) heartbeating every 10 s; after a steady
+#             minute 1,000 go silent. Reports propeller's and the API server's CPU apart,
+#             Proplet status writes (the API server's own request counter) per proplet per
+#             flush interval, and the time from the silence until all 1,000 are Offline (a
+#             watch on them; threshold 30 s).
+# Needs etcd (`apt-get install etcd-server`) and the envtest binaries (KUBEBUILDER_ASSETS or
+# ../shared/envtest), as the tests do.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+scripts/build-release.sh
+BIN=target/release
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+
+# One control plane and one operator per measurement, so runs do not share state.
+run_one() {
+  local what=$1 n=${2:-0}
+  local dir="$WORK/$what-$n"
+  mkdir -p "$dir"
+  "$BIN/propeller-envtest" --dir "$dir" >"$dir/envtest.log" 2>&1 &
+  local envtest=$!
+  PIDS+=("$envtest")
+  for _ in $(seq 1 120); do [ -f "$dir/admin.kubeconfig" ] && break; sleep 0.5; done
+  [ -f "$dir/admin.kubeconfig" ] || { cat "$dir/envtest.log"; exit 1; }
+  export KUBECONFIG="$dir/admin.kubeconfig"
+  kubectl config view --minify --flatten > "$dir/propeller.kubeconfig"
+  kubectl --kubeconfig "$dir/propeller.kubeconfig" config set-credentials propeller \
+    --token="$(kubectl -n propeller-system create token propeller --duration=24h)" >/dev/null
+  kubectl --kubeconfig "$dir/propeller.kubeconfig" config set-context --current \
+    --user=propeller --namespace=propeller-system >/dev/null
+  local mqtt metrics apiserver
+  mqtt=$(free_port); metrics=$(free_port)
+  apiserver=$(pgrep -P "$envtest" -f kube-apiserver)
+  KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$BIN/propeller" run \
+    --leader-elect --lease-namespace propeller-system --mqtt-listen "127.0.0.1:$mqtt" \
+    --metrics-listen "127.0.0.1:$metrics" --liveliness-interval 10s --last-seen-threshold 30s \
+    --status-flush-interval 5s >"$dir/propeller.log" 2>&1 &
+  local propeller=$!
+  PIDS+=("$propeller")
+  for _ in $(seq 1 100); do
+    curl -sf "http://127.0.0.1:$metrics/readyz" >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  python3 scripts/bench_k8s_run.py "$what" "$n" "$dir/admin.kubeconfig" "$mqtt" "$BIN" \
+    "$propeller" "$apiserver" "$dir"
+  kill "$propeller" "$envtest" 2>/dev/null || true
+  wait "$propeller" "$envtest" 2>/dev/null || true
+  cp "$dir/propeller.log" "${TMPDIR:-/tmp}/bench-k8s-$what-$n-propeller.log" 2>/dev/null || true
+}
+
+case "$MODE" in
+  pipeline) run_one pipeline ;;
+  heartbeats) run_one heartbeats "${2:-10000}" ;;
+  all)
+    run_one pipeline
+    run_one heartbeats 5000
+    run_one heartbeats 10000
+    ;;
+  *) echo "usage: $0 [pipeline|heartbeats N|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,256 @@
+"""One Kubernetes-mode measurement for scripts/bench-k8s.sh (see there for what each does).
+
+    bench_k8s_run.py pipeline|heartbeats N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_api import cpu_seconds, rss_mib  # noqa: E402
+from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
+
+what, n, kubeconfig, mqtt, bin_dir, propeller_pid, apiserver_pid, work = sys.argv[1:9]
+n, propeller_pid, apiserver_pid = int(n), int(propeller_pid), int(apiserver_pid)
+ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
+NS = "default"
+kube = Kube(kubeconfig)
+
+
+def create_many(objects, path_of, threads=8):
+    """POSTs every object, `threads` connections at once."""
+    local = threading.local()
+
+    def post(obj):
+        if not hasattr(local, "kube"):
+            local.kube = Kube(kubeconfig)
+        local.kube.call("POST", path_of(obj), obj)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(post, objects))
+
+
+def secrets_path(_):
+    return f"/api/v1/namespaces/{NS}/secrets"
+
+
+def proplets_path(_):
+    return f"{GROUP}/namespaces/{NS}/proplets"
+
+
+def tasks_path(_=None):
+    return f"{GROUP}/namespaces/{NS}/tasks"
+
+
+def wait_running(names, deadline_s=60):
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        items = kube.call("GET", proplets_path(None))["items"]
+        running = {p["metadata"]["name"] for p in items if p.get("status", {}).get("phase") == "Running"}
+        if set(names) <= running:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"not all of {names} Running within {deadline_s} s")
+
+
+def pipeline():
+    names = [f"w{i}" for i in range(4)]
+    create_many([secret(x, f"{x}-secret") for x in names], secrets_path)
+    create_many([proplet(x, mqtt) for x in names], proplets_path)
+    agents = []
+    for x in names:
+        env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
+                   PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=x, PROPLET_CLIENT_KEY=f"{x}-secret",
+                   PROPLET_STATE_DIR=os.path.join(work, x), RUST_LOG="warn")
+        agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        wait_running(names)
+        # 1. One at a time: POST, then the watch event that shows it completed.
+        single = []
+        for i in range(5 + 30):
+            name = f"single-{i}"
+            # The watch is open before the POST, so its set-up is not measured.
+            rv = kube.call("GET", f"{tasks_path()}?limit=1")["metadata"]["resourceVersion"]
+            events = kube.watch(f"{tasks_path()}?fieldSelector=metadata.name%3D{name}", rv)
+            t0 = time.perf_counter()
+            kube.call("POST", tasks_path(), add_task(name, ADD))
+            for event in events:
+                if event["object"].get("status", {}).get("phase") == "completed":
+                    break
+            if i >= 5:
+                single.append((time.perf_counter() - t0) * 1000)
+        single.sort()
+        print(f"| single task, POST -> completed seen on a watch (30 runs) | median "
+              f"{statistics.median(single):.1f} ms, p99 {single[-1]:.1f} ms, min {single[0]:.1f} ms "
+              f"| <= 50 ms | {'yes' if statistics.median(single) <= 50 else 'no'} |")
+
+        # 2. 1,000 at once.
+        rv = kube.call("GET", tasks_path())["metadata"]["resourceVersion"]
+        burst = [f"burst-{i}" for i in range(1000)]
+        done = {}
+        failed = []
+
+        events = kube.watch(tasks_path(), rv)
+
+        def watcher():
+            for event in events:
+                obj = event["object"]
+                name = obj["metadata"]["name"]
+                phase = obj.get("status", {}).get("phase")
+                if name.startswith("burst-") and phase in ("completed", "failed") and name not in done:
+                    done[name] = time.time()
+                    if phase == "failed":
+                        failed.append(name)
+                    if len(done) == len(burst):
+                        return
+
+        watch = threading.Thread(target=watcher, daemon=True)
+        watch.start()
+        requests0 = request_counts()
+        cpu0 = (cpu_seconds(propeller_pid), cpu_seconds(apiserver_pid))
+        t0 = time.time()
+        create_many([add_task(x, ADD) for x in burst], tasks_path)
+        posted = time.time()
+        watch.join(300)
+        cpu1 = (cpu_seconds(propeller_pid), cpu_seconds(apiserver_pid))
+        requests1 = request_counts()
+        if len(done) < len(burst):
+            raise SystemExit(f"only {len(done)} of 1000 finished in 300 s")
+        span = max(done.values()) - t0
+        rate = 1000 / span
+        print(f"| 1,000 tasks POSTed at once (8 connections; POSTs took {posted - t0:.2f} s) | all finished "
+              f"{span:.2f} s after the first POST = {rate:.0f} tasks/s, {len(failed)} failed | >= 100 tasks/s "
+              f"| {'yes' if rate >= 100 else 'no'} |")
+        print(f"CPU during the burst: propeller {cpu1[0] - cpu0[0]:.2f} s, kube-apiserver "
+              f"{cpu1[1] - cpu0[1]:.2f} s (of {2 * span:.1f} s on 2 cores)")
+        diff = {k: requests1.get(k, 0) - requests0.get(k, 0) for k in requests1}
+        print("API requests during the burst (verb resource/subresource code: count):")
+        for k, v in sorted(diff.items(), key=lambda kv: -kv[1]):
+            if v >= 10:
+                print(f"  {k}: {v:.0f}")
+    finally:
+        for a in agents:
+            a.terminate()
+
+
+def request_counts():
+    """The API server's request counter by verb, resource, subresource and code."""
+    counts = {}
+    for name, labels, value in kube.metrics():
+        if name != "apiserver_request_total":
+            continue
+        fields = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
+        key = (f'{fields.get("verb", "").strip(chr(34))} {fields.get("resource", "").strip(chr(34))}'
+               f'/{fields.get("subresource", "").strip(chr(34))} {fields.get("code", "").strip(chr(34))}')
+        counts[key] = counts.get(key, 0) + value
+    return counts
+
+
+def status_writes():
+    """Proplet status writes the API server has served (PATCH or PUT on proplets/status)."""
+    total = 0.0
+    for name, labels, value in kube.metrics():
+        if (name == "apiserver_request_total" and 'resource="proplets"' in labels
+                and 'subresource="status"' in labels
+                and ('verb="PATCH"' in labels or 'verb="PUT"' in labels)):
+            total += value
+    return total
+
+
+def heartbeats():
+    silent = min(1000, n)
+    threshold, flush = 30, 5
+    t = time.time()
+    create_many([secret(f"hb-{i}", f"hb-{i}-key") for i in range(n)], secrets_path)
+    create_many([proplet(f"hb-{i}", mqtt, {"bench-silent": "yes" if i < silent else "no"})
+                 for i in range(n)], proplets_path)
+    print(f"{n} Proplets and Secrets created in {time.time() - t:.1f} s")
+    # Settle: the operator adds finalizers and builds credentials.
+    time.sleep(10)
+    phases = {}
+    lock = threading.Lock()
+    rv = kube.call("GET", f"{proplets_path(None)}?labelSelector=bench-silent%3Dyes&limit=1")["metadata"]["resourceVersion"]
+
+    # Only the proplets that will go silent: enough to see them Running, then Offline.
+    events = kube.watch(f"{proplets_path(None)}?labelSelector=bench-silent%3Dyes", rv)
+
+    def watcher():
+        for event in events:
+            obj = event["object"]
+            with lock:
+                phases[obj["metadata"]["name"]] = (obj.get("status", {}).get("phase"), time.time())
+
+    threading.Thread(target=watcher, daemon=True).start()
+    samples = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.time(), cpu_seconds(propeller_pid), cpu_seconds(apiserver_pid),
+                            rss_mib(propeller_pid), rss_mib(apiserver_pid), status_writes()))
+            stop.wait(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", mqtt,
+                            "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
+                            "--silent", str(silent), "--silence-after-secs", "70",
+                            "--run-after-silence-secs", str(threshold + 20)],
+                           stdout=subprocess.PIPE, text=True)
+    events = {}
+    running_at = None
+    for line in gen.stdout:
+        e = json.loads(line)
+        events[e["event"]] = e
+        print(f"loadgen: {line.strip()}")
+    gen.wait()
+    stop.set()
+    sampler.join()
+    if "done" not in events:
+        raise SystemExit("the load generator failed")
+    start = events["connecting"]["unix_ms"] / 1000
+    silenced = events["silenced"]["unix_ms"] / 1000
+    with lock:
+        offline = [at for (phase, at) in phases.values() if phase == "Offline" and at >= silenced]
+        running = [at for (phase, at) in phases.values()]
+    all_offline = max(offline) if len(offline) >= silent else None
+    # Steady window: from 20 s after the last connection to the silence.
+    steady = [s for s in samples if start + 30 <= s[0] <= silenced]
+    if len(steady) < 2:
+        raise SystemExit("no steady window")
+    a, b = steady[0], steady[-1]
+    span = b[0] - a[0]
+    cpu_p = (b[1] - a[1]) / span * 100
+    cpu_a = (b[2] - a[2]) / span * 100
+    writes = (b[5] - a[5]) / span
+    per = writes * flush / n
+    print()
+    print("| measure | figure | target | met |")
+    print("|---|---|---|---|")
+    print(f"| proplets (real MQTT connections) | {n} | - | - |")
+    print(f"| propeller CPU, steady {span:.0f} s | {cpu_p:.1f}% of one core | < 50% | {'yes' if cpu_p < 50 else 'no'} |")
+    print(f"| kube-apiserver CPU, same window | {cpu_a:.1f}% of one core | reported | - |")
+    print(f"| propeller RSS / kube-apiserver RSS (steady max) | {max(s[3] for s in steady):.0f} / "
+          f"{max(s[4] for s in steady):.0f} MiB | reported | - |")
+    print(f"| Proplet status writes to the API server | {writes:.0f}/s = {per:.2f} per proplet per {flush} s "
+          f"flush interval | <= 1 | {'yes' if per <= 1 else 'no'} |")
+    if all_offline:
+        took = all_offline - silenced
+        print(f"| {silent} silent -> all Offline | {took:.1f} s | <= {threshold} + 2 s | "
+              f"{'yes' if took <= threshold + 2 else 'no'} |")
+    else:
+        print(f"| {silent} silent -> all Offline | {len(offline)} of {silent} within the run | "
+              f"<= {threshold} + 2 s | no |")
+    print(f"simulated proplets whose connection the broker closed: {events['done']['failed']} of {n}")
+
+
+if what == "pipeline":
+    pipeline()
+else:
+    heartbeats()
