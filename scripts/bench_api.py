@@ -20,22 +20,9 @@ class Api:
 
     def raw(self, method, path, body=None):
         """The response body as bytes; a non-2xx answer ends the script with its message."""
-        for _ in range(3):
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-            try:
-                self.conn.request(method, path, body=body,
-                                  headers={"Authorization": f"Bearer {self.token}"})
-                r = self.conn.getresponse()
-                data = r.read()
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
-                continue
-            if r.status >= 300:
-                raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
-            return data
-        raise SystemExit(f"{method} {path}: no answer")
+        return kept_alive_request(
+            self, lambda: http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout),
+            method, path, body, {"Authorization": f"Bearer {self.token}"}, range(200, 300))
 
     def call(self, method, path, body=None):
         """The response body as JSON."""
@@ -52,6 +39,27 @@ class Api:
             name, _, labels = metric.partition("{")
             out.append((name, labels, float(value)))
         return out
+
+
+def kept_alive_request(owner, connect, method, path, body, headers, ok):
+    """One request on `owner.conn` (made with `connect` when missing), retried on a fresh
+    connection when the kept-alive one was closed; the body as bytes. A status outside `ok`
+    ends the script with its message."""
+    for _ in range(3):
+        if owner.conn is None:
+            owner.conn = connect()
+        try:
+            owner.conn.request(method, path, body=body, headers=headers)
+            r = owner.conn.getresponse()
+            data = r.read()
+        except (OSError, http.client.HTTPException):
+            owner.conn.close()
+            owner.conn = None
+            continue
+        if r.status not in ok:
+            raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
+        return data
+    raise SystemExit(f"{method} {path}: no answer")
 
 
 def pick(samples, name, **labels):

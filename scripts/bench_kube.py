@@ -6,6 +6,8 @@ import json
 import ssl
 import urllib.parse
 
+from bench_api import kept_alive_request
+
 GROUP = "/apis/propeller.propeller.absmach.eu/v1"
 
 
@@ -38,24 +40,10 @@ class Kube:
         return http.client.HTTPSConnection(self.host, self.port, context=self.context,
                                            timeout=self.timeout)
 
-    def raw(self, method, path, body=None, content_type="application/json", ok=(200, 201)):
+    def raw(self, method, path, body=None, ok=(200, 201)):
         """The answer's body; any status outside `ok` ends the script with its message."""
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": content_type}
-        for _ in range(3):
-            if self.conn is None:
-                self.conn = self._connect()
-            try:
-                self.conn.request(method, path, body=body, headers=headers)
-                r = self.conn.getresponse()
-                data = r.read()
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
-                continue
-            if r.status not in ok:
-                raise SystemExit(f"{method} {path}: {r.status} {data[:300]!r}")
-            return data
-        raise SystemExit(f"{method} {path}: no answer")
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        return kept_alive_request(self, self._connect, method, path, body, headers, ok)
 
     def call(self, method, path, obj=None):
         """The answer as JSON; `obj` is sent as JSON."""

@@ -34,14 +34,7 @@ fn main() -> anyhow::Result<()> {
         bail!("no control-plane binaries (see the line above)");
     };
     cp.install_crds();
-    cp.kubectl_ok(&[
-        "apply",
-        "-f",
-        "configs/deploy/namespace.yaml",
-        "-f",
-        "configs/deploy/service_account.yaml",
-    ]);
-    cp.kubectl_ok(&["apply", "-k", "configs/rbac"]);
+    cp.install_operator_rbac();
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let admin = args.dir.join("admin.kubeconfig");

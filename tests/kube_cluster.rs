@@ -27,14 +27,7 @@ const STATUS_WAIT: Duration = Duration::from_secs(60);
 fn cluster(options: Options) -> Option<(ControlPlane, PathBuf)> {
     let cp = ControlPlane::start(options)?;
     cp.install_crds();
-    cp.kubectl_ok(&[
-        "apply",
-        "-f",
-        "configs/deploy/namespace.yaml",
-        "-f",
-        "configs/deploy/service_account.yaml",
-    ]);
-    cp.kubectl_ok(&["apply", "-k", "configs/rbac"]);
+    cp.install_operator_rbac();
     let kubeconfig = cp.service_account_kubeconfig("propeller-system", "propeller");
     Some((cp, kubeconfig))
 }
@@ -430,6 +423,15 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     let agent_a = start_agent(&cp, "dev", mqtt_a);
     wait_phase(&cp, ns, "proplet", "dev", "Running");
 
+    // The standby has not opened the MQTT listener: devices can only reach the leader.
+    assert!(
+        !standby
+            .stderr_so_far()
+            .iter()
+            .any(|l| l.contains("mqtt listening")),
+        "the standby listens for MQTT"
+    );
+
     // SIGKILL: no graceful release of the Lease.
     let killed = Instant::now();
     let _ = leader.child.kill();
@@ -717,7 +719,7 @@ fn the_api_server_and_client_side_admission_judge_every_case_alike() {
         let client = admission
             .admit(&case.object, None)
             .map(|_| ())
-            .map_err(|e| format!("{e:?}"));
+            .map_err(|e| e.to_string());
         match (case.expect.as_str(), &server) {
             ("accepted", Err(e)) => wrong.push(format!("{}: the server refused: {e}", case.name)),
             ("refused", Ok(())) => wrong.push(format!("{}: the server accepted", case.name)),

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use propeller_operator::crd::{GROUP, VERSION};
-use propeller_operator::validation::{Admission, AdmissionError};
+use propeller_operator::validation::Admission;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -130,19 +130,12 @@ fn collect_rule_messages(schema: &Value, out: &mut BTreeSet<String>) {
     }
 }
 
-/// Admits `object`, returning every refusal message joined by newlines.
+/// Admits `object`, or says why not (the error lists every refusal).
 fn admit(admission: &Admission, object: &Value) -> Result<(), String> {
     admission
         .admit(object, None)
         .map(drop)
-        .map_err(|e| match e {
-            AdmissionError::Invalid { errors, .. } => errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("\n"),
-            other => other.to_string(),
-        })
+        .map_err(|e| e.to_string())
 }
 
 /// Whether `name` is lower-case words of letters and digits joined by single '-'.

@@ -300,6 +300,19 @@ impl ControlPlane {
         ]);
     }
 
+    /// What the operator needs besides the CRDs: the `propeller-system` namespace, its
+    /// ServiceAccount and the RBAC of `configs/rbac`.
+    pub fn install_operator_rbac(&self) {
+        self.kubectl_ok(&[
+            "apply",
+            "-f",
+            "configs/deploy/namespace.yaml",
+            "-f",
+            "configs/deploy/service_account.yaml",
+        ]);
+        self.kubectl_ok(&["apply", "-k", "configs/rbac"]);
+    }
+
     /// A directory for the test's own files, removed with the control plane.
     pub fn scratch(&self) -> &Path {
         self.dir.path()

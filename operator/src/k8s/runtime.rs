@@ -415,6 +415,15 @@ async fn reconcile_proplet_inner(
 /// costs one rebuild per tick, not one per Proplet.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
+/// Reconciles of one kind that run at once. kube's client speaks HTTP/1.1, so every
+/// concurrent API call is a TLS connection of its own: unbounded, a resync of 10,000
+/// Proplets opened thousands (handshakes on both sides, descriptors exhausted).
+const RECONCILE_CONCURRENCY: u16 = 32;
+
+fn bounded() -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY)
+}
+
 /// How often a task whose start waits for its device looks again.
 const DEVICE_WAIT: Duration = Duration::from_secs(1);
 
@@ -594,6 +603,7 @@ pub async fn run(
         scoped::<Proplet>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
+    .with_config(bounded())
     .owns_stream(deployment_stream);
     // A task on a `k8s` proplet finishes when its Job does: the Job's changes (it is owned
     // by the Task) wake the Task's reconcile.
@@ -601,6 +611,7 @@ pub async fn run(
         scoped::<Task>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
+    .with_config(bounded())
     .owns(
         scoped::<Job>(&client, ns.as_deref()),
         watcher::Config::default().labels(super::task_job::TASK_LABEL),
@@ -673,6 +684,7 @@ pub async fn run(
         scoped::<PropellerJob>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
+    .with_config(bounded())
     .owns(
         scoped::<Task>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -687,6 +699,7 @@ pub async fn run(
         scoped::<FederatedJob>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
+    .with_config(bounded())
     .owns(
         scoped::<TrainingRound>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -701,6 +714,7 @@ pub async fn run(
         scoped::<TrainingRound>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
+    .with_config(bounded())
     .owns(
         scoped::<Task>(&client, ns.as_deref()),
         watcher::Config::default(),
