@@ -45,7 +45,7 @@ for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; don
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "$N" "${PIDS[0]}" <<'PY'
 import json, os, statistics, subprocess, sys, threading, time
 sys.path.insert(0, "scripts")
-from bench_api import Api, cpu_seconds, pick, proplet_manifest, rss_mib
+from bench_api import Api, cpu_seconds, heartbeat_load, pick, proplet_manifest, rss_mib
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
@@ -90,21 +90,11 @@ def sample():
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 
-gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", mqtt,
-                        "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
-                        "--silent", str(SILENT), "--silence-after-secs", "70",
-                        "--run-after-silence-secs", str(THRESHOLD + 20)],
-                       stdout=subprocess.PIPE, text=True)
-events = {}
-for line in gen.stdout:
-    e = json.loads(line)
-    events[e["event"]] = e
-    print(f"loadgen: {line.strip()}")
-rc = gen.wait()
+events = heartbeat_load(bin_dir, mqtt, n, SILENT, THRESHOLD)
 stop.set()
 sampler.join()
 if "done" not in events:
-    raise SystemExit(f"the load generator failed ({rc})")
+    raise SystemExit("the load generator failed")
 lost = events["done"]["failed"]
 
 start = events["connecting"]["unix_ms"] / 1000

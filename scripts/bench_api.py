@@ -3,6 +3,7 @@ one external Proplet with its key Secret. Imported by the `scripts/bench-*.sh` d
 import http.client
 import json
 import os
+import subprocess
 
 
 class Api:
@@ -31,14 +32,41 @@ class Api:
     def samples(self):
         """`(name, labels text, value)` for every sample in `/metrics`: one small request,
         which polls more cheaply than listing objects."""
-        out = []
-        for line in self.raw("GET", "/metrics").decode().splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            metric, _, value = line.rpartition(" ")
-            name, _, labels = metric.partition("{")
+        return parse_metrics(self.raw("GET", "/metrics").decode())
+
+
+def parse_metrics(text):
+    """`(name, labels text, value)` of every sample of a Prometheus text exposition."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        metric, _, value = line.rpartition(" ")
+        name, _, labels = metric.partition("{")
+        try:
             out.append((name, labels, float(value)))
-        return out
+        except ValueError:
+            continue
+    return out
+
+
+def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold):
+    """Runs `propeller-loadgen heartbeats`: `n` proplets `hb-<i>` beating every 10 s, the
+    first `silent` of them silent from 70 s after the last connection until everything
+    disconnects `threshold + 20` s later. Prints its events; returns them by name."""
+    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port",
+                            str(mqtt_port), "--proplets", str(n), "--prefix", "hb",
+                            "--interval-secs", "10", "--silent", str(silent),
+                            "--silence-after-secs", "70",
+                            "--run-after-silence-secs", str(threshold + 20)],
+                           stdout=subprocess.PIPE, text=True)
+    events = {}
+    for line in gen.stdout:
+        e = json.loads(line)
+        events[e["event"]] = e
+        print(f"loadgen: {line.strip()}")
+    gen.wait()
+    return events
 
 
 def kept_alive_request(owner, connect, method, path, body, headers, ok):

@@ -2,7 +2,6 @@
 
     bench_k8s_run.py pipeline|heartbeats N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
 """
-import json
 import os
 import statistics
 import subprocess
@@ -12,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import cpu_seconds, rss_mib  # noqa: E402
+from bench_api import cpu_seconds, heartbeat_load, rss_mib  # noqa: E402
 from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
 
 what, n, kubeconfig, mqtt, bin_dir, propeller_pid, apiserver_pid, work = sys.argv[1:9]
@@ -200,17 +199,7 @@ def heartbeats():
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", mqtt,
-                            "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
-                            "--silent", str(silent), "--silence-after-secs", "70",
-                            "--run-after-silence-secs", str(threshold + 20)],
-                           stdout=subprocess.PIPE, text=True)
-    events = {}
-    for line in gen.stdout:
-        e = json.loads(line)
-        events[e["event"]] = e
-        print(f"loadgen: {line.strip()}")
-    gen.wait()
+    events = heartbeat_load(bin_dir, mqtt, n, silent, threshold)
     stop.set()
     sampler.join()
     if "done" not in events:

@@ -6,7 +6,7 @@ import json
 import ssl
 import urllib.parse
 
-from bench_api import kept_alive_request
+from bench_api import kept_alive_request, parse_metrics
 
 GROUP = "/apis/propeller.propeller.absmach.eu/v1"
 
@@ -77,17 +77,7 @@ class Kube:
 
     def metrics(self):
         """`(name, labels text, value)` of every sample the API server exports."""
-        out = []
-        for line in self.raw("GET", "/metrics").decode().splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            metric, _, value = line.rpartition(" ")
-            name, _, labels = metric.partition("{")
-            try:
-                out.append((name, labels, float(value)))
-            except ValueError:
-                continue
-        return out
+        return parse_metrics(self.raw("GET", "/metrics").decode())
 
 
 def secret(name, key):

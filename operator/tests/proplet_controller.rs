@@ -58,6 +58,7 @@ fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check()
         ..PropletObservations::default()
     };
     let p = plan(&external(), &observed, &SETTINGS, at(1));
+    assert!(!p.routine, "becoming Running is not a routine write");
     let status = p
         .status
         .unwrap_or_else(|| panic!("first heartbeat must be written"));
@@ -78,7 +79,12 @@ fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check()
         ..PropletObservations::default()
     };
     assert!(plan(&running, &again, &SETTINGS, at(3)).status.is_none());
-    assert!(plan(&running, &again, &SETTINGS, at(12)).status.is_some());
+    let refresh = plan(&running, &again, &SETTINGS, at(12));
+    assert!(refresh.status.is_some());
+    assert!(
+        refresh.routine,
+        "a lastSeen refresh may wait when the API server is busy"
+    );
 
     // Past the threshold without heartbeats it goes Offline.
     let silent = PropletObservations {
@@ -86,6 +92,7 @@ fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check()
         ..PropletObservations::default()
     };
     let offline = plan(&running, &silent, &SETTINGS, at(31));
+    assert!(!offline.routine, "going Offline never waits");
     assert_eq!(offline.status.map(|s| s.phase), Some(PropletPhase::Offline));
 }
 

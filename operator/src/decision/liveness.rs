@@ -333,19 +333,26 @@ pub fn write_due(
     if written == desired {
         return false;
     }
-    if written.phase != desired.phase
+    if significant_change(written, desired) {
+        return true;
+    }
+    let Some(last) = last_write else { return true };
+    let flush = chrono::Duration::from_std(flush_interval).unwrap_or(chrono::Duration::MAX);
+    last.checked_add_signed(flush).is_none_or(|due| now >= due)
+}
+
+/// Whether the status changed in a way a user or the scheduler acts on (phase, `alive`,
+/// metadata, Deployment state, resources, generation, a condition's status or reason),
+/// rather than only the figures heartbeats refresh (`lastSeen`, `aliveHistory`, metrics,
+/// messages).
+pub fn significant_change(written: &PropletStatus, desired: &PropletStatus) -> bool {
+    written.phase != desired.phase
         || written.alive != desired.alive
         || written.metadata != desired.metadata
         || written.k8s_status != desired.k8s_status
         || written.available_resources != desired.available_resources
         || written.observed_generation != desired.observed_generation
         || condition_transitions(&written.conditions, &desired.conditions)
-    {
-        return true;
-    }
-    let Some(last) = last_write else { return true };
-    let flush = chrono::Duration::from_std(flush_interval).unwrap_or(chrono::Duration::MAX);
-    last.checked_add_signed(flush).is_none_or(|due| now >= due)
 }
 
 fn condition_transitions(written: &[Condition], desired: &[Condition]) -> bool {

@@ -11,7 +11,8 @@ use serde_json::json;
 use crate::crd::common::{MetricsSample, PropletResources};
 use crate::crd::proplet::{Proplet, PropletMetadata, PropletStatus, PropletType};
 use crate::decision::liveness::{
-    evaluate_external, evaluate_k8s, write_due, DeploymentObservation, ExternalObservation,
+    evaluate_external, evaluate_k8s, significant_change, write_due, DeploymentObservation,
+    ExternalObservation,
 };
 
 use super::deployment::{proplet_deployment, DeploymentError};
@@ -65,6 +66,9 @@ pub struct PropletPlan {
     pub requeue_at: Option<DateTime<Utc>>,
     /// Why the Deployment could not be built, for an Event and the log.
     pub problem: Option<DeploymentError>,
+    /// The status write only refreshes heartbeat figures: it may be put off when the API
+    /// server is busy, unlike a phase or condition change.
+    pub routine: bool,
 }
 
 /// Decides the proplet's Deployment and status at `now`.
@@ -82,6 +86,7 @@ pub fn plan(
         status: None,
         requeue_at: None,
         problem: None,
+        routine: false,
     };
     match proplet.spec.type_ {
         PropletType::K8s => {
@@ -139,6 +144,7 @@ pub fn plan(
         settings.status_flush_interval,
         now,
     ) {
+        plan.routine = !significant_change(&written, &desired);
         plan.status = Some(desired);
     } else if written != desired {
         let flush = chrono::Duration::from_std(settings.status_flush_interval)

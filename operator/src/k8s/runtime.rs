@@ -98,6 +98,9 @@ pub struct Shared {
     /// Proplet of each MQTT client id, rebuilt with the credential table, so a heartbeat
     /// finds its Proplet without scanning all of them.
     clients: std::sync::RwLock<HashMap<String, ObjectRef<Proplet>>>,
+    /// Proplet status writes in flight, to put off heartbeat-only ones when the API server
+    /// is behind.
+    status_writes: std::sync::atomic::AtomicUsize,
     /// Broker logins derived from Proplets.
     pub credentials: Arc<CredentialStore>,
     /// Emits Kubernetes Events.
@@ -198,6 +201,7 @@ impl Shared {
             deployments: caches.deployments,
             secrets: caches.secrets,
             clients: std::sync::RwLock::new(HashMap::new()),
+            status_writes: std::sync::atomic::AtomicUsize::new(0),
             credentials,
             task_trigger: task_tx,
             proplet_trigger: proplet_tx,
@@ -360,7 +364,22 @@ async fn reconcile_proplet_inner(
         report: ctx.state.liveness.report(&client_id),
         task_count: i64::from(ctx.active_tasks(&proplet)),
     };
-    let plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
+    let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
+    if plan.routine
+        && ctx.status_writes.load(std::sync::atomic::Ordering::Relaxed) >= ROUTINE_WRITE_LIMIT
+    {
+        // The API server is behind: leave the heartbeat figures in memory and look again
+        // after a flush interval, so phase changes (a proplet going Offline) are not queued
+        // behind refreshes of lastSeen.
+        plan.status = None;
+        let later = chrono::Duration::from_std(ctx.settings.proplet.status_flush_interval)
+            .unwrap_or(chrono::Duration::MAX);
+        let retry = now.checked_add_signed(later);
+        plan.requeue_at = match (plan.requeue_at, retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
     if let Some(problem) = &plan.problem {
         ctx.note(
             &proplet.object_ref(&()),
@@ -372,7 +391,17 @@ async fn reconcile_proplet_inner(
         )
         .await;
     }
-    apply_proplet(&ctx.client, &proplet, &plan).await?;
+    let writing = plan.status.is_some();
+    if writing {
+        ctx.status_writes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let applied = apply_proplet(&ctx.client, &proplet, &plan).await;
+    if writing {
+        ctx.status_writes
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    applied?;
     if let Some(status) = &plan.status {
         ctx.state
             .liveness
@@ -414,6 +443,10 @@ async fn reconcile_proplet_inner(
 /// device can log in this long after its Proplet is stored, and a burst of new Proplets
 /// costs one rebuild per tick, not one per Proplet.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
+
+/// Proplet status writes in flight beyond which heartbeat-only writes wait: half the
+/// reconcile slots, so a phase change always finds one.
+const ROUTINE_WRITE_LIMIT: usize = RECONCILE_CONCURRENCY as usize / 2;
 
 /// Reconciles of one kind that run at once. kube's client speaks HTTP/1.1, so every
 /// concurrent API call is a TLS connection of its own: unbounded, a resync of 10,000
