@@ -128,20 +128,18 @@ def pipeline():
               f"| {'yes' if rate >= 100 else 'no'} |")
         print(f"CPU during the burst: propeller {cpu1[0] - cpu0[0]:.2f} s, kube-apiserver "
               f"{cpu1[1] - cpu0[1]:.2f} s (of {2 * span:.1f} s on 2 cores)")
-        diff = {k: requests1.get(k, 0) - requests0.get(k, 0) for k in requests1}
-        print("API requests during the burst (verb resource/subresource code: count):")
-        for k, v in sorted(diff.items(), key=lambda kv: -kv[1]):
-            if v >= 10:
-                print(f"  {k}: {v:.0f}")
+        print_requests("API requests during the burst (verb resource/subresource code: count)",
+                       requests0, requests1)
     finally:
         for a in agents:
             a.terminate()
 
 
 def request_counts():
-    """The API server's request counter by verb, resource, subresource and code."""
+    """The API server's request counter by verb, resource, subresource and code (on a
+    connection of its own: the sampler thread uses the shared one)."""
     counts = {}
-    for name, labels, value in kube.metrics():
+    for name, labels, value in Kube(kubeconfig).metrics():
         if name != "apiserver_request_total":
             continue
         fields = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
@@ -149,6 +147,15 @@ def request_counts():
                f'/{fields.get("subresource", "").strip(chr(34))} {fields.get("code", "").strip(chr(34))}')
         counts[key] = counts.get(key, 0) + value
     return counts
+
+
+def print_requests(title, before, after):
+    """The requests the API server served between two `request_counts()`, most first."""
+    diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"{title}:")
+    for k, v in sorted(diff.items(), key=lambda kv: -kv[1]):
+        if v >= 10:
+            print(f"  {k}: {v:.0f}")
 
 
 def status_writes():
@@ -199,7 +206,9 @@ def heartbeats():
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    requests0 = request_counts()
     events = heartbeat_load(bin_dir, mqtt, n, silent, threshold)
+    requests1 = request_counts()
     stop.set()
     sampler.join()
     if "done" not in events:
@@ -242,6 +251,8 @@ def heartbeats():
         print(f"| {silent} silent -> all Offline | at most {seen} of {silent} before the run ended | "
               f"<= {threshold} + 2 s | no |")
     print(f"simulated proplets whose connection the broker closed: {events['done']['failed']} of {n}")
+    print_requests("API requests during the load (verb resource/subresource code: count)",
+                   requests0, requests1)
 
 
 if what == "pipeline":
