@@ -13,10 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
-use support::{binary, repo_root, Running};
+use support::{binary, repo_root, Running, ADD_WASM};
 
-/// The add(i32, i32) module of the samples, exported as `add`.
-const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 /// Liveness threshold the operator runs with in these tests.
 const THRESHOLD_SECS: u64 = 3;
 /// Upper bound on every wait for a status the operator writes.
@@ -30,6 +28,15 @@ fn cluster(options: Options) -> Option<(ControlPlane, PathBuf)> {
     cp.install_operator_rbac();
     let kubeconfig = cp.service_account_kubeconfig("propeller-system", "propeller");
     Some((cp, kubeconfig))
+}
+
+/// A control plane with one operator (`operator-a`) leading and an empty namespace `ns`;
+/// the operator's MQTT port.
+fn operator_in(options: Options, ns: &str) -> Option<(ControlPlane, Running, u16)> {
+    let (cp, kubeconfig) = cluster(options)?;
+    let (operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    Some((cp, operator, mqtt))
 }
 
 /// `propeller run` as the ServiceAccount, with leader election on; returns the process and
@@ -73,27 +80,12 @@ fn mqtt_port(operator: &Running) -> u16 {
 
 /// An external Proplet `name` in `namespace` with its key Secret, and its real agent.
 fn device(cp: &ControlPlane, namespace: &str, name: &str, mqtt: u16) -> Running {
-    let manifest = format!(
-        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
-apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  external:\n    capabilities: [wasm]\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"
-    );
-    apply(cp, namespace, &manifest);
+    apply(cp, namespace, &support::device_manifest(name, mqtt));
     start_agent(cp, name, mqtt)
 }
 
 fn start_agent(cp: &ControlPlane, name: &str, mqtt: u16) -> Running {
-    let mut cmd = binary("proplet");
-    cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{mqtt}"))
-        .env("PROPLET_DOMAIN_ID", "d1")
-        .env("PROPLET_CHANNEL_ID", "c1")
-        .env("PROPLET_CLIENT_ID", name)
-        .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
-        .env(
-            "PROPLET_STATE_DIR",
-            cp.scratch().join(format!("{name}-state")),
-        )
-        .env("PROPLET_LIVELINESS_INTERVAL", "1");
-    Running::spawn(cmd)
+    support::device_agent(name, mqtt, &cp.scratch().join(format!("{name}-state")))
 }
 
 /// `kubectl apply` of `manifest` in `namespace`, as the admin (the user).
@@ -228,34 +220,31 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
     };
     let mut refused = Vec::new();
     let mut checked = 0;
+    let mut dry_run = |what: String, args: Vec<String>| {
+        let out = cp.kubectl().args(&args).output().expect("run kubectl");
+        checked += 1;
+        if !out.status.success() {
+            refused.push(format!(
+                "{what}: {}",
+                shorten(&String::from_utf8_lossy(&out.stderr))
+            ));
+        }
+    };
+    // Server-side apply: large inline modules do not fit the client-side annotation.
+    let apply = ["apply", "--server-side", "--dry-run=server"].map(String::from);
     let samples = repo_root().join("tests/fixtures/upstream-samples");
     let ours = repo_root().join("configs/samples");
     for file in yaml_files(&samples).into_iter().chain(yaml_files(&ours)) {
         if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
             continue;
         }
-        // Server-side apply: large inline modules do not fit the client-side annotation.
-        let out = cp
-            .kubectl()
-            .args([
-                "-n",
-                "default",
-                "apply",
-                "--server-side",
-                "--dry-run=server",
-            ])
-            .arg("-f")
-            .arg(&file)
-            .output()
-            .expect("run kubectl");
-        checked += 1;
-        if !out.status.success() {
-            refused.push(format!(
-                "{}: {}",
-                file.display(),
-                shorten(&String::from_utf8_lossy(&out.stderr))
-            ));
-        }
+        let path = file.display().to_string();
+        let args = [
+            &["-n".into(), "default".into()][..],
+            &apply,
+            &["-f".into(), path.clone()],
+        ];
+        dry_run(path, args.concat());
     }
     // The kustomizations, as kubectl builds them.
     for dir in [
@@ -264,18 +253,10 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
         "configs/deploy",
         "configs/samples",
     ] {
-        let out = cp
-            .kubectl()
-            .args(["apply", "--server-side", "--dry-run=server", "-k", dir])
-            .output()
-            .expect("run kubectl");
-        checked += 1;
-        if !out.status.success() {
-            refused.push(format!(
-                "-k {dir}: {}",
-                shorten(&String::from_utf8_lossy(&out.stderr))
-            ));
-        }
+        dry_run(
+            format!("-k {dir}"),
+            [&apply[..], &["-k".into(), dir.into()]].concat(),
+        );
     }
     assert!(checked > 30, "only {checked} manifests found");
     assert!(
@@ -287,12 +268,10 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
 
 #[test]
 fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
-    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+    let ns = "e2e";
+    let Some((cp, operator, mqtt)) = operator_in(Options::default(), ns) else {
         return;
     };
-    let (operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
-    let ns = "e2e";
-    cp.kubectl_ok(&["create", "namespace", ns]);
     let _a = device(&cp, ns, "edge-a", mqtt);
     let mut b = device(&cp, ns, "edge-b", mqtt);
     wait_phase(&cp, ns, "proplet", "edge-a", "Running");
@@ -354,18 +333,7 @@ fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
 
     // A PropellerJob in each execution mode.
     for mode in ["parallel", "sequential", "configurable"] {
-        let depends = if mode == "configurable" {
-            "\n    dependsOn: [first]"
-        } else {
-            ""
-        };
-        apply(
-            &cp,
-            ns,
-            &format!(
-                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: {mode}\nspec:\n  name: {mode}\n  executionMode: {mode}\n  tasks:\n  - name: first\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [1, 2]\n  - name: second\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [3, 4]{depends}\n"
-            ),
-        );
+        apply(&cp, ns, &support::propeller_job_manifest(mode));
     }
     for mode in ["parallel", "sequential", "configurable"] {
         wait_phase(&cp, ns, "pjob", mode, "Completed");
@@ -539,14 +507,15 @@ fn container_status(pod: &Value, state: Value, ready: bool) -> Value {
 
 #[test]
 fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
-    let Some((cp, kubeconfig)) = cluster(Options {
-        controller_manager: true,
-    }) else {
+    let ns = "jobs";
+    let Some((cp, _operator, _)) = operator_in(
+        Options {
+            controller_manager: true,
+        },
+        ns,
+    ) else {
         return;
     };
-    let (_operator, _, _) = start_operator(&kubeconfig, "operator-a");
-    let ns = "jobs";
-    cp.kubectl_ok(&["create", "namespace", ns]);
     cp.kubectl_ok(&["-n", ns, "apply", "-f", "configs/samples/proplet-k8s.yaml"]);
     let deployment = wait_until(
         &cp,
@@ -823,12 +792,10 @@ fn trap_module() -> String {
 #[test]
 fn recurring_tasks_run_at_their_tick_and_waits_and_failures_are_recorded_as_events() {
     use chrono::Timelike;
-    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+    let ns = "events";
+    let Some((cp, _operator, mqtt)) = operator_in(Options::default(), ns) else {
         return;
     };
-    let (_operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
-    let ns = "events";
-    cp.kubectl_ok(&["create", "namespace", ns]);
     // Before any proplet exists: the task waits, and says why once.
     apply(&cp, ns, &task_manifest("early", "[1, 2]", ""));
     wait_until(&cp, ns, "task", "early", "waiting for candidates", |t| {
@@ -927,24 +894,16 @@ fn recurring_tasks_run_at_their_tick_and_waits_and_failures_are_recorded_as_even
 #[test]
 fn a_federated_job_of_two_rounds_stores_the_fedavg_model_in_a_configmap() {
     use base64::Engine;
-    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+    let ns = "fl";
+    let Some((cp, _operator, mqtt)) = operator_in(Options::default(), ns) else {
         return;
     };
-    let (_operator, mqtt, _) = start_operator(&kubeconfig, "operator-a");
-    let ns = "fl";
-    cp.kubectl_ok(&["create", "namespace", ns]);
     let (http, stop) = support::serve_file(support::fl_module());
     let _a = device(&cp, ns, "a", mqtt);
     let _b = device(&cp, ns, "bb", mqtt);
     wait_phase(&cp, ns, "proplet", "a", "Running");
     wait_phase(&cp, ns, "proplet", "bb", "Running");
-    apply(
-        &cp,
-        ns,
-        &format!(
-            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: FederatedJob\nmetadata:\n  name: fl\nspec:\n  experimentId: fl-e2e\n  taskWasmImage: http://{http}/train.wasm\n  participants:\n  - propletId: a\n  - propletId: bb\n  rounds:\n    total: 2\n  kOfN: 2\n  aggregator:\n    algorithm: fedavg\n"
-        ),
-    );
+    apply(&cp, ns, &support::federated_job_manifest(&http));
     let job = wait_phase(&cp, ns, "federatedjob", "fl", "Completed");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(job["status"]["completedRounds"], 2, "{:#}", job["status"]);

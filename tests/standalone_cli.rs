@@ -3,7 +3,7 @@
 
 mod support;
 
-use support::{mosquitto_pub, propeller_client, start_standalone};
+use support::{mosquitto_pub, propeller_client, start_standalone, ADD_WASM};
 
 #[test]
 fn the_demo_computes_add_and_the_pipeline_and_a_restart_keeps_everything() {
@@ -368,28 +368,12 @@ fn agent_for(api: &str, dir: &std::path::Path, mqtt_port: &str, name: &str) -> s
         api,
         dir,
         &format!("{name}.yaml"),
-        &format!(
-            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
-apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"
-        ),
+        &support::device_manifest(name, mqtt_port),
     );
-    let mut cmd = support::binary("proplet");
-    cmd.env(
-        "PROPLET_MQTT_ADDRESS",
-        format!("tcp://127.0.0.1:{mqtt_port}"),
-    )
-    .env("PROPLET_DOMAIN_ID", "d1")
-    .env("PROPLET_CHANNEL_ID", "c1")
-    .env("PROPLET_CLIENT_ID", name)
-    .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
-    .env("PROPLET_STATE_DIR", dir.join(format!("{name}-state")))
-    .env("PROPLET_LIVELINESS_INTERVAL", "1");
-    let agent = support::Running::spawn(cmd);
+    let agent = support::device_agent(name, mqtt_port, &dir.join(format!("{name}-state")));
     wait_for_phase(api, dir, name, "Running");
     agent
 }
-
-const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 
 #[test]
 fn a_propeller_job_completes_in_each_execution_mode() {
@@ -397,18 +381,11 @@ fn a_propeller_job_completes_in_each_execution_mode() {
     let (_server, api, port) = start_standalone(dir.path(), &[]);
     let _agent = agent_for(&api, dir.path(), &port, "worker");
     for mode in ["parallel", "sequential", "configurable"] {
-        let depends = if mode == "configurable" {
-            "\n    dependsOn: [first]"
-        } else {
-            ""
-        };
         apply_text(
             &api,
             dir.path(),
             &format!("{mode}.yaml"),
-            &format!(
-                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: {mode}\nspec:\n  name: {mode}\n  executionMode: {mode}\n  tasks:\n  - name: first\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [1, 2]\n  - name: second\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [3, 4]{depends}\n"
-            ),
+            &support::propeller_job_manifest(mode),
         );
     }
     let names: Vec<String> = ["parallel", "sequential", "configurable"]
@@ -609,9 +586,7 @@ fn a_federated_job_with_real_wasm_participants_averages_their_updates() {
         &api,
         dir.path(),
         "fl.yaml",
-        &format!(
-            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: FederatedJob\nmetadata:\n  name: fl\nspec:\n  experimentId: fl-e2e\n  taskWasmImage: http://{http}/train.wasm\n  participants:\n  - propletId: a\n  - propletId: bb\n  rounds:\n    total: 2\n  kOfN: 2\n  aggregator:\n    algorithm: fedavg\n"
-        ),
+        &support::federated_job_manifest(&http),
     );
     let deadline = std::time::Instant::now() + support::WAIT;
     let job = loop {

@@ -153,8 +153,9 @@ impl LiveSessions {
 
     /// The device reported: it is connected and subscribed.
     pub fn heard_from(&self, client_id: &str) {
-        if !self.contains(client_id) {
-            self.lock().insert(client_id.to_owned());
+        let mut clients = self.lock();
+        if !clients.contains(client_id) {
+            clients.insert(client_id.to_owned());
         }
     }
 

@@ -306,3 +306,57 @@ pub fn fl_module() -> Vec<u8> {
     ))
     .expect("wat")
 }
+
+/// The add(i32, i32) module of the samples, exported as `add`, base64.
+pub const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
+
+/// An external Proplet `name` on channel d1/c1 with the Secret holding its key
+/// `<name>-secret`, as one manifest.
+pub fn device_manifest(name: &str, mqtt_port: impl std::fmt::Display) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  external:\n    capabilities: [wasm]\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"
+    )
+}
+
+/// The real `proplet` agent of [`device_manifest`]'s device `name`, heartbeating every
+/// second, with its state in `state_dir`.
+pub fn device_agent(
+    name: &str,
+    mqtt_port: impl std::fmt::Display,
+    state_dir: &std::path::Path,
+) -> Running {
+    let mut cmd = binary("proplet");
+    cmd.env(
+        "PROPLET_MQTT_ADDRESS",
+        format!("tcp://127.0.0.1:{mqtt_port}"),
+    )
+    .env("PROPLET_DOMAIN_ID", "d1")
+    .env("PROPLET_CHANNEL_ID", "c1")
+    .env("PROPLET_CLIENT_ID", name)
+    .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
+    .env("PROPLET_STATE_DIR", state_dir)
+    .env("PROPLET_LIVELINESS_INTERVAL", "1");
+    Running::spawn(cmd)
+}
+
+/// A PropellerJob `mode` in that execution mode: `first` = add(1, 2), `second` = add(3, 4),
+/// the second depending on the first in `configurable` mode.
+pub fn propeller_job_manifest(mode: &str) -> String {
+    let depends = if mode == "configurable" {
+        "\n    dependsOn: [first]"
+    } else {
+        ""
+    };
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: {mode}\nspec:\n  name: {mode}\n  executionMode: {mode}\n  tasks:\n  - name: first\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [1, 2]\n  - name: second\n    functionName: add\n    file: {ADD_WASM}\n    inputs: [3, 4]{depends}\n"
+    )
+}
+
+/// A FederatedJob `fl` of two FedAvg rounds over participants `a` and `bb`, whose training
+/// module is served at `http_addr`.
+pub fn federated_job_manifest(http_addr: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: FederatedJob\nmetadata:\n  name: fl\nspec:\n  experimentId: fl-e2e\n  taskWasmImage: http://{http_addr}/train.wasm\n  participants:\n  - propletId: a\n  - propletId: bb\n  rounds:\n    total: 2\n  kOfN: 2\n  aggregator:\n    algorithm: fedavg\n"
+    )
+}

@@ -71,6 +71,13 @@ pub struct PropletPlan {
     pub routine: bool,
 }
 
+impl PropletPlan {
+    /// Asks for another look at `at` at the latest.
+    pub fn look_again_by(&mut self, at: DateTime<Utc>) {
+        self.requeue_at = Some(self.requeue_at.map_or(at, |t| t.min(at)));
+    }
+}
+
 /// Decides the proplet's Deployment and status at `now`.
 pub fn plan(
     proplet: &Proplet,
@@ -153,7 +160,7 @@ pub fn plan(
             .last_write
             .and_then(|at| at.checked_add_signed(flush))
         {
-            plan.requeue_at = Some(plan.requeue_at.map_or(due, |at| at.min(due)));
+            plan.look_again_by(due);
         }
     }
     plan

@@ -374,11 +374,9 @@ async fn reconcile_proplet_inner(
         plan.status = None;
         let later = chrono::Duration::from_std(ctx.settings.proplet.status_flush_interval)
             .unwrap_or(chrono::Duration::MAX);
-        let retry = now.checked_add_signed(later);
-        plan.requeue_at = match (plan.requeue_at, retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        if let Some(retry) = now.checked_add_signed(later) {
+            plan.look_again_by(retry);
+        }
     }
     if let Some(problem) = &plan.problem {
         ctx.note(
@@ -391,17 +389,12 @@ async fn reconcile_proplet_inner(
         )
         .await;
     }
-    let writing = plan.status.is_some();
-    if writing {
-        ctx.status_writes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    let applied = apply_proplet(&ctx.client, &proplet, &plan).await;
-    if writing {
-        ctx.status_writes
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    applied?;
+    let in_flight = plan
+        .status
+        .as_ref()
+        .map(|_| InFlight::enter(&ctx.status_writes));
+    apply_proplet(&ctx.client, &proplet, &plan).await?;
+    drop(in_flight);
     if let Some(status) = &plan.status {
         ctx.state
             .liveness
@@ -437,6 +430,22 @@ async fn reconcile_proplet_inner(
         .and_then(|at| (at - now).to_std().ok())
         .map_or(RESYNC, |d| d.min(RESYNC) + Duration::from_millis(100));
     Ok(Action::requeue(wait))
+}
+
+/// Counts one write in flight for as long as it lives (also when the write fails).
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a std::sync::atomic::AtomicUsize) -> Self {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// How often the credential table is rebuilt when Proplets or Secrets changed: a new
