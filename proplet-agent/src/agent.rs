@@ -24,8 +24,10 @@ use rumqttc::{
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::component::OutgoingHttp;
 use crate::config::Config;
 use crate::fetch::HttpFetcher;
+use crate::http_server::Server as HttpServer;
 use crate::spool::Spool;
 use crate::system::{cpu_seconds, SystemProbe};
 use crate::telemetry::AgentMetrics;
@@ -150,6 +152,10 @@ impl Agent {
             fuel: config.task_fuel,
             disk_cache: Some(config.state_dir.join("modules")),
             preopen_allow_list: config.preopen_dirs.clone(),
+            outgoing_http: OutgoingHttp {
+                allow_hosts: config.http_allow_hosts.clone(),
+                timeout: HTTP_TIMEOUT,
+            },
             ..Limits::default()
         })
         .context("starting the Wasm runtime")?;
@@ -553,6 +559,11 @@ impl Agent {
             .map_err(|e| format!("compilation aborted: {e}"))?
             .map_err(|e| e.to_string())?;
         debug!(task_id = request.id, cached, "module ready");
+        if let Compiled::Component(component) = &compiled {
+            if compiled.serves_http(self.runtime.engine()) {
+                return self.serve_http(&request, component, stop).await;
+            }
+        }
         if request.latent {
             self.lock_latent()
                 .insert(request.id.clone(), Arc::new(Latent { compiled, request }));
@@ -569,6 +580,32 @@ impl Agent {
         outcome.map(Some)
     }
 
+    /// Runs an HTTP component until its stop: reports `started at port N` once it listens
+    /// (as upstream does), and nothing when it ends.
+    async fn serve_http(
+        self: &Arc<Self>,
+        request: &StartRequest,
+        component: &wasmtime::component::Component,
+        stop: &StopFlag,
+    ) -> Result<Option<String>, String> {
+        let invocation = self.invocation(request, &request.inputs, &request.env);
+        let server = HttpServer::bind(
+            self.runtime.clone(),
+            component,
+            invocation,
+            stop.clone(),
+            &self.config.http_serving,
+        )
+        .map_err(|e| e.to_string())?;
+        let port = server.port();
+        info!(task_id = request.id, port, "HTTP component serving");
+        self.report(&request.id, Ok(format!("started at port {port}")))
+            .await;
+        server.serve().await;
+        info!(task_id = request.id, port, "HTTP component stopped");
+        Ok(None)
+    }
+
     fn invocation(
         &self,
         request: &StartRequest,
@@ -576,7 +613,8 @@ impl Agent {
         env: &BTreeMap<String, String>,
     ) -> Invocation {
         // A task asks for host directories with `PROPLET_PREOPEN=/a:/b`; the runtime refuses
-        // any outside the agent's allow-list (`PROPLET_DIRS`).
+        // any outside the agent's allow-list (`PROPLET_DIRS`). A task that asks for none gets
+        // the whole allow-list, as upstream's proplet gives every task.
         let preopens = env
             .get("PROPLET_PREOPEN")
             .map(|v| {
@@ -585,7 +623,7 @@ impl Agent {
                     .map(std::path::PathBuf::from)
                     .collect()
             })
-            .unwrap_or_default();
+            .unwrap_or_else(|| self.config.preopen_dirs.clone());
         let mut env: Vec<(String, String)> =
             env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         if !env.iter().any(|(k, _)| k == "PROPLET_ID") {

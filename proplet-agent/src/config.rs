@@ -133,6 +133,19 @@ pub struct Flags {
     /// How long to wait for registry chunks (`60s`).
     #[arg(long, env = "PROPLET_CHUNK_TIMEOUT")]
     pub chunk_timeout: Option<String>,
+    /// Serve components that export `wasi:http/incoming-handler` (`false`).
+    #[arg(long, env = "PROPLET_HTTP_ENABLED")]
+    pub http_enabled: Option<String>,
+    /// Address HTTP components listen on (`0.0.0.0`).
+    #[arg(long, env = "PROPLET_HTTP_BIND")]
+    pub http_bind: Option<String>,
+    /// Ports tried for HTTP components that ask for none, `FIRST-LAST` (`8222-8321`).
+    #[arg(long, env = "PROPLET_HTTP_PORTS")]
+    pub http_ports: Option<String>,
+    /// Hosts guests may reach with outgoing `wasi:http`, comma-separated, `*.domain` allowed
+    /// (unset: any).
+    #[arg(long, env = "PROPLET_HTTP_ALLOW_HOSTS")]
+    pub http_allow_hosts: Option<String>,
 }
 
 /// TLS material for the broker connection.
@@ -199,6 +212,10 @@ pub struct Config {
     pub telemetry: Option<std::net::SocketAddr>,
     /// Directories tasks may be granted.
     pub preopen_dirs: Vec<PathBuf>,
+    /// Where HTTP components may listen.
+    pub http_serving: crate::http_server::HttpServing,
+    /// Hosts guests may reach over `wasi:http` (empty: any).
+    pub http_allow_hosts: Vec<String>,
 }
 
 /// Environment aliases accepted for upstream compatibility: (alias, canonical).
@@ -436,6 +453,16 @@ impl Config {
                     .collect()
             })
             .unwrap_or_default();
+        let http_serving = http_serving(&flags, &pick)?;
+        let http_allow_hosts = pick(&flags.http_allow_hosts, "http_allow_hosts")
+            .map(|t| {
+                t.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
         let state_dir = flags
             .state_dir
             .clone()
@@ -480,8 +507,44 @@ impl Config {
                         .collect()
                 })
                 .unwrap_or_default(),
+            http_serving,
+            http_allow_hosts,
         })
     }
+}
+
+fn http_serving(
+    flags: &Flags,
+    pick: &dyn Fn(&Option<String>, &str) -> Option<String>,
+) -> Result<crate::http_server::HttpServing, ConfigError> {
+    let mut serving = crate::http_server::HttpServing::default();
+    if let Some(text) = pick(&flags.http_enabled, "http_enabled") {
+        serving.enabled = parse_bool(&text).ok_or_else(|| {
+            invalid(
+                "PROPLET_HTTP_ENABLED",
+                &format!("{text:?} is not true or false"),
+            )
+        })?;
+    }
+    if let Some(text) = pick(&flags.http_bind, "http_bind") {
+        serving.bind = text.trim().parse().map_err(|_| {
+            invalid(
+                "PROPLET_HTTP_BIND",
+                &format!("{text:?} is not an IP address"),
+            )
+        })?;
+    }
+    if let Some(text) = pick(&flags.http_ports, "http_ports") {
+        let bad = || invalid("PROPLET_HTTP_PORTS", &format!("{text:?} is not FIRST-LAST"));
+        let (first, last) = text.trim().split_once('-').ok_or_else(bad)?;
+        let first: u16 = first.trim().parse().map_err(|_| bad())?;
+        let last: u16 = last.trim().parse().map_err(|_| bad())?;
+        if first == 0 || first > last {
+            return Err(bad());
+        }
+        serving.ports = first..=last;
+    }
+    Ok(serving)
 }
 
 /// `1`, `true`, `yes`, `on` and their opposites, in any case.

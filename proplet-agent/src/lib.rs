@@ -2,8 +2,11 @@
 //! with Wasmtime inside memory, time and capability limits, never losing a result.
 
 pub mod agent;
+pub mod component;
 pub mod config;
 pub mod fetch;
+pub mod hal;
+pub mod http_server;
 pub mod spool;
 pub mod system;
 pub mod telemetry;

@@ -5,10 +5,11 @@
 //!   deadline passed, so a stop or a timeout takes effect within one tick even in a tight loop.
 //! - **Memory:** a per-store cap on linear memory; growing past it traps with a clear message.
 //! - **Fuel:** optional instruction metering, reported in task metrics when on.
-//! - **WASI preview 1:** linked only when the module imports it, with the task's `cli_args`
-//!   and `env` only (never the agent's environment), no preopened directories unless
-//!   allow-listed, and stdout/stderr captured in memory up to a cap.
-//! - **Compilation** is cached by content hash, so a repeated task does not recompile.
+//! - **WASI preview 1** (core modules) and **WASI 0.2** (components, see [`crate::component`]):
+//!   the task's `cli_args` and `env` only (never the agent's environment), no preopened
+//!   directories outside the allow-list, and stdout/stderr captured in memory up to a cap.
+//! - **Compilation** is cached by content hash, so a repeated task does not recompile. Core
+//!   modules and components share one engine, one cache and the same limits.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -17,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+use wasmtime::component::Component;
 use wasmtime::{
     Config, Engine, Extern, Func, Instance, Linker, Module, ResourceLimiter, Store, StoreLimits,
     StoreLimitsBuilder, Trap, UpdateDeadline, Val, ValType,
@@ -44,6 +46,8 @@ pub struct Limits {
     /// Directory for compiled modules, so a restart does not recompile; `None` disables it.
     /// It must be private to the agent: its files are loaded as native code.
     pub disk_cache: Option<PathBuf>,
+    /// Rules for guests' outgoing `wasi:http` requests.
+    pub outgoing_http: crate::component::OutgoingHttp,
 }
 
 impl Default for Limits {
@@ -55,6 +59,7 @@ impl Default for Limits {
             cache_entries: 32,
             preopen_allow_list: Vec::new(),
             disk_cache: None,
+            outgoing_http: crate::component::OutgoingHttp::default(),
         }
     }
 }
@@ -65,9 +70,12 @@ pub enum RunError {
     /// The bytes are not a usable Wasm module.
     #[error("invalid wasm module: {0}")]
     Compile(String),
-    /// A component was sent; only core modules run in this version.
-    #[error("wasm components are not supported by this proplet yet; send a core module")]
-    ComponentUnsupported,
+    /// A command component (task name `_start`) that does not export `wasi:cli/run`.
+    #[error("the component exports no `wasi:cli/run`; name the export to call in the task's functionName (it exports: {0})")]
+    NotACommand(String),
+    /// A component serving `wasi:http/incoming-handler` that cannot be served here.
+    #[error("cannot serve HTTP: {0}")]
+    Serve(String),
     /// Neither the named export nor a fallback (`main`, `run`, `_start`) exists.
     #[error("export `{name}` not found; the module exports: {available}")]
     NoExport {
@@ -155,7 +163,7 @@ impl TaskGauge {
 }
 
 /// The store's resource limiter: the memory cap, plus accounting into the task's gauge.
-struct Limiter {
+pub(crate) struct Limiter {
     inner: StoreLimits,
     gauge: Arc<TaskGauge>,
 }
@@ -241,10 +249,24 @@ pub struct Outcome {
     pub memory_bytes: usize,
 }
 
-/// A compiled module, ready to instantiate (cheap to clone).
+/// A compiled core module or component, ready to instantiate (cheap to clone).
 #[derive(Clone)]
-pub struct Compiled {
-    module: Module,
+pub enum Compiled {
+    /// A core module (WASI preview 1 or none).
+    Module(Module),
+    /// A component (WASI 0.2).
+    Component(Component),
+}
+
+impl Compiled {
+    /// Whether this is a component exporting `wasi:http/incoming-handler`: it runs as an HTTP
+    /// server rather than once.
+    pub fn serves_http(&self, engine: &Engine) -> bool {
+        match self {
+            Compiled::Module(_) => false,
+            Compiled::Component(c) => crate::component::exports_http_handler(c, engine),
+        }
+    }
 }
 
 struct Host {
@@ -296,21 +318,33 @@ impl WasmRuntime {
     /// or the disk cache; the flag says whether compilation was avoided.
     pub fn compile(&self, bytes: &[u8]) -> Result<(Compiled, bool), RunError> {
         let digest: [u8; 32] = Sha256::digest(bytes).into();
-        if let Some(module) = self.cache_lock().get(&digest) {
-            return Ok((Compiled { module }, true));
+        if let Some(compiled) = self.cache_lock().get(&digest) {
+            return Ok((compiled, true));
         }
-        if wasmparser_is_component(bytes) {
-            return Err(RunError::ComponentUnsupported);
+        let component = is_component(bytes);
+        if let Some(compiled) = self.load_from_disk(&digest, component) {
+            self.cache_lock().put(digest, compiled.clone());
+            return Ok((compiled, true));
         }
-        if let Some(module) = self.load_from_disk(&digest) {
-            self.cache_lock().put(digest, module.clone());
-            return Ok((Compiled { module }, true));
+        let compiled = if component {
+            Component::new(&self.engine, bytes).map(Compiled::Component)
+        } else {
+            Module::new(&self.engine, bytes).map(Compiled::Module)
         }
-        let module =
-            Module::new(&self.engine, bytes).map_err(|e| RunError::Compile(root_cause(&e)))?;
-        self.store_on_disk(&digest, &module);
-        self.cache_lock().put(digest, module.clone());
-        Ok((Compiled { module }, false))
+        .map_err(|e| RunError::Compile(root_cause(&e)))?;
+        self.store_on_disk(&digest, &compiled);
+        self.cache_lock().put(digest, compiled.clone());
+        Ok((compiled, false))
+    }
+
+    /// The engine every task runs on.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The limits every task runs under.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     fn disk_path(&self, digest: &[u8; 32]) -> Option<PathBuf> {
@@ -321,16 +355,24 @@ impl WasmRuntime {
             .map(|dir| dir.join(format!("{hex}.cwasm")))
     }
 
-    fn load_from_disk(&self, digest: &[u8; 32]) -> Option<Module> {
+    fn load_from_disk(&self, digest: &[u8; 32], component: bool) -> Option<Compiled> {
         let path = self.disk_path(digest)?;
         if !path.exists() {
             return None;
         }
-        // SAFETY: the file was written by `store_on_disk` of this agent, from `Module::serialize`,
-        // into a directory only the agent may write (created 0700). Wasmtime checks that it was
-        // produced by a compatible engine and configuration and refuses it otherwise.
-        match unsafe { Module::deserialize_file(&self.engine, &path) } {
-            Ok(module) => Some(module),
+        // SAFETY: the file was written by `store_on_disk` of this agent, from `serialize`, into
+        // a directory only the agent may write (created 0700). Wasmtime checks that it was
+        // produced by a compatible engine and configuration, and of the same kind (module or
+        // component), and refuses it otherwise.
+        let loaded = unsafe {
+            if component {
+                Component::deserialize_file(&self.engine, &path).map(Compiled::Component)
+            } else {
+                Module::deserialize_file(&self.engine, &path).map(Compiled::Module)
+            }
+        };
+        match loaded {
+            Ok(compiled) => Some(compiled),
             Err(_) => {
                 // Stale (another Wasmtime version or settings) or damaged: compile afresh.
                 let _ = std::fs::remove_file(&path);
@@ -339,11 +381,15 @@ impl WasmRuntime {
         }
     }
 
-    fn store_on_disk(&self, digest: &[u8; 32], module: &Module) {
+    fn store_on_disk(&self, digest: &[u8; 32], compiled: &Compiled) {
         let Some(path) = self.disk_path(digest) else {
             return;
         };
-        let Ok(bytes) = module.serialize() else {
+        let serialized = match compiled {
+            Compiled::Module(m) => m.serialize(),
+            Compiled::Component(c) => c.serialize(),
+        };
+        let Ok(bytes) = serialized else {
             return;
         };
         // Written aside and renamed: loaded modules map their file, so an existing file must
@@ -365,55 +411,75 @@ impl WasmRuntime {
         invocation: &Invocation,
         stop: &StopFlag,
     ) -> Result<Outcome, RunError> {
-        let module = &compiled.module;
-        let needs_wasi = module.imports().any(|i| {
-            i.module().starts_with("wasi_snapshot_preview1") || i.module() == "wasi_unstable"
-        });
-        let stdout = MemoryOutputPipe::new(self.limits.max_output_bytes);
-        let stderr = MemoryOutputPipe::new(self.limits.max_output_bytes);
-        let wasi = if needs_wasi {
-            let mut builder = WasiCtxBuilder::new();
-            let mut argv = vec![invocation.function.clone()];
-            argv.extend(invocation.args.iter().cloned());
-            builder
-                .args(&argv)
-                .envs(&invocation.env)
-                .stdout(stdout.clone())
-                .stderr(stderr.clone());
-            for dir in &invocation.preopens {
-                if !self
-                    .limits
-                    .preopen_allow_list
-                    .iter()
-                    .any(|a| dir.starts_with(a))
-                {
-                    return Err(RunError::PreopenDenied(dir.display().to_string()));
-                }
-                let guest = dir.display().to_string();
-                builder
-                    .preopened_dir(dir, &guest, FsPerms::ReadWrite)
-                    .map_err(|e| RunError::Link(format!("preopen {guest}: {e}")))?;
+        match compiled {
+            Compiled::Module(module) => self.run_module(module, invocation, stop),
+            Compiled::Component(component) => {
+                crate::component::run(self, component, invocation, stop)
             }
-            Some(builder.build_p1())
-        } else {
-            None
-        };
-        let gauge = invocation.gauge.clone();
+        }
+    }
+
+    /// A WASI context builder with the task's argv, env, captured output and the preopens it
+    /// may have (refused outside the allow-list).
+    pub(crate) fn wasi_builder(
+        &self,
+        invocation: &Invocation,
+        stdout: &MemoryOutputPipe,
+        stderr: &MemoryOutputPipe,
+    ) -> Result<WasiCtxBuilder, RunError> {
+        let mut builder = WasiCtxBuilder::new();
+        let mut argv = vec![invocation.function.clone()];
+        argv.extend(invocation.args.iter().cloned());
+        builder
+            .args(&argv)
+            .envs(&invocation.env)
+            .stdout(stdout.clone())
+            .stderr(stderr.clone());
+        for dir in &invocation.preopens {
+            if !self
+                .limits
+                .preopen_allow_list
+                .iter()
+                .any(|a| dir.starts_with(a))
+            {
+                return Err(RunError::PreopenDenied(dir.display().to_string()));
+            }
+            let guest = dir.display().to_string();
+            builder
+                .preopened_dir(dir, &guest, FsPerms::ReadWrite)
+                .map_err(|e| RunError::Link(format!("preopen {guest}: {e}")))?;
+        }
+        Ok(builder)
+    }
+
+    /// The memory cap and accounting for one task.
+    pub(crate) fn limiter(&self, gauge: &Arc<TaskGauge>) -> Limiter {
         gauge
             .thread_id
             .store(current_thread_id(), Ordering::Relaxed);
         gauge
             .metered
             .store(self.limits.fuel.is_some(), Ordering::Relaxed);
-        let limits = Limiter {
+        Limiter {
             inner: StoreLimitsBuilder::new()
                 .memory_size(self.limits.max_memory_bytes)
                 .trap_on_grow_failure(true)
                 .build(),
             gauge: gauge.clone(),
-        };
-        let mut store = Store::new(&self.engine, Host { wasi, limits });
-        store.limiter(|host| &mut host.limits);
+        }
+    }
+
+    /// A store for one task: the limiter found by `limiter`, fuel, and the epoch check that
+    /// makes a stop or the deadline interrupt the guest within one tick.
+    pub(crate) fn store<T: 'static>(
+        &self,
+        data: T,
+        limiter: fn(&mut T) -> &mut Limiter,
+        invocation: &Invocation,
+        stop: &StopFlag,
+    ) -> Result<Store<T>, RunError> {
+        let mut store = Store::new(&self.engine, data);
+        store.limiter(move |host| limiter(host) as &mut dyn ResourceLimiter);
         if let Some(fuel) = self.limits.fuel {
             store
                 .set_fuel(fuel)
@@ -422,6 +488,7 @@ impl WasmRuntime {
         let deadline = invocation.timeout.map(|t| Instant::now() + t);
         let watch = stop.clone();
         let budget = self.limits.fuel;
+        let gauge = invocation.gauge.clone();
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |ctx| {
             if let (Some(budget), Ok(left)) = (budget, ctx.get_fuel()) {
@@ -436,6 +503,39 @@ impl WasmRuntime {
                 Ok(UpdateDeadline::Continue(1))
             }
         });
+        Ok(store)
+    }
+
+    /// Fuel a finished store used, when metering is on.
+    pub(crate) fn fuel_used<T>(&self, store: &Store<T>) -> Option<u64> {
+        self.limits
+            .fuel
+            .map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)))
+    }
+
+    fn run_module(
+        &self,
+        module: &Module,
+        invocation: &Invocation,
+        stop: &StopFlag,
+    ) -> Result<Outcome, RunError> {
+        let needs_wasi = module.imports().any(|i| {
+            i.module().starts_with("wasi_snapshot_preview1") || i.module() == "wasi_unstable"
+        });
+        let stdout = MemoryOutputPipe::new(self.limits.max_output_bytes);
+        let stderr = MemoryOutputPipe::new(self.limits.max_output_bytes);
+        let wasi = if needs_wasi {
+            Some(self.wasi_builder(invocation, &stdout, &stderr)?.build_p1())
+        } else {
+            None
+        };
+        let limits = self.limiter(&invocation.gauge);
+        let mut store = self.store(
+            Host { wasi, limits },
+            |host| &mut host.limits,
+            invocation,
+            stop,
+        )?;
 
         let mut linker: Linker<Host> = Linker::new(&self.engine);
         if needs_wasi {
@@ -465,10 +565,7 @@ impl WasmRuntime {
         let mut results = vec![Val::I32(0); func.ty(&store).results().len()];
         let call = func.call(&mut store, &params, &mut results);
         let memory_bytes = memory_size(&mut store, &instance);
-        let fuel_used = self
-            .limits
-            .fuel
-            .map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)));
+        let fuel_used = self.fuel_used(&store);
         let is_command = name == "_start";
         match call {
             Ok(()) => {}
@@ -489,7 +586,8 @@ impl WasmRuntime {
         })
     }
 
-    fn classify_error(
+    /// Turns a Wasmtime error into what went wrong, in the task's terms.
+    pub(crate) fn classify_error(
         &self,
         error: wasmtime::Error,
         invocation: &Invocation,
@@ -520,10 +618,26 @@ impl WasmRuntime {
         {
             return RunError::MemoryLimit(self.limits.max_memory_bytes);
         }
-        if text.contains("unknown import") {
+        if text.contains("unknown import") || text.contains("matching implementation was not found")
+        {
             return RunError::Link(root_cause(&error));
         }
-        RunError::Trap(root_cause(&error))
+        // A guest that panics writes why to stderr before it traps: keep the end of it.
+        let said = String::from_utf8_lossy(&stderr.contents()).into_owned();
+        let said = said.trim();
+        if said.is_empty() {
+            RunError::Trap(root_cause(&error))
+        } else {
+            let tail: String = said
+                .chars()
+                .rev()
+                .take(2048)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            RunError::Trap(format!("{}; stderr: {tail}", root_cause(&error)))
+        }
     }
 }
 
@@ -545,14 +659,15 @@ fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn root_cause(error: &wasmtime::Error) -> String {
+pub(crate) fn root_cause(error: &wasmtime::Error) -> String {
     let chain: Vec<String> = error.chain().map(|c| c.to_string()).collect();
     chain.join(": ")
 }
 
-fn wasmparser_is_component(bytes: &[u8]) -> bool {
-    // Core modules have version 1 (`01 00 00 00`); components use layer 1 (`0d 00 01 00`).
-    bytes.len() >= 8 && bytes[0..4] == *b"\0asm" && bytes[6..8] == [0x01, 0x00]
+/// Components have layer byte `0x0d` after the magic (`\0asm 0d 00 01 00`); core modules
+/// have version 1 (`\0asm 01 00 00 00`).
+pub fn is_component(bytes: &[u8]) -> bool {
+    bytes.len() >= 8 && bytes[0..4] == *b"\0asm" && bytes[4] == 0x0d && bytes[6..8] == [0x01, 0x00]
 }
 
 fn resolve_export(
@@ -641,7 +756,7 @@ fn format_value(value: &Val) -> String {
     }
 }
 
-fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPipe) -> String {
+pub(crate) fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPipe) -> String {
     let mut text = String::from_utf8_lossy(&stdout.contents()).into_owned();
     let err = stderr.contents();
     if !err.is_empty() {
@@ -662,7 +777,7 @@ fn memory_size(store: &mut Store<Host>, instance: &Instance) -> usize {
 /// A small least-recently-used map of compiled modules.
 struct ModuleCache {
     capacity: usize,
-    entries: HashMap<[u8; 32], Module>,
+    entries: HashMap<[u8; 32], Compiled>,
     order: VecDeque<[u8; 32]>,
 }
 
@@ -675,14 +790,14 @@ impl ModuleCache {
         }
     }
 
-    fn get(&mut self, key: &[u8; 32]) -> Option<Module> {
+    fn get(&mut self, key: &[u8; 32]) -> Option<Compiled> {
         let module = self.entries.get(key)?.clone();
         self.order.retain(|k| k != key);
         self.order.push_back(*key);
         Some(module)
     }
 
-    fn put(&mut self, key: [u8; 32], module: Module) {
+    fn put(&mut self, key: [u8; 32], module: Compiled) {
         if self.entries.insert(key, module).is_none() {
             self.order.push_back(key);
         }

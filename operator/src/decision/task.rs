@@ -460,6 +460,15 @@ pub fn plan(
         .is_some_and(|f| f.iter().any(|x| x == TASK_FINALIZER));
 
     if task.metadata.deletion_timestamp.is_some() {
+        // A daemon that reported (an HTTP component's "started at port N") keeps serving
+        // after its task completed: deleting the task is what stops it.
+        if task.spec.daemon && written.phase == TaskPhase::Completed {
+            for name in targets_of(&written) {
+                if let Some(target) = view(observed, &name) {
+                    plan.stops.push(stop_for(task, target));
+                }
+            }
+        }
         if matches!(written.phase, TaskPhase::Scheduled | TaskPhase::Running) {
             for name in targets_of(&written) {
                 if let Some(target) = view(observed, &name) {
@@ -1968,6 +1977,33 @@ mod tests {
                 ..TaskPlan::default()
             }
         );
+    }
+
+    #[test]
+    fn deleting_a_completed_daemon_stops_what_still_serves() {
+        let mut value = task_value();
+        value["spec"]["daemon"] = json!(true);
+        let task = deleted(finalized(
+            value,
+            json!({
+                "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+                "finishedAt": at(9, 30, 0), "results": "started at port 8222",
+                "observedGeneration": 1
+            }),
+        ));
+        let plan = plan(
+            &task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(plan.finalizer, Some(FinalizerChange::Remove));
+        assert_eq!(plan.stops.len(), 1, "{:?}", plan.stops);
+        assert_eq!(
+            plan.stops[0].request.proplet_id.as_deref(),
+            Some("edge-client")
+        );
+        assert_eq!(plan.status, None, "the completed status stays as it is");
     }
 
     // 11. Reruns.

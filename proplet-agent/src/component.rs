@@ -1,0 +1,378 @@
+//! Running WebAssembly components (WASI 0.2) on the agent's one engine.
+//!
+//! A component is run the way upstream's proplet runs it, so results are identical:
+//! - **Command** (task name empty, `_start` or `fl-round-…`): `wasi:cli/run` is called; the
+//!   result is the captured stdout, then `\n` and stderr if any. A failed run or a non-zero
+//!   exit is an error carrying stderr.
+//! - **Custom export** (any other name): the name is a top-level export, `instance#func`, or a
+//!   function of an exported instance; each input is a WAVE literal parsed against its
+//!   parameter type, and the first result is encoded as WAVE text (`"hello"` with quotes).
+//! - **HTTP server** (exports `wasi:http/incoming-handler`): see [`crate::http_server`].
+//!
+//! The guest gets the same policy as a core module: env and args only, preopens only from the
+//! allow-list, the memory cap, the wall-clock limit, fuel, and a stop that interrupts even a
+//! pure compute loop within one epoch tick. It runs on a blocking thread, never on the
+//! agent's async workers, so heartbeats and MQTT keep going whatever the guest does.
+//! Outgoing `wasi:http` requests follow [`OutgoingHttp`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::component::types::ComponentItem;
+use wasmtime::component::{
+    Component, ComponentExportIndex, Func, Instance, Linker, ResourceTable, Val,
+};
+use wasmtime::{Engine, Store};
+use wasmtime_wasi::p2::bindings::sync::Command;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{I32Exit, WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+
+use crate::wasm::{
+    command_output, root_cause, Invocation, Limiter, Outcome, RunError, StopFlag, WasmRuntime,
+};
+
+/// The export a command component is run through.
+const CLI_RUN: &str = "wasi:cli/run";
+/// The export that makes a component an HTTP server.
+pub(crate) const HTTP_HANDLER: &str = "wasi:http/incoming-handler";
+
+/// Rules for the HTTP requests a guest sends through `wasi:http/outgoing-handler`: the same
+/// bounds as the agent's own binary fetches.
+#[derive(Debug, Clone)]
+pub struct OutgoingHttp {
+    /// Hosts a guest may reach (exact names, or `*.example.com` for subdomains); empty: any.
+    pub allow_hosts: Vec<String>,
+    /// Limit on connecting, on the first response byte and between body bytes.
+    pub timeout: Duration,
+}
+
+impl Default for OutgoingHttp {
+    fn default() -> Self {
+        Self {
+            allow_hosts: Vec::new(),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl OutgoingHttp {
+    /// Whether a request to `host` is allowed.
+    pub fn allows(&self, host: &str) -> bool {
+        let host = host.to_ascii_lowercase();
+        self.allow_hosts.is_empty()
+            || self.allow_hosts.iter().any(|rule| {
+                let rule = rule.to_ascii_lowercase();
+                match rule.strip_prefix("*.") {
+                    Some(domain) => host.ends_with(&format!(".{domain}")),
+                    None => host == rule,
+                }
+            })
+    }
+}
+
+/// The hooks that apply [`OutgoingHttp`] to every request.
+pub(crate) struct HttpHooks(Arc<OutgoingHttp>);
+
+impl WasiHttpHooks for HttpHooks {
+    fn send_request(
+        &mut self,
+        request: http::Request<wasmtime_wasi_http::WasiBody>,
+        options: Option<wasmtime_wasi_http::RequestOptions>,
+        fut: Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+    ) -> Box<
+        dyn std::future::Future<
+                Output = Result<
+                    (
+                        http::Response<wasmtime_wasi_http::WasiBody>,
+                        Box<
+                            dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>>
+                                + Send,
+                        >,
+                    ),
+                    wasmtime_wasi_http::Error,
+                >,
+            > + Send,
+    > {
+        let policy = self.0.clone();
+        let host = request.uri().host().unwrap_or_default().to_owned();
+        if !policy.allows(&host) {
+            return Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) });
+        }
+        // The guest may ask for shorter limits, never longer ones.
+        let cap =
+            |asked: Option<Duration>| Some(asked.map_or(policy.timeout, |a| a.min(policy.timeout)));
+        let options = options.unwrap_or_default();
+        let options = wasmtime_wasi_http::RequestOptions {
+            connect_timeout: cap(options.connect_timeout),
+            first_byte_timeout: cap(options.first_byte_timeout),
+            between_bytes_timeout: cap(options.between_bytes_timeout),
+        };
+        // Response-processing errors need no reporting beyond what the guest sees.
+        drop(fut);
+        Box::new(async move {
+            use http_body_util::BodyExt;
+            let (response, io) =
+                wasmtime_wasi_http::default_send_request(request, Some(options)).await?;
+            Ok((
+                response.map(BodyExt::boxed_unsync),
+                Box::new(io) as Box<dyn std::future::Future<Output = _> + Send>,
+            ))
+        })
+    }
+}
+
+/// What a component's store holds.
+pub(crate) struct ComponentHost {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    http: WasiHttpCtx,
+    hooks: HttpHooks,
+    limits: Limiter,
+}
+
+impl ComponentHost {
+    pub(crate) fn limiter(&mut self) -> &mut Limiter {
+        &mut self.limits
+    }
+}
+
+impl WasiView for ComponentHost {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl WasiHttpView for ComponentHost {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: &mut self.hooks,
+        }
+    }
+}
+
+/// The captured output of one run.
+pub(crate) struct Pipes {
+    pub stdout: MemoryOutputPipe,
+    pub stderr: MemoryOutputPipe,
+}
+
+/// A store for one run of a component, and its output pipes.
+pub(crate) fn new_store(
+    runtime: &WasmRuntime,
+    invocation: &Invocation,
+    stop: &StopFlag,
+) -> Result<(Store<ComponentHost>, Pipes), RunError> {
+    let cap = runtime.limits().max_output_bytes;
+    let pipes = Pipes {
+        stdout: MemoryOutputPipe::new(cap),
+        stderr: MemoryOutputPipe::new(cap),
+    };
+    let wasi = runtime
+        .wasi_builder(invocation, &pipes.stdout, &pipes.stderr)?
+        .build();
+    let host = ComponentHost {
+        wasi,
+        table: ResourceTable::new(),
+        http: WasiHttpCtx::new(),
+        hooks: HttpHooks(Arc::new(runtime.limits().outgoing_http.clone())),
+        limits: runtime.limiter(&invocation.gauge),
+    };
+    let store = runtime.store(host, ComponentHost::limiter, invocation, stop)?;
+    Ok((store, pipes))
+}
+
+/// A linker with everything a component may import: WASI 0.2, `wasi:http` and the HAL.
+pub(crate) fn linker(engine: &Engine) -> Result<Linker<ComponentHost>, RunError> {
+    let mut linker = Linker::new(engine);
+    let link = |e: wasmtime::Error| RunError::Link(root_cause(&e));
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(link)?;
+    wasmtime_wasi_http::p2::add_only_http_to_linker_sync(&mut linker).map_err(link)?;
+    crate::hal::add_to_linker(&mut linker).map_err(link)?;
+    Ok(linker)
+}
+
+/// Whether a task with this name runs a component as a command (upstream's rule).
+pub fn is_command_name(name: &str) -> bool {
+    name.is_empty() || name == "_start" || name.starts_with("fl-round-")
+}
+
+fn export_names(component: &Component, engine: &Engine) -> Vec<String> {
+    component
+        .component_type()
+        .exports(engine)
+        .map(|(name, _)| name.to_owned())
+        .collect()
+}
+
+fn exports_interface(component: &Component, engine: &Engine, interface: &str) -> bool {
+    component
+        .component_type()
+        .exports(engine)
+        .any(|(name, item)| {
+            matches!(item.ty, ComponentItem::ComponentInstance(_))
+                && (name == interface || name.starts_with(&format!("{interface}@")))
+        })
+}
+
+/// Whether `component` serves `wasi:http/incoming-handler`.
+pub(crate) fn exports_http_handler(component: &Component, engine: &Engine) -> bool {
+    exports_interface(component, engine, HTTP_HANDLER)
+}
+
+/// Runs `component` once; blocks the calling thread.
+pub(crate) fn run(
+    runtime: &WasmRuntime,
+    component: &Component,
+    invocation: &Invocation,
+    stop: &StopFlag,
+) -> Result<Outcome, RunError> {
+    let engine = runtime.engine();
+    if exports_http_handler(component, engine) {
+        return Err(RunError::Serve(
+            "a component exporting wasi:http/incoming-handler runs as a daemon HTTP server; \
+             start it with daemon: true on a proplet with HTTP serving enabled"
+                .into(),
+        ));
+    }
+    let linker = linker(engine)?;
+    let (mut store, pipes) = new_store(runtime, invocation, stop)?;
+    let classify =
+        |error: wasmtime::Error| runtime.classify_error(error, invocation, stop, &pipes.stderr);
+    let output = if is_command_name(&invocation.function) {
+        if !exports_interface(component, engine, CLI_RUN) {
+            return Err(RunError::NotACommand(
+                export_names(component, engine).join(", "),
+            ));
+        }
+        let command = Command::instantiate(&mut store, component, &linker).map_err(classify)?;
+        match command.wasi_cli_run().call_run(&mut store) {
+            Ok(Ok(())) => command_output(&pipes.stdout, &pipes.stderr),
+            Ok(Err(())) => {
+                return Err(RunError::Exit {
+                    code: 1,
+                    stderr: String::from_utf8_lossy(&pipes.stderr.contents()).into_owned(),
+                })
+            }
+            Err(e) if matches!(e.downcast_ref::<I32Exit>(), Some(I32Exit(0))) => {
+                command_output(&pipes.stdout, &pipes.stderr)
+            }
+            Err(e) => return Err(classify(e)),
+        }
+    } else {
+        let instance = linker
+            .instantiate(&mut store, component)
+            .map_err(classify)?;
+        let func = resolve_export(
+            &mut store,
+            &instance,
+            component,
+            engine,
+            &invocation.function,
+        )?;
+        call_export(&mut store, &func, &invocation.inputs).map_err(|e| match e {
+            CallError::Inputs(message) => RunError::Inputs(message),
+            CallError::Wasm(error) => classify(error),
+        })?
+    };
+    Ok(Outcome {
+        output,
+        fuel_used: runtime.fuel_used(&store),
+        memory_bytes: invocation.gauge.memory_bytes() as usize,
+    })
+}
+
+enum CallError {
+    Inputs(String),
+    Wasm(wasmtime::Error),
+}
+
+/// Calls `func` with WAVE-encoded `inputs`; returns the first result as WAVE text.
+fn call_export(
+    store: &mut Store<ComponentHost>,
+    func: &Func,
+    inputs: &[String],
+) -> Result<String, CallError> {
+    let ty = func.ty(&*store);
+    let params: Vec<_> = ty
+        .params()
+        .map(|(name, ty)| (name.to_owned(), ty))
+        .collect();
+    if params.len() != inputs.len() {
+        return Err(CallError::Inputs(format!(
+            "the export takes {} parameter(s), {} input(s) given",
+            params.len(),
+            inputs.len()
+        )));
+    }
+    let args = params
+        .iter()
+        .zip(inputs)
+        .enumerate()
+        .map(|(i, ((name, ty), text))| {
+            Val::from_wave(ty, text.trim()).map_err(|e| {
+                CallError::Inputs(format!(
+                    "input #{} ({name}) {text:?} is not a WAVE value of the parameter's type: {e}",
+                    i + 1
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut results = vec![Val::Bool(false); ty.results().len()];
+    func.call(&mut *store, &args, &mut results)
+        .map_err(CallError::Wasm)?;
+    match results.first() {
+        Some(value) => value.to_wave().map_err(|e| {
+            CallError::Wasm(wasmtime::Error::msg(format!(
+                "cannot encode the result: {e}"
+            )))
+        }),
+        None => Ok(String::new()),
+    }
+}
+
+/// Finds the export `requested`: a top-level function, `instance#func`, or a function of the
+/// same name in one of the exported instances.
+fn resolve_export(
+    store: &mut Store<ComponentHost>,
+    instance: &Instance,
+    component: &Component,
+    engine: &Engine,
+    requested: &str,
+) -> Result<Func, RunError> {
+    let not_found = || RunError::NoExport {
+        name: requested.to_owned(),
+        available: export_names(component, engine).join(", "),
+    };
+    let func_at = |store: &mut Store<ComponentHost>, index: Option<ComponentExportIndex>| {
+        index.and_then(|i| instance.get_func(&mut *store, i))
+    };
+    if let Some((outer, inner)) = requested.split_once('#') {
+        let outer = instance.get_export_index(&mut *store, None, outer);
+        let index = outer.and_then(|o| instance.get_export_index(&mut *store, Some(&o), inner));
+        return func_at(store, index).ok_or_else(not_found);
+    }
+    let top = instance.get_export_index(&mut *store, None, requested);
+    if let Some(func) = func_at(store, top) {
+        return Ok(func);
+    }
+    let instances: Vec<String> = component
+        .component_type()
+        .exports(engine)
+        .filter(|(_, item)| matches!(item.ty, ComponentItem::ComponentInstance(_)))
+        .map(|(name, _)| name.to_owned())
+        .collect();
+    for name in instances {
+        let outer = instance.get_export_index(&mut *store, None, &name);
+        let index = outer.and_then(|o| instance.get_export_index(&mut *store, Some(&o), requested));
+        if let Some(func) = func_at(store, index) {
+            return Ok(func);
+        }
+    }
+    Err(not_found())
+}
