@@ -623,3 +623,125 @@ fn a_federated_job_with_real_wasm_participants_averages_their_updates() {
     let vector: Vec<f64> = serde_json::from_slice(&vector).expect("vector");
     assert_eq!(vector, vec![2.5, 5.0]);
 }
+
+/// Upstream's sample component tasks that need no hardware (issue: components), end to end:
+/// `propeller standalone`, real agents with upstream's settings (`PROPLET_DIRS=/tmp`, HTTP
+/// serving on), the sample manifests applied unchanged except the HTTP server's port.
+#[test]
+fn upstream_component_samples_run_end_to_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let names = ["external-proplet", "k8s-proplet", "k8s-proplet-full"];
+    let manifest: String = names
+        .iter()
+        .map(|name| support::device_manifest(name, &port) + "---\n")
+        .collect();
+    apply_text(&api, dir.path(), "proplets.yaml", &manifest);
+    let serve_port = support::envtest::free_port();
+    let _agents: Vec<support::Running> = names
+        .iter()
+        .map(|name| {
+            let mut cmd = support::binary("proplet");
+            cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
+                .env("PROPLET_DOMAIN_ID", "d1")
+                .env("PROPLET_CHANNEL_ID", "c1")
+                .env("PROPLET_CLIENT_ID", name)
+                .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
+                .env("PROPLET_STATE_DIR", dir.path().join(name))
+                .env("PROPLET_LIVELINESS_INTERVAL", "1")
+                .env("PROPLET_DIRS", "/tmp")
+                .env("PROPLET_HTTP_ENABLED", "true")
+                .env("PROPLET_HTTP_BIND", "127.0.0.1");
+            support::Running::spawn(cmd)
+        })
+        .collect();
+    for name in names {
+        wait_for_phase(&api, dir.path(), name, "Running");
+    }
+    let samples = support::repo_root().join("tests/fixtures/upstream-samples");
+    for sample in [
+        "string_input",
+        "filesystem",
+        "hal_test",
+        "attestation_test",
+        "http_server",
+    ] {
+        let text =
+            std::fs::read_to_string(samples.join(format!("propeller_v1_task_{sample}.yaml")))
+                .expect("sample");
+        // The server sample asks for port 8044; a test listens only on ephemeral ports.
+        let text = text.replace("\"8044\"", &format!("\"{serve_port}\""));
+        apply_text(&api, dir.path(), &format!("{sample}.yaml"), &text);
+    }
+    let tasks = finished_tasks(
+        &api,
+        dir.path(),
+        &[
+            "string-input-example",
+            "filesystem-example",
+            "hal-test-example",
+            "attestation-test-example",
+            "http-server-example",
+        ],
+    );
+    for entry in std::fs::read_dir("/tmp").into_iter().flatten().flatten() {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with("proplet-fs-test-")
+        {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    let result = |name: &str| {
+        let status = &tasks[name]["status"];
+        assert_eq!(status["phase"], "completed", "{name}: {status:#}");
+        status["results"].as_str().unwrap_or_default().to_owned()
+    };
+    assert_eq!(result("string-input-example"), "\"Hello, John Doe!\"");
+    let expect = |name: &str, part: &str| {
+        let text = result(name);
+        assert!(text.contains(part), "{name}: {text}");
+    };
+    expect("filesystem-example", "All filesystem operations succeeded");
+    expect(
+        "hal-test-example",
+        "sha256(hello)=2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824",
+    );
+    expect(
+        "attestation-test-example",
+        "attestation: failed (no TEE platform available for attestation)",
+    );
+    assert_eq!(
+        result("http-server-example"),
+        format!("started at port {serve_port}")
+    );
+
+    // The daemon serves until its task is deleted.
+    let get = || {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", serve_port))?;
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+        stream.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply)?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    let reply = get().expect("the HTTP component answers");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(
+        reply.contains("Hello from proplet WASM HTTP server!"),
+        "{reply}"
+    );
+    let (ok, _, err) =
+        propeller_client(&api, dir.path(), &["delete", "task", "http-server-example"]);
+    assert!(ok, "{err}");
+    let started = std::time::Instant::now();
+    while get().is_ok() {
+        assert!(
+            started.elapsed() < support::WAIT,
+            "the server still answers after its task was deleted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
