@@ -9,6 +9,12 @@ cd "$(dirname "$0")/.."
 cargo build --profile release-agent -p proplet-agent --bin proplet --example add_latency
 cargo build -p propeller-operator --bin propeller
 agent=target/release-agent/proplet
+# A command component built from source (scripts/guests/hello.rs) for the component figures.
+rustup target add wasm32-wasip2 >/dev/null 2>&1 || true
+hello_component=target/guests/hello.wasm
+mkdir -p target/guests
+rustc --edition 2021 --target wasm32-wasip2 -C opt-level=s scripts/guests/hello.rs -o "$hello_component"
+export HELLO_COMPONENT="$hello_component"
 
 echo "== binary"
 file "$agent"
@@ -40,17 +46,18 @@ echo "after 10 s connected and idle: $(grep VmRSS /proc/$agent_pid/status | awk 
 
 echo "== start received -> result published, inside the agent (through propeller standalone)"
 hello=$(target/release-agent/examples/add_latency --hello-base64)
+greet=$(target/release-agent/examples/add_latency --greet-base64)
 api_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()')
 mqtt_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()')
 RUST_LOG=warn target/debug/propeller standalone --data-dir "$work/sa" --mqtt-listen "127.0.0.1:$mqtt_port" \
   --api-listen "127.0.0.1:$api_port" > "$work/sa.log" 2>&1 &
 sa_pid=$!
 for _ in $(seq 1 100); do [ -s "$work/sa/api-token" ] && break; sleep 0.1; done
-python3 - "$api_port" "$mqtt_port" "$work" "$agent" "$hello" <<'PY'
-import os, re, statistics, subprocess, sys, time
+python3 - "$api_port" "$mqtt_port" "$work" "$agent" "$hello" "$greet" <<'PY'
+import json, os, re, statistics, subprocess, sys, time
 sys.path.insert(0, "scripts")
 from bench_api import Api, proplet_manifest
-api, mqtt, work, agent, hello = sys.argv[1:6]
+api, mqtt, work, agent, hello, greet = sys.argv[1:7]
 call = Api(api, os.path.join(work, "sa")).call
 call("POST", "/v1/apply", proplet_manifest("pi", mqtt, "pi-secret"))
 log = open(os.path.join(work, "agent-debug.log"), "w")
@@ -76,11 +83,13 @@ try:
                     raise SystemExit(f"{name}: {t['status']}")
                 return t["metadata"]["uid"]
             time.sleep(0.005)
-    uids = {"add": [], "hello": []}
+    uids = {"add": [], "hello": [], "greet": []}
     for i in range(51):
         uids["add"].append(run(f"add-{i}", "add", ADD, "[10, 32]"))
     for i in range(51):
         uids["hello"].append(run(f"hello-{i}", "_start", hello, "[]"))
+    for i in range(51):
+        uids["greet"].append(run(f"greet-{i}", "greet", greet, json.dumps(['"John Doe"'])))
     time.sleep(0.5)
 finally:
     proc.terminate()
@@ -92,12 +101,13 @@ for line in open(os.path.join(work, "agent-debug.log")):
     m = re.search(r'result published task_id="?([^" ]+)"? turnaround_us=(\d+)', line)
     if m:
         took[m.group(1)] = int(m.group(2))
-for what in ("add", "hello"):
+labels = {"add": "add(10, 32)", "hello": "WASI hello", "greet": "component greet (custom export, WAVE)"}
+for what in ("add", "hello", "greet"):
     times = [took.get(u) for u in uids[what]]
     if any(t is None for t in times):
         raise SystemExit(f"missing turnaround lines for {what}")
     warm = sorted(times[1:])
-    label = "add(10, 32)" if what == "add" else "WASI hello"
+    label = labels[what]
     print(f"{label}: cold (first, compiles) {times[0]} us; warm median {statistics.median(warm):.0f} us, "
           f"p99 {warm[int(0.99 * (len(warm) - 1))]} us (50 runs)")
 PY

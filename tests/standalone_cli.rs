@@ -261,17 +261,7 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     assert!(ok, "{err}");
     let _agents: Vec<support::Running> = names
         .iter()
-        .map(|name| {
-            let mut cmd = support::binary("proplet");
-            cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
-                .env("PROPLET_DOMAIN_ID", "d1")
-                .env("PROPLET_CHANNEL_ID", "c1")
-                .env("PROPLET_CLIENT_ID", name)
-                .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
-                .env("PROPLET_STATE_DIR", dir.path().join(name))
-                .env("PROPLET_LIVELINESS_INTERVAL", "1");
-            support::Running::spawn(cmd)
-        })
+        .map(|name| support::device_agent(name, &port, &dir.path().join(name)))
         .collect();
     for name in names {
         wait_for_phase(&api, dir.path(), name, "Running");
@@ -638,21 +628,15 @@ fn upstream_component_samples_run_end_to_end() {
         .collect();
     apply_text(&api, dir.path(), "proplets.yaml", &manifest);
     let serve_port = support::envtest::free_port();
+    let upstream_settings = [
+        ("PROPLET_DIRS", "/tmp"),
+        ("PROPLET_HTTP_ENABLED", "true"),
+        ("PROPLET_HTTP_BIND", "127.0.0.1"),
+    ];
     let _agents: Vec<support::Running> = names
         .iter()
         .map(|name| {
-            let mut cmd = support::binary("proplet");
-            cmd.env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
-                .env("PROPLET_DOMAIN_ID", "d1")
-                .env("PROPLET_CHANNEL_ID", "c1")
-                .env("PROPLET_CLIENT_ID", name)
-                .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
-                .env("PROPLET_STATE_DIR", dir.path().join(name))
-                .env("PROPLET_LIVELINESS_INTERVAL", "1")
-                .env("PROPLET_DIRS", "/tmp")
-                .env("PROPLET_HTTP_ENABLED", "true")
-                .env("PROPLET_HTTP_BIND", "127.0.0.1");
-            support::Running::spawn(cmd)
+            support::device_agent_with(name, &port, &dir.path().join(name), &upstream_settings)
         })
         .collect();
     for name in names {

@@ -1,8 +1,10 @@
-//! Cold (compile + run) and warm (cached module) latency of upstream's add(10, 32) sample and
-//! of a WASI "hello" command on this machine's Wasm runtime, as the agent runs them.
+//! Cold (compile + run) and warm (cached module) latency of upstream's add(10, 32) sample, of a
+//! WASI "hello" command, of upstream's `greet` component (a custom export with a WAVE string)
+//! and, given one, of a command component, on this machine's Wasm runtime as the agent runs them.
 //!
 //! `cargo run --profile release-agent -p proplet-agent --example add_latency`
-//! (`-- --hello-base64` prints the WASI command's module instead, for task manifests).
+//! (`-- --hello-base64` prints the WASI command's module instead, for task manifests;
+//! `HELLO_COMPONENT=path.wasm` adds a command component printing "hello from a component").
 
 use std::time::{Duration, Instant};
 
@@ -62,6 +64,14 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 }
 
 fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--greet-base64") {
+        let greet = greet_component()?;
+        println!(
+            "{}",
+            base64::engine::general_purpose::STANDARD.encode(greet)
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--hello-base64") {
         // For scripts that submit the same command as a task.
         let hello = wat::parse_str(HELLO_WAT)?;
@@ -93,5 +103,41 @@ fn main() -> anyhow::Result<()> {
     println!("WASI hello command prints \"hello from wasi\"");
     println!("cold (compile + instantiate + run), median of 20:  {cold:?}");
     println!("warm (cached module), median of 1000:              {warm:?}");
+
+    let greet = greet_component()?;
+    let call = Invocation {
+        function: "greet".into(),
+        inputs: vec!["\"John Doe\"".into()],
+        timeout: Some(Duration::from_secs(5)),
+        ..Invocation::default()
+    };
+    let (cold, warm) = measure(&greet, &call, "\"Hello, John Doe!\"")?;
+    println!(
+        "component custom export greet(\"John Doe\") = \"Hello, John Doe!\" (upstream's sample)"
+    );
+    println!("cold (compile + instantiate + call), median of 20: {cold:?}");
+    println!("warm (cached component), median of 1000:           {warm:?}");
+
+    if let Ok(path) = std::env::var("HELLO_COMPONENT") {
+        let bytes = std::fs::read(&path)?;
+        let (cold, warm) = measure(&bytes, &start, "hello from a component\n")?;
+        println!("command component (wasi:cli/run) prints \"hello from a component\"");
+        println!("cold (compile + instantiate + run), median of 20:  {cold:?}");
+        println!("warm (cached component), median of 1000:           {warm:?}");
+    }
     Ok(())
+}
+
+/// The component inlined in upstream's `propeller_v1_task_string_input.yaml`.
+fn greet_component() -> anyhow::Result<Vec<u8>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/upstream-samples/propeller_v1_task_string_input.yaml"
+    );
+    let text = std::fs::read_to_string(path)?;
+    let encoded = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("file:"))
+        .ok_or_else(|| anyhow::anyhow!("{path} has no file"))?;
+    Ok(base64::engine::general_purpose::STANDARD.decode(encoded.trim().trim_matches('"'))?)
 }

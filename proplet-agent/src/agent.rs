@@ -585,7 +585,7 @@ impl Agent {
     async fn serve_http(
         self: &Arc<Self>,
         request: &StartRequest,
-        component: &wasmtime::component::Component,
+        component: &crate::component::Prepared,
         stop: &StopFlag,
     ) -> Result<Option<String>, String> {
         let invocation = self.invocation(request, &request.inputs, &request.env);

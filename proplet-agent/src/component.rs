@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{
-    Component, ComponentExportIndex, Func, Instance, Linker, ResourceTable, Val,
+    Component, ComponentExportIndex, Func, Instance, InstancePre, Linker, ResourceTable, Val,
 };
 use wasmtime::{Engine, Store};
-use wasmtime_wasi::p2::bindings::sync::Command;
+use wasmtime_wasi::p2::bindings::sync::CommandPre;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{I32Exit, WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
@@ -32,8 +32,6 @@ use crate::wasm::{
     command_output, root_cause, Invocation, Limiter, Outcome, RunError, StopFlag, WasmRuntime,
 };
 
-/// The export a command component is run through.
-const CLI_RUN: &str = "wasi:cli/run";
 /// The export that makes a component an HTTP server.
 pub(crate) const HTTP_HANDLER: &str = "wasi:http/incoming-handler";
 
@@ -225,14 +223,37 @@ pub(crate) fn exports_http_handler(component: &Component, engine: &Engine) -> bo
     exports_interface(component, engine, HTTP_HANDLER)
 }
 
-/// Runs `component` once; blocks the calling thread.
+/// A compiled component with its imports resolved once, so each run only instantiates.
+#[derive(Clone)]
+pub struct Prepared {
+    pub(crate) component: Component,
+    /// The linked component, or why its imports cannot be satisfied (reported at run time).
+    pub(crate) pre: Result<InstancePre<ComponentHost>, String>,
+}
+
+impl Prepared {
+    /// Resolves `component`'s imports against `linker`.
+    pub(crate) fn new(linker: &Linker<ComponentHost>, component: Component) -> Self {
+        let pre = linker
+            .instantiate_pre(&component)
+            .map_err(|e| root_cause(&e));
+        Self { component, pre }
+    }
+
+    pub(crate) fn linked(&self) -> Result<&InstancePre<ComponentHost>, RunError> {
+        self.pre.as_ref().map_err(|e| RunError::Link(e.clone()))
+    }
+}
+
+/// Runs `prepared` once; blocks the calling thread.
 pub(crate) fn run(
     runtime: &WasmRuntime,
-    component: &Component,
+    prepared: &Prepared,
     invocation: &Invocation,
     stop: &StopFlag,
 ) -> Result<Outcome, RunError> {
     let engine = runtime.engine();
+    let component = &prepared.component;
     if exports_http_handler(component, engine) {
         return Err(RunError::Serve(
             "a component exporting wasi:http/incoming-handler runs as a daemon HTTP server; \
@@ -240,17 +261,17 @@ pub(crate) fn run(
                 .into(),
         ));
     }
-    let linker = linker(engine)?;
+    let pre = prepared.linked()?;
     let (mut store, pipes) = new_store(runtime, invocation, stop)?;
     let classify =
         |error: wasmtime::Error| runtime.classify_error(error, invocation, stop, &pipes.stderr);
     let output = if is_command_name(&invocation.function) {
-        if !exports_interface(component, engine, CLI_RUN) {
+        let Ok(command) = CommandPre::new(pre.clone()) else {
             return Err(RunError::NotACommand(
                 export_names(component, engine).join(", "),
             ));
-        }
-        let command = Command::instantiate(&mut store, component, &linker).map_err(classify)?;
+        };
+        let command = command.instantiate(&mut store).map_err(classify)?;
         match command.wasi_cli_run().call_run(&mut store) {
             Ok(Ok(())) => command_output(&pipes.stdout, &pipes.stderr),
             Ok(Err(())) => {
@@ -265,9 +286,7 @@ pub(crate) fn run(
             Err(e) => return Err(classify(e)),
         }
     } else {
-        let instance = linker
-            .instantiate(&mut store, component)
-            .map_err(classify)?;
+        let instance = pre.instantiate(&mut store).map_err(classify)?;
         let func = resolve_export(
             &mut store,
             &instance,

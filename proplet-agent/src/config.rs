@@ -444,25 +444,9 @@ impl Config {
                 )
             })?,
         };
-        let tags = pick(&flags.tags, "tags")
-            .map(|t| {
-                t.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let tags = comma_list(pick(&flags.tags, "tags"));
         let http_serving = http_serving(&flags, &pick)?;
-        let http_allow_hosts = pick(&flags.http_allow_hosts, "http_allow_hosts")
-            .map(|t| {
-                t.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let http_allow_hosts = comma_list(pick(&flags.http_allow_hosts, "http_allow_hosts"));
         let state_dir = flags
             .state_dir
             .clone()
@@ -545,6 +529,18 @@ fn http_serving(
         serving.ports = first..=last;
     }
     Ok(serving)
+}
+
+/// `a, b,,c` → `[a, b, c]`; nothing for unset.
+fn comma_list(text: Option<String>) -> Vec<String> {
+    text.map(|t| {
+        t.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    })
+    .unwrap_or_default()
 }
 
 /// `1`, `true`, `yes`, `on` and their opposites, in any case.

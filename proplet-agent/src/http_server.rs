@@ -14,14 +14,13 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
-use wasmtime::component::Component;
 use wasmtime_wasi_http::io::TokioIo;
 use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
 use wasmtime_wasi_http::p2::bindings::sync::ProxyPre;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::WasiHttpView;
 
-use crate::component::{linker, new_store, ComponentHost};
+use crate::component::{new_store, ComponentHost, Prepared};
 use crate::wasm::{root_cause, Invocation, RunError, StopFlag, WasmRuntime};
 
 /// How often the accept loop looks at the stop flag.
@@ -115,7 +114,7 @@ impl Server {
     /// Pre-instantiates `component` and binds its port.
     pub fn bind(
         runtime: Arc<WasmRuntime>,
-        component: &Component,
+        component: &Prepared,
         mut invocation: Invocation,
         stop: StopFlag,
         serving: &HttpServing,
@@ -126,10 +125,7 @@ impl Server {
                     .into(),
             ));
         }
-        let linker = linker(runtime.engine())?;
-        let pre = linker
-            .instantiate_pre(component)
-            .and_then(ProxyPre::new)
+        let pre = ProxyPre::new(component.linked()?.clone())
             .map_err(|e| RunError::Link(root_cause(&e)))?;
         let listener = bind(serving, requested_port(&invocation.args)?)?;
         listener

@@ -254,8 +254,8 @@ pub struct Outcome {
 pub enum Compiled {
     /// A core module (WASI preview 1 or none).
     Module(Module),
-    /// A component (WASI 0.2).
-    Component(Component),
+    /// A component (WASI 0.2), linked.
+    Component(crate::component::Prepared),
 }
 
 impl Compiled {
@@ -264,7 +264,7 @@ impl Compiled {
     pub fn serves_http(&self, engine: &Engine) -> bool {
         match self {
             Compiled::Module(_) => false,
-            Compiled::Component(c) => crate::component::exports_http_handler(c, engine),
+            Compiled::Component(c) => crate::component::exports_http_handler(&c.component, engine),
         }
     }
 }
@@ -277,6 +277,9 @@ struct Host {
 /// One Wasmtime engine, its epoch ticker and the compiled-module cache.
 pub struct WasmRuntime {
     engine: Engine,
+    component_linker: std::sync::OnceLock<
+        Result<wasmtime::component::Linker<crate::component::ComponentHost>, String>,
+    >,
     limits: Limits,
     cache: Mutex<ModuleCache>,
     ticker_stop: Arc<AtomicBool>,
@@ -308,6 +311,7 @@ impl WasmRuntime {
         }
         Ok(Self {
             engine,
+            component_linker: std::sync::OnceLock::new(),
             limits,
             cache,
             ticker_stop,
@@ -327,14 +331,29 @@ impl WasmRuntime {
             return Ok((compiled, true));
         }
         let compiled = if component {
-            Component::new(&self.engine, bytes).map(Compiled::Component)
+            let component = Component::new(&self.engine, bytes)
+                .map_err(|e| RunError::Compile(root_cause(&e)))?;
+            self.prepare(component)?
         } else {
-            Module::new(&self.engine, bytes).map(Compiled::Module)
-        }
-        .map_err(|e| RunError::Compile(root_cause(&e)))?;
+            Module::new(&self.engine, bytes)
+                .map(Compiled::Module)
+                .map_err(|e| RunError::Compile(root_cause(&e)))?
+        };
         self.store_on_disk(&digest, &compiled);
         self.cache_lock().put(digest, compiled.clone());
         Ok((compiled, false))
+    }
+
+    /// Links `component` against the imports components get (the linker is built once).
+    fn prepare(&self, component: Component) -> Result<Compiled, RunError> {
+        let linker = self
+            .component_linker
+            .get_or_init(|| crate::component::linker(&self.engine).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| RunError::Link(e.clone()))?;
+        Ok(Compiled::Component(crate::component::Prepared::new(
+            linker, component,
+        )))
     }
 
     /// The engine every task runs on.
@@ -366,9 +385,13 @@ impl WasmRuntime {
         // component), and refuses it otherwise.
         let loaded = unsafe {
             if component {
-                Component::deserialize_file(&self.engine, &path).map(Compiled::Component)
+                Component::deserialize_file(&self.engine, &path)
+                    .map_err(|e| RunError::Compile(root_cause(&e)))
+                    .and_then(|c| self.prepare(c))
             } else {
-                Module::deserialize_file(&self.engine, &path).map(Compiled::Module)
+                Module::deserialize_file(&self.engine, &path)
+                    .map(Compiled::Module)
+                    .map_err(|e| RunError::Compile(root_cause(&e)))
             }
         };
         match loaded {
@@ -387,7 +410,7 @@ impl WasmRuntime {
         };
         let serialized = match compiled {
             Compiled::Module(m) => m.serialize(),
-            Compiled::Component(c) => c.serialize(),
+            Compiled::Component(c) => c.component.serialize(),
         };
         let Ok(bytes) = serialized else {
             return;

@@ -326,7 +326,18 @@ pub fn device_agent(
     mqtt_port: impl std::fmt::Display,
     state_dir: &std::path::Path,
 ) -> Running {
+    device_agent_with(name, mqtt_port, state_dir, &[])
+}
+
+/// [`device_agent`] with more settings in its environment.
+pub fn device_agent_with(
+    name: &str,
+    mqtt_port: impl std::fmt::Display,
+    state_dir: &std::path::Path,
+    env: &[(&str, &str)],
+) -> Running {
     let mut cmd = binary("proplet");
+    cmd.envs(env.iter().copied());
     cmd.env(
         "PROPLET_MQTT_ADDRESS",
         format!("tcp://127.0.0.1:{mqtt_port}"),
