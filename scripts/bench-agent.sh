@@ -13,7 +13,8 @@ agent=target/release-agent/proplet
 rustup target add wasm32-wasip2 >/dev/null 2>&1 || true
 hello_component=target/guests/hello.wasm
 mkdir -p target/guests
-rustc --edition 2021 --target wasm32-wasip2 -C opt-level=s scripts/guests/hello.rs -o "$hello_component"
+rustc --edition 2021 --target wasm32-wasip2 -C opt-level=s -C debuginfo=0 -C strip=symbols \
+  scripts/guests/hello.rs -o "$hello_component"
 export HELLO_COMPONENT="$hello_component"
 
 echo "== binary"

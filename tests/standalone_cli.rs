@@ -668,15 +668,6 @@ fn upstream_component_samples_run_end_to_end() {
             "http-server-example",
         ],
     );
-    for entry in std::fs::read_dir("/tmp").into_iter().flatten().flatten() {
-        if entry
-            .file_name()
-            .to_string_lossy()
-            .starts_with("proplet-fs-test-")
-        {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
     let result = |name: &str| {
         let status = &tasks[name]["status"];
         assert_eq!(status["phase"], "completed", "{name}: {status:#}");

@@ -64,6 +64,13 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The agent runs guests on its Tokio runtime's blocking threads, where WASI 0.2's host
+    // calls find that runtime; measure in the same context.
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let _context = (std::env::var_os("NO_TOKIO").is_none()).then(|| tokio.enter());
     if std::env::args().any(|a| a == "--greet-base64") {
         let greet = greet_component()?;
         println!(

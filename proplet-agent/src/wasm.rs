@@ -277,6 +277,7 @@ struct Host {
 /// One Wasmtime engine, its epoch ticker and the compiled-module cache.
 pub struct WasmRuntime {
     engine: Engine,
+    core_linker: std::sync::OnceLock<Result<Linker<Host>, String>>,
     component_linker: std::sync::OnceLock<
         Result<wasmtime::component::Linker<crate::component::ComponentHost>, String>,
     >,
@@ -311,6 +312,7 @@ impl WasmRuntime {
         }
         Ok(Self {
             engine,
+            core_linker: std::sync::OnceLock::new(),
             component_linker: std::sync::OnceLock::new(),
             limits,
             cache,
@@ -560,15 +562,23 @@ impl WasmRuntime {
             stop,
         )?;
 
-        let mut linker: Linker<Host> = Linker::new(&self.engine);
-        if needs_wasi {
-            wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |host: &mut Host| {
-                host.wasi
-                    .as_mut()
-                    .unwrap_or_else(|| unreachable!("WASI context is built whenever it is linked"))
+        // Built once: adding WASI's functions to a linker costs more than a small run.
+        let linker = self
+            .core_linker
+            .get_or_init(|| {
+                let mut linker: Linker<Host> = Linker::new(&self.engine);
+                wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |host: &mut Host| {
+                    host.wasi.as_mut().unwrap_or_else(|| {
+                        unreachable!(
+                            "only modules importing WASI can call it, and they get a context"
+                        )
+                    })
+                })
+                .map(|_| linker)
+                .map_err(|e| e.to_string())
             })
-            .map_err(|e| RunError::Link(e.to_string()))?;
-        }
+            .as_ref()
+            .map_err(|e| RunError::Link(e.clone()))?;
         let classify =
             |error: wasmtime::Error| self.classify_error(error, invocation, stop, &stderr);
         let instance = match linker.instantiate(&mut store, module) {
