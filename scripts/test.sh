@@ -2,7 +2,8 @@
 # Runs the whole test suite. The end-to-end tests in tests/ start the real binaries, so
 # those are built first.
 #
-# It installs what the tests use as real peers when it is missing (as root or with sudo):
+# It installs what the tests use as real peers when it is missing (as root or with sudo),
+# and the wasm32-wasip2 Rust target for the guests the tests build:
 # Debian's mosquitto-clients, and etcd-server for the real-cluster tests. Those tests also
 # need kube-apiserver and kube-controller-manager: from $KUBEBUILDER_ASSETS, or unpacked
 # from ../shared/envtest beside the repository. Without them they print SKIPPED and pass,
@@ -34,6 +35,8 @@ if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/d
   systemctl stop etcd >/dev/null 2>&1 || true
 fi
 command -v cargo-nextest >/dev/null 2>&1 || cargo install --locked cargo-nextest
+# The agent's tests build a WASI 0.2 guest from source (tests/guests).
+rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
 
 cargo build --workspace --bins
 cargo nextest run --workspace --no-fail-fast "$@"

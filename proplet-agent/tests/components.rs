@@ -243,3 +243,91 @@ fn upstream_hal_samples_run_on_a_plain_host() {
     println!("attestation_test said: {output}");
     assert!(output.contains(NO_TEE), "{output}");
 }
+
+/// Builds `tests/guests/http-get` (a WASI 0.2 command making one `wasi:http` GET) from source.
+fn http_get_guest() -> Vec<u8> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target_dir = root.join("target/guests");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .args([
+            "build",
+            "--quiet",
+            "--release",
+            "--target",
+            "wasm32-wasip2",
+            "--manifest-path",
+        ])
+        .arg(root.join("tests/guests/http-get/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .status()
+        .unwrap_or_else(|e| panic!("cargo: {e}"));
+    assert!(
+        status.success(),
+        "building the guest failed (is the target installed? rustup target add wasm32-wasip2)"
+    );
+    let wasm = target_dir.join("wasm32-wasip2/release/http-get-guest.wasm");
+    std::fs::read(&wasm).unwrap_or_else(|e| panic!("{}: {e}", wasm.display()))
+}
+
+/// Answers every request on 127.0.0.1 with `body` until the test process ends.
+fn serve(body: &'static str) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    port
+}
+
+#[test]
+fn outgoing_wasi_http_follows_the_agents_policy() {
+    let guest = http_get_guest();
+    assert!(is_component(&guest));
+    let port = serve("hello over wasi:http");
+    let mut inv = invocation("_start", &[]);
+    inv.env = vec![(
+        "TARGET_URL".into(),
+        format!("http://127.0.0.1:{port}/hello"),
+    )];
+    let open = runtime(Limits::default());
+    assert_eq!(
+        call(&open, &guest, &inv),
+        Ok("status 200\nhello over wasi:http\n".to_owned())
+    );
+    // A host outside the allow-list is refused before any connection is made.
+    let strict = runtime(Limits {
+        outgoing_http: proplet_agent::component::OutgoingHttp {
+            allow_hosts: vec!["*.example.com".into()],
+            ..Default::default()
+        },
+        ..Limits::default()
+    });
+    let Err(RunError::Exit { code: 1, stderr }) = call(&strict, &guest, &inv) else {
+        panic!("the request should be denied")
+    };
+    assert!(stderr.contains("HttpRequestDenied"), "{stderr}");
+}
+
+#[test]
+fn host_rules_match_names_and_subdomains() {
+    let policy = proplet_agent::component::OutgoingHttp {
+        allow_hosts: vec!["api.example.com".into(), "*.example.org".into()],
+        ..Default::default()
+    };
+    assert!(policy.allows("api.example.com") && policy.allows("API.example.com"));
+    assert!(policy.allows("a.b.example.org"));
+    assert!(!policy.allows("example.org") && !policy.allows("evil-example.org"));
+    assert!(!policy.allows("example.com") && !policy.allows("127.0.0.1"));
+    assert!(proplet_agent::component::OutgoingHttp::default().allows("anything"));
+}
