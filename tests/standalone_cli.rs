@@ -657,10 +657,35 @@ fn upstream_component_samples_run_end_to_end() {
         let text = text.replace("\"8044\"", &format!("\"{serve_port}\""));
         apply_text(&api, dir.path(), &format!("{sample}.yaml"), &text);
     }
+    // Outgoing wasi:http, from a guest built from source, to a loopback server.
+    use base64::Engine as _;
+    let guest = base64::engine::general_purpose::STANDARD.encode(support::http_get_guest());
+    let (site, _site_stop) = support::serve_file(b"fetched through wasi:http".to_vec());
+    apply_text(
+        &api,
+        dir.path(),
+        "http-get.yaml",
+        &[
+            "apiVersion: propeller.propeller.absmach.eu/v1",
+            "kind: Task",
+            "metadata:",
+            "  name: http-get",
+            "spec:",
+            "  name: http-get",
+            "  functionName: _start",
+            &format!("  file: {guest}"),
+            "  env:",
+            &format!("    TARGET_URL: http://{site}/page"),
+            "  propletSelector:",
+            "    propletId: external-proplet",
+        ]
+        .join("\n"),
+    );
     let tasks = finished_tasks(
         &api,
         dir.path(),
         &[
+            "http-get",
             "string-input-example",
             "filesystem-example",
             "hal-test-example",
@@ -674,6 +699,10 @@ fn upstream_component_samples_run_end_to_end() {
         status["results"].as_str().unwrap_or_default().to_owned()
     };
     assert_eq!(result("string-input-example"), "\"Hello, John Doe!\"");
+    assert_eq!(
+        result("http-get"),
+        "status 200\nfetched through wasi:http\n"
+    );
     let expect = |name: &str, part: &str| {
         let text = result(name);
         assert!(text.contains(part), "{name}: {text}");

@@ -276,6 +276,27 @@ pub fn serve_file(body: Vec<u8>) -> (String, std::sync::Arc<std::sync::atomic::A
     (addr, stop)
 }
 
+/// `tests/guests/http-get` built from source for `wasm32-wasip2`: a WASI 0.2 command that GETs
+/// `$TARGET_URL` through `wasi:http` and prints `status N` and the body.
+pub fn http_get_guest() -> Vec<u8> {
+    let root = repo_root();
+    let target_dir = root.join("target/guests");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo)
+        .args(["build", "--quiet", "--release", "--target", "wasm32-wasip2"])
+        .arg("--manifest-path")
+        .arg(root.join("tests/guests/http-get/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .status()
+        .expect("run cargo");
+    assert!(
+        built.success(),
+        "building the guest failed (rustup target add wasm32-wasip2?)"
+    );
+    std::fs::read(target_dir.join("wasm32-wasip2/release/http-get-guest.wasm")).expect("guest")
+}
+
 /// A WASI command printing a federated-learning update. Which one depends on the parity of
 /// the size of its environment, which differs between participants whose PROPLET_ID
 /// lengths differ (`a` and `bb`): one reports [1, 2] from 1 sample, the other [3, 6] from 3
