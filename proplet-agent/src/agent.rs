@@ -560,7 +560,7 @@ impl Agent {
             .map_err(|e| e.to_string())?;
         debug!(task_id = request.id, cached, "module ready");
         if let Compiled::Component(component) = &compiled {
-            if compiled.serves_http(self.runtime.engine()) {
+            if compiled.serves_http() {
                 return self.serve_http(&request, component, stop).await;
             }
         }

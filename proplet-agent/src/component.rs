@@ -218,17 +218,14 @@ fn exports_interface(component: &Component, engine: &Engine, interface: &str) ->
         })
 }
 
-/// Whether `component` serves `wasi:http/incoming-handler`.
-pub(crate) fn exports_http_handler(component: &Component, engine: &Engine) -> bool {
-    exports_interface(component, engine, HTTP_HANDLER)
-}
-
 /// A compiled component with its imports resolved once, so each run only instantiates.
 #[derive(Clone)]
 pub struct Prepared {
     pub(crate) component: Component,
     /// The linked component, or why its imports cannot be satisfied (reported at run time).
     pub(crate) pre: Result<InstancePre<ComponentHost>, String>,
+    /// It exports `wasi:http/incoming-handler`, so it runs as a server (read once).
+    pub(crate) serves_http: bool,
 }
 
 impl Prepared {
@@ -237,7 +234,12 @@ impl Prepared {
         let pre = linker
             .instantiate_pre(&component)
             .map_err(|e| root_cause(&e));
-        Self { component, pre }
+        let serves_http = exports_interface(&component, linker.engine(), HTTP_HANDLER);
+        Self {
+            component,
+            pre,
+            serves_http,
+        }
     }
 
     pub(crate) fn linked(&self) -> Result<&InstancePre<ComponentHost>, RunError> {
@@ -254,7 +256,7 @@ pub(crate) fn run(
 ) -> Result<Outcome, RunError> {
     let engine = runtime.engine();
     let component = &prepared.component;
-    if exports_http_handler(component, engine) {
+    if prepared.serves_http {
         return Err(RunError::Serve(
             "a component exporting wasi:http/incoming-handler runs as a daemon HTTP server; \
              start it with daemon: true on a proplet with HTTP serving enabled"

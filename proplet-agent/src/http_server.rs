@@ -15,7 +15,7 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use wasmtime_wasi_http::io::TokioIo;
-use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
+use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 use wasmtime_wasi_http::p2::bindings::sync::ProxyPre;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::WasiHttpView;
@@ -223,10 +223,7 @@ async fn handle(
     });
     match receiver.await {
         Ok(Ok(response)) => response,
-        Ok(Err(code)) => plain(
-            500,
-            format!("the component failed the request: {}", describe(&code)),
-        ),
+        Ok(Err(code)) => plain(500, format!("the component failed the request: {code:?}")),
         Err(_) => {
             let why = match guest.await {
                 Ok(Ok(())) => "the component did not set a response".to_owned(),
@@ -236,10 +233,6 @@ async fn handle(
             plain(500, why)
         }
     }
-}
-
-fn describe(code: &ErrorCode) -> String {
-    format!("{code:?}")
 }
 
 #[cfg(test)]

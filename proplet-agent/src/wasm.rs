@@ -261,10 +261,10 @@ pub enum Compiled {
 impl Compiled {
     /// Whether this is a component exporting `wasi:http/incoming-handler`: it runs as an HTTP
     /// server rather than once.
-    pub fn serves_http(&self, engine: &Engine) -> bool {
+    pub fn serves_http(&self) -> bool {
         match self {
             Compiled::Module(_) => false,
-            Compiled::Component(c) => crate::component::exports_http_handler(&c.component, engine),
+            Compiled::Component(c) => c.serves_http,
         }
     }
 }
