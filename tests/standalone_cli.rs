@@ -749,3 +749,167 @@ fn upstream_component_samples_run_end_to_end() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// A task manifest running `add` from the OCI reference `image` with `inputs`, plus extra
+/// spec lines.
+fn oci_task(name: &str, image: &str, inputs: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  imageUrl: {image}\n  inputs: {inputs}\n{extra}---\n"
+    )
+}
+
+#[test]
+fn oci_images_are_resolved_pulled_and_served_over_mqtt() {
+    use support::registry::{add_module, pull_secret_manifest, Layout, Registry};
+    let Some(open) = Registry::start(None) else {
+        return;
+    };
+    let Some(locked) = Registry::start(Some(("ci", "s3cret"))) else {
+        return;
+    };
+    let add = add_module(0);
+    let add_digest = open.push("wasm/add:1.0", &add, Layout::WasmArtifact);
+    open.push("wasm/plain:1", &add, Layout::PlainFile);
+    open.push(
+        "wasm/container:1",
+        &[0x1f, 0x8b, 8, 0, 0, 0],
+        Layout::ContainerImage,
+    );
+    open.push("wasm/big:1", &add_module(200_000), Layout::WasmArtifact);
+    locked.push("private/add:2", &add, Layout::WasmArtifact);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let plain_http = format!("{},{}", open.host, locked.host);
+    let (_server, api, port) = start_standalone(
+        dir.path(),
+        &[
+            "--registry-plain-http",
+            &plain_http,
+            "--image-max-size",
+            "100KiB",
+        ],
+    );
+    let _agents = [
+        agent_for(&api, dir.path(), &port, "oci-a"),
+        agent_for(&api, dir.path(), &port, "oci-b"),
+    ];
+    let (o, l) = (&open.host, &locked.host);
+    let manifests = [
+        pull_secret_manifest("locked-login", l, "ci", "s3cret") + "---\n",
+        oci_task("from-oci", &format!("{o}/wasm/add:1.0"), "[2, 3]", ""),
+        oci_task(
+            "from-oci-scheme",
+            &format!("oci://{o}/wasm/add:1.0"),
+            "[20, 22]",
+            "",
+        ),
+        oci_task("from-plain", &format!("{o}/wasm/plain:1"), "[4, 5]", ""),
+        oci_task(
+            "from-private",
+            &format!("{l}/private/add:2"),
+            "[1, 1]",
+            "  imagePullSecrets:\n  - name: locked-login\n",
+        ),
+        oci_task(
+            "private-no-login",
+            &format!("{l}/private/add:2"),
+            "[1, 1]",
+            "",
+        ),
+        oci_task("missing", &format!("{o}/wasm/nothing:1"), "[1, 1]", ""),
+        oci_task("container", &format!("{o}/wasm/container:1"), "[1, 1]", ""),
+        oci_task("too-big", &format!("{o}/wasm/big:1"), "[1, 1]", ""),
+    ]
+    .concat();
+    apply_text(&api, dir.path(), "oci-tasks.yaml", &manifests);
+    let names = [
+        "from-oci",
+        "from-oci-scheme",
+        "from-plain",
+        "from-private",
+        "private-no-login",
+        "missing",
+        "container",
+        "too-big",
+    ];
+    // Failures end well within the agents' 60 s chunk timeout.
+    let tasks = finished_tasks(&api, dir.path(), &names);
+    let status = |name: &str| tasks[name]["status"].clone();
+    for (name, sum) in [
+        ("from-oci", "5"),
+        ("from-oci-scheme", "42"),
+        ("from-plain", "9"),
+        ("from-private", "2"),
+    ] {
+        assert_eq!(
+            status(name)["phase"],
+            "completed",
+            "{name}: {:#}",
+            status(name)
+        );
+        assert_eq!(status(name)["results"], sum, "{name}");
+    }
+    assert_eq!(status("from-oci")["imageDigest"], add_digest.as_str());
+    for (name, message) in [
+        ("private-no-login", "registry refused access"),
+        ("missing", "not found"),
+        ("container", "is not a Wasm artifact"),
+        ("too-big", "above the 102400-byte image limit"),
+    ] {
+        let s = status(name);
+        assert_eq!(s["phase"], "failed", "{name}: {s:#}");
+        let error = s["error"].as_str().unwrap_or_default();
+        assert!(error.contains(message), "{name}: {error}");
+    }
+
+    // What upstream's proplet does, with another MQTT implementation: ask on
+    // registry/proplet, read registry/server chunks.
+    let devices = support::device_manifest("watcher", &port)
+        + "---\n"
+        + &support::device_manifest("asker", &port);
+    apply_text(&api, dir.path(), "watchers.yaml", &devices);
+    let pinned = format!("{o}/wasm/add@{add_digest}");
+    // Line-buffered, so the SUBACK line arrives before the process exits.
+    let mut sub = std::process::Command::new("stdbuf");
+    sub.args(["-oL", "mosquitto_sub"])
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-i",
+            "watcher",
+            "-u",
+            "watcher",
+        ])
+        .args([
+            "-P",
+            "watcher-secret",
+            "-t",
+            "m/d1/c/c1/registry/server",
+            "-C",
+            "1",
+            "-W",
+            "15",
+            "-d",
+        ]);
+    let watcher = support::Running::spawn(sub);
+    watcher.stdout_line("SUBACK");
+    assert!(mosquitto_pub(
+        &port,
+        "asker",
+        "asker-secret",
+        "m/d1/c/c1/registry/proplet",
+        &format!(r#"{{"app_name":"{pinned}"}}"#),
+    ));
+    let chunk_line = watcher.stdout_line("\"chunk_idx\"");
+    let chunk: serde_json::Value = serde_json::from_str(&chunk_line).expect("chunk JSON");
+    assert_eq!(chunk["app_name"], pinned.as_str());
+    assert_eq!(chunk["chunk_idx"], 0);
+    assert_eq!(chunk["total_chunks"], 1);
+    use base64::Engine as _;
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(chunk["data"].as_str().unwrap_or_default())
+        .expect("base64");
+    assert_eq!(data, add);
+}

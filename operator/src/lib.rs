@@ -7,6 +7,7 @@ pub mod executor;
 pub mod inbox;
 pub mod k8s;
 pub mod metrics;
+pub mod oci;
 pub mod standalone;
 pub mod state;
 pub mod validation;

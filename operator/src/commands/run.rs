@@ -18,8 +18,10 @@ use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
 
 use super::broker::{watch_credentials, BrokerArgs};
+use super::image_args::ImageArgs;
 use super::logging::LogFormat;
 use super::reconcile_args::ReconcileArgs;
+use propeller_operator::k8s::pull_secrets::ApiPullSecrets;
 
 /// Flags of `propeller run`; every one also reads a `PROPELLER_*` variable.
 #[derive(Args, Debug)]
@@ -55,6 +57,8 @@ pub struct RunCommand {
     pub credentials: Option<PathBuf>,
     #[command(flatten)]
     pub broker: BrokerArgs,
+    #[command(flatten)]
+    pub images: ImageArgs,
 }
 
 /// What the health endpoint reports; the registry is replaced once the broker's meters exist.
@@ -211,6 +215,11 @@ async fn serve(
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(),
     };
+    let images = cmd.images.images(
+        &std::env::temp_dir().join("propeller-images"),
+        broker.publisher(),
+        Arc::new(ApiPullSecrets(client.clone())),
+    )?;
     let rt = Runtime {
         client,
         settings,
@@ -220,6 +229,7 @@ async fn serve(
         metrics: controller_metrics,
         reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
         resync: cmd.reconcile.liveliness_interval,
+        images: Some(images),
     };
     health.ready.store(true, Ordering::Relaxed);
     let lost_lease = async move {

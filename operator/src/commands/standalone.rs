@@ -22,7 +22,9 @@ use propeller_operator::validation::Admission;
 use serde_json::Value;
 use tracing::{info, warn};
 
+use super::image_args::ImageArgs;
 use super::reconcile_args::ReconcileArgs;
+use propeller_operator::standalone::pull_secrets::StorePullSecrets;
 
 /// File in the data directory holding the API's bearer token.
 const TOKEN_FILE: &str = "api-token";
@@ -43,6 +45,8 @@ pub struct StandaloneCommand {
     pub mqtt_listen: SocketAddr,
     #[command(flatten)]
     pub reconcile: ReconcileArgs,
+    #[command(flatten)]
+    pub images: ImageArgs,
     /// Also start a local proplet, apply the quickstart samples and print their results.
     #[arg(long)]
     pub demo: bool,
@@ -167,6 +171,12 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         events_log.clone(),
     )
     .context("reading the store")?;
+    let images = cmd.images.images(
+        &cmd.data_dir.join("images"),
+        broker.publisher(),
+        Arc::new(StorePullSecrets(store.clone())),
+    )?;
+    driver.attach_images(images);
     let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
     broker.metrics().register(&mut registry);

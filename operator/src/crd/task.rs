@@ -97,6 +97,11 @@ pub struct TaskSpec {
     /// The module is encrypted and must be fetched by `imageUrl`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub encrypted: bool,
+    /// `kubernetes.io/dockerconfigjson` Secrets (in the task's namespace) holding the
+    /// registry login for an OCI `imageUrl`; the operator's own login is used otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub image_pull_secrets: Vec<PullSecretRef>,
     /// Key Broker Service path for decrypting the module.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
@@ -167,6 +172,7 @@ impl Default for TaskSpec {
             daemon: Default::default(),
             restart_policy: Default::default(),
             encrypted: Default::default(),
+            image_pull_secrets: Default::default(),
             kbs_resource_path: Default::default(),
             depends_on: Default::default(),
             run_if: Default::default(),
@@ -394,6 +400,14 @@ impl std::fmt::Display for TaskPhase {
     }
 }
 
+/// A Secret of the task's namespace, by name.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct PullSecretRef {
+    /// Secret name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
 /// Observed state of a Task.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -405,6 +419,11 @@ pub struct TaskStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub assigned_proplet: Option<String>,
+    /// Manifest digest an OCI `imageUrl` resolved to for this run: every device and retry
+    /// of the run gets exactly these bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 200))]
+    pub image_digest: Option<String>,
     /// Proplets a broadcast task was sent to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1000), inner(length(max = 253)))]

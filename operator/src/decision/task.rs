@@ -88,6 +88,34 @@ pub struct TaskObservations {
     pub round_robin: RoundRobinState,
     /// The Kubernetes Job of a task running on a `k8s` proplet, once the driver saw it.
     pub job: Option<JobOutcome>,
+    /// The registry resolution of this run's OCI `imageUrl`, once asked for.
+    pub image: Option<ImageObservation>,
+}
+
+/// Where the registry resolution of a run's OCI `imageUrl` stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageObservation {
+    /// Asked for, not finished.
+    Resolving,
+    /// The manifest digest, with the Wasm layer cached and ready to serve.
+    Resolved {
+        /// `sha256:…` of the manifest.
+        digest: String,
+    },
+    /// Why the image cannot be used.
+    Failed(String),
+}
+
+/// Whether the task's binary comes from an OCI registry through propeller (not inline, not
+/// an HTTP(S) URL the device fetches itself).
+pub fn needs_image_resolution(task: &Task) -> bool {
+    task.spec.file.as_deref().is_none_or(str::is_empty)
+        && task
+            .spec
+            .image_url
+            .as_deref()
+            .and_then(crate::oci::reference::registry_reference)
+            .is_some()
 }
 
 /// What the driver saw of the Kubernetes Job that runs a task on a `k8s` proplet.
@@ -195,6 +223,8 @@ pub struct TaskPlan {
     pub requeue_at: Option<DateTime<Utc>>,
     /// The proplet a new dispatch chose (the round-robin memory should record it).
     pub chosen: Option<String>,
+    /// Start resolving the OCI `imageUrl` for the next run (its outcome triggers a reconcile).
+    pub resolve_image: bool,
     /// Events for users.
     pub notes: Vec<Note>,
 }
@@ -225,6 +255,21 @@ pub fn selector_of(task: &Task) -> SelectorView {
         match_capabilities: sel.match_capabilities,
         preferred_type: task.spec.preferred_proplet_type,
     }
+}
+
+/// The start message for `target` in a run whose OCI image resolved to `image_digest`: the
+/// device is asked to fetch the digest-pinned name, so all copies get the same bytes.
+pub fn start_request_pinned(
+    task: &Task,
+    target: Option<&PropletView>,
+    image_digest: Option<&str>,
+) -> StartRequest {
+    let mut request = start_request(task, target);
+    let pinned = image_digest.zip(task.spec.image_url.as_deref());
+    if let Some(pinned) = pinned.and_then(|(d, url)| crate::oci::reference::pinned(url, d)) {
+        request.image_url = Some(pinned);
+    }
+    request
 }
 
 /// The start message for `target` (`None` builds the upstream-style broadcast start).
@@ -311,12 +356,12 @@ fn stop_for(task: &Task, target: &PropletView) -> StopCommand {
     }
 }
 
-fn start_for(task: &Task, target: &PropletView) -> StartCommand {
+fn start_for(task: &Task, target: &PropletView, image_digest: Option<&str>) -> StartCommand {
     StartCommand {
         proplet: target.candidate.name.clone(),
         domain: target.domain.clone(),
         channel: target.channel.clone(),
-        request: start_request(task, Some(target)),
+        request: start_request_pinned(task, Some(target), image_digest),
     }
 }
 
@@ -368,6 +413,7 @@ fn reset_for_rerun(status: &mut TaskStatus) {
     status.results = None;
     status.error = None;
     status.latest_metrics = None;
+    status.image_digest = None;
     remove_condition(&mut status.conditions, SCHEDULED);
     remove_condition(&mut status.conditions, STARTED);
     remove_condition(&mut status.conditions, COMPLETED);
@@ -375,7 +421,8 @@ fn reset_for_rerun(status: &mut TaskStatus) {
 
 /// Reasons a task waits, with whether the wait needs the user's attention (a Warning
 /// Event) rather than time (a Normal one).
-const WAIT_REASONS: [(&str, bool); 6] = [
+const WAIT_REASONS: [(&str, bool); 7] = [
+    ("ResolvingImage", false),
     ("NoCandidates", true),
     ("CycleDetected", true),
     ("InvalidSchedule", true),
@@ -687,6 +734,38 @@ fn plan_pending(
             return;
         }
     };
+    let to_device = names.iter().any(|name| {
+        view(observed, name).is_some_and(|v| v.candidate.proplet_type == PropletType::External)
+    });
+    if to_device && needs_image_resolution(task) && desired.image_digest.is_none() {
+        let image = task.spec.image_url.as_deref().unwrap_or_default();
+        match &observed.image {
+            Some(ImageObservation::Resolved { digest }) => {
+                desired.image_digest = Some(digest.clone());
+            }
+            Some(ImageObservation::Failed(message)) => {
+                // Counted as a run, so a recurring task's next run resolves afresh.
+                desired.run_count = Some(desired.run_count.unwrap_or(0) + 1);
+                finish(desired, TaskPhase::Failed, Some(message.clone()), gen, now);
+                plan.notes
+                    .push(Note::warning("ImageUnavailable", message.clone()));
+                return;
+            }
+            Some(ImageObservation::Resolving) | None => {
+                waiting(
+                    desired,
+                    "ResolvingImage",
+                    format!("resolving {image} in its registry"),
+                    gen,
+                    now,
+                );
+                plan.resolve_image = true;
+                // The outcome triggers a reconcile; this look is a safety net.
+                plan.requeue_at = Some(now + NO_CANDIDATE_RETRY);
+                return;
+            }
+        }
+    }
     if let Some(f) = following {
         desired.next_run = f;
     }
@@ -736,7 +815,8 @@ fn dispatch(
             }
             Some(target) => {
                 if !observed.dispatched {
-                    plan.starts.push(start_for(task, target));
+                    plan.starts
+                        .push(start_for(task, target, desired.image_digest.as_deref()));
                 }
             }
             None => missing.push(name),
@@ -1117,6 +1197,7 @@ mod tests {
                 "name": "add",
                 "functionName": "add",
                 "imageUrl": "oci://registry.example/add:1",
+                "file": "AGFzbQEAAAA=",
                 "inputs": [10, "32"],
                 "env": {"LOG": "debug"}
             }
@@ -1219,6 +1300,116 @@ mod tests {
 
     fn reasons(plan: &TaskPlan) -> Vec<(bool, &'static str)> {
         plan.notes.iter().map(|n| (n.warning, n.reason)).collect()
+    }
+
+    // 0. An OCI imageUrl is resolved before the run is scheduled.
+
+    fn oci_task(status: Option<Value>) -> Task {
+        let mut v = task_value();
+        v["spec"].as_object_mut().map(|spec| spec.remove("file"));
+        match status {
+            Some(status) => task_from(finalized(v, status)),
+            None => task_from(v),
+        }
+    }
+
+    const DIGEST: &str = "sha256:1111111111111111111111111111111111111111111111111111111111111111";
+
+    #[test]
+    fn an_oci_image_is_resolved_before_anything_is_sent() {
+        let task = oci_task(None);
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
+        assert!(plan.resolve_image);
+        assert!(plan.starts.is_empty());
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(status.run_count, None);
+        assert_eq!(
+            condition(status, SCHEDULED),
+            (
+                "False",
+                "ResolvingImage",
+                "resolving oci://registry.example/add:1 in its registry"
+            )
+        );
+        assert_eq!(reasons(&plan), vec![(false, "ResolvingImage")]);
+        assert!(plan.requeue_at.is_some());
+    }
+
+    #[test]
+    fn a_resolved_image_is_sent_pinned_to_its_digest_and_recorded() {
+        let task = oci_task(Some(json!({"phase": "pending", "createdAt": at(9, 0, 0)})));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.image = Some(ImageObservation::Resolved {
+            digest: DIGEST.into(),
+        });
+        let plan = plan(&task, &observed, &settings(), now());
+        assert!(!plan.resolve_image);
+        assert_eq!(written(&plan).image_digest.as_deref(), Some(DIGEST));
+        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
+        assert_eq!(plan.starts.len(), 1);
+        assert_eq!(
+            plan.starts[0].request.image_url.as_deref(),
+            Some(format!("registry.example/add@{DIGEST}").as_str())
+        );
+        assert_eq!(after(&plan).image_digest.as_deref(), Some(DIGEST));
+    }
+
+    #[test]
+    fn a_scheduled_run_after_a_restart_resends_the_recorded_digest() {
+        let task = oci_task(Some(json!({
+            "phase": "scheduled", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "runCount": 1, "imageDigest": DIGEST
+        })));
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
+        assert!(!plan.resolve_image);
+        assert_eq!(
+            plan.starts[0].request.image_url.as_deref(),
+            Some(format!("registry.example/add@{DIGEST}").as_str())
+        );
+    }
+
+    #[test]
+    fn an_unusable_image_fails_the_task_with_the_registry_reason() {
+        let task = oci_task(Some(json!({"phase": "pending", "createdAt": at(9, 0, 0)})));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        let message = "image registry.example/add:1 not found in its registry";
+        observed.image = Some(ImageObservation::Failed(message.into()));
+        let plan = plan(&task, &observed, &settings(), now());
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.error.as_deref(), Some(message));
+        assert_eq!(status.run_count, Some(1));
+        assert!(plan.starts.is_empty());
+        assert!(reasons(&plan).contains(&(true, "ImageUnavailable")));
+    }
+
+    #[test]
+    fn a_rerun_resolves_the_tag_again() {
+        let mut status = TaskStatus {
+            image_digest: Some(DIGEST.into()),
+            ..TaskStatus::default()
+        };
+        reset_for_rerun(&mut status);
+        assert_eq!(status.image_digest, None);
+    }
+
+    #[test]
+    fn inline_files_and_http_urls_need_no_resolution() {
+        assert!(!needs_image_resolution(&new_task()));
+        let mut v = task_value();
+        v["spec"]["file"] = Value::Null;
+        v["spec"]["imageUrl"] = json!("https://example.com/add.wasm");
+        assert!(!needs_image_resolution(&task_from(v)));
+        assert!(needs_image_resolution(&oci_task(None)));
+    }
+
+    #[test]
+    fn a_task_without_proplets_does_not_pull() {
+        let plan = plan(&oci_task(None), &observing(vec![]), &settings(), now());
+        assert!(!plan.resolve_image);
     }
 
     // 1. A new task: finalizer, assignment, start, running.

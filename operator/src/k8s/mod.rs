@@ -7,6 +7,7 @@ pub mod jobs;
 pub mod observations;
 pub mod patch;
 pub mod proplet;
+pub mod pull_secrets;
 pub mod runtime;
 pub mod task;
 pub mod task_job;

@@ -46,6 +46,7 @@ use super::proplet::{
 use super::task::apply as apply_task;
 use crate::executor::TaskApplyError;
 use crate::metrics::ControllerMetrics;
+use crate::oci::Images;
 
 /// Finalizer that lets the operator revoke a deleted Proplet's broker login.
 pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-cleanup";
@@ -113,6 +114,8 @@ pub struct Shared {
     pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
     /// Reconcile counters.
     pub metrics: Arc<ControllerMetrics>,
+    /// Registry resolution and chunk serving (`None`: OCI images are not served).
+    pub images: Option<Arc<Images>>,
 }
 
 fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -207,6 +210,7 @@ impl Shared {
             proplet_trigger: proplet_tx,
             round_trigger: round_tx,
             metrics,
+            images: None,
         };
         let triggers = Triggers {
             tasks: task_rx,
@@ -486,12 +490,21 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     let proplet_refs: Vec<&Proplet> = proplet_cache.iter().map(|p| &**p).collect();
     let mut observed = observe_caches(task, &task_refs, &proplet_refs);
     ctx.state.complete(task, &mut observed);
+    observed.image = ctx.images.as_ref().and_then(|i| i.observe(task));
     if awaits_job(task, &observed) {
         observed.job = super::task_job::observe(&ctx.client, task).await?;
     }
     let now = Utc::now();
     let plan = plan_task(task, &observed, &ctx.settings.task, now);
     let dispatch = apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
+    if plan.resolve_image {
+        match &ctx.images {
+            Some(images) => images.resolve(task),
+            None => {
+                warn!(task = %task.name_any(), "an OCI imageUrl needs resolving, but this operator serves no images")
+            }
+        }
+    }
     if let Some(chosen) = &plan.chosen {
         ctx.state.chose(&ns, chosen);
     }
@@ -552,6 +565,11 @@ pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<S
 
 /// Handles one broker event: record it, then trigger the object it concerns.
 pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
+    if let Some(images) = &ctx.images {
+        if images.handle_request(event) {
+            return;
+        }
+    }
     match ctx.state.record(event, Utc::now()) {
         Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
             Some(p) => {
@@ -611,6 +629,8 @@ pub struct Runtime {
     pub reporter: String,
     /// How often every proplet is re-evaluated without events (the liveliness interval).
     pub resync: Duration,
+    /// Registry resolution and chunk serving.
+    pub images: Option<Arc<Images>>,
 }
 
 /// Runs the Proplet and Task controllers and the event router until `shutdown` resolves.
@@ -673,7 +693,17 @@ pub async fn run(
         Some(rt.reporter),
         caches,
     );
+    let mut shared = shared;
+    shared.images = rt.images;
     let shared = Arc::new(shared);
+    if let Some(images) = &shared.images {
+        let weak = Arc::downgrade(&shared);
+        images.on_resolved(move |uid| {
+            if let Some(shared) = weak.upgrade() {
+                trigger_task(&shared, uid);
+            }
+        });
+    }
     let router = tokio::spawn(route_events(rt.events, shared.clone()));
     let secrets = {
         let shared = shared.clone();

@@ -36,6 +36,7 @@ use crate::k8s::credentials::credential_table;
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
 use crate::metrics::ControllerMetrics;
+use crate::oci::Images;
 use crate::state::{lock, Concerns, DriverState};
 
 use super::cache::ObjectCache;
@@ -157,6 +158,8 @@ pub struct Driver {
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
+    /// Registry resolution and chunk serving, once attached.
+    images: std::sync::OnceLock<Arc<Images>>,
 }
 
 /// Writes Tasks into the embedded store.
@@ -297,8 +300,23 @@ impl Driver {
             timers: Mutex::new(HashMap::new()),
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
+            images: std::sync::OnceLock::new(),
         });
         Ok((driver, rx))
+    }
+
+    /// Serves OCI images to devices and resolves Tasks' `imageUrl`s with `images`; a
+    /// finished resolution queues its Task.
+    pub fn attach_images(self: &Arc<Self>, images: Arc<Images>) {
+        let driver = Arc::downgrade(self);
+        images.on_resolved(move |uid| {
+            if let Some(driver) = driver.upgrade() {
+                if let Some(task) = driver.cache.task_by_uid(uid) {
+                    driver.enqueue(Key::of(TASK, &task.metadata));
+                }
+            }
+        });
+        let _ = self.images.set(images);
     }
 
     /// The store the driver writes.
@@ -392,6 +410,9 @@ impl Driver {
 
     /// Records a broker event and queues the object it concerns.
     pub fn route_event(&self, event: &BrokerEvent) {
+        if self.images.get().is_some_and(|i| i.handle_request(event)) {
+            return;
+        }
         match self.state.record(event, Utc::now()) {
             Concerns::Proplet(client_id) => {
                 let found = self.cache.proplet_by_client(&client_id);
@@ -709,10 +730,20 @@ impl Driver {
         if awaits_job(task, &observed) {
             observed.job = None;
         }
+        let images = self.images.get();
+        observed.image = images.and_then(|i| i.observe(task));
         let plan = plan_task(task, &observed, &self.settings.task, now);
         let writer = StoreTasks { store: &self.store };
         let dispatch =
             apply_task(&writer, task, &plan, &self.state.effects(&self.publisher)).await?;
+        if plan.resolve_image {
+            match images {
+                Some(images) => images.resolve(task),
+                None => {
+                    warn!(task = %key.name, "an OCI imageUrl needs resolving, but no image service is attached")
+                }
+            }
+        }
         if let Some(chosen) = &plan.chosen {
             self.state.chose(&key.namespace, chosen);
         }

@@ -6,4 +6,5 @@ pub mod cache;
 pub mod client;
 pub mod driver;
 pub mod events;
+pub mod pull_secrets;
 pub mod store;

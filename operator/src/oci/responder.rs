@@ -1,0 +1,183 @@
+//! Answers devices' `registry/proplet` requests with `registry/server` chunks, the wire format
+//! upstream's proxy uses, so upstream proplets work unchanged.
+//!
+//! Every device on a channel receives every chunk, so one transfer serves all devices that
+//! asked before it began; a request that arrives while a transfer runs (its device missed the
+//! first chunks), or a second request from the same device (two tasks waiting for one image),
+//! schedules one more transfer after it. Chunks are paced by a byte rate shared by all
+//! transfers, so a large module to many devices leaves the broker room for heartbeats.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use propeller_broker::protocol::{split_into_chunks, Channel, DEFAULT_RAW_CHUNK_SIZE};
+use propeller_broker::server::Publisher;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::puller::ImagePuller;
+use crate::state::lock;
+
+/// Default pace of chunk publishing, in bytes of binary per second.
+pub const DEFAULT_CHUNK_RATE: u64 = 16 * 1024 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct TransferKey {
+    domain: String,
+    channel: String,
+    name: String,
+}
+
+#[derive(Debug, Default)]
+struct Transfer {
+    /// Devices that asked since the current (or next) transfer began.
+    asked: HashSet<String>,
+    /// The first chunk went out: later askers need another transfer.
+    started: bool,
+    /// Another transfer must follow this one.
+    again: bool,
+}
+
+/// Shares the publishing rate between transfers: each chunk reserves its slot in time.
+#[derive(Debug)]
+struct Pace {
+    bytes_per_sec: u64,
+    next_free: Mutex<Instant>,
+}
+
+impl Pace {
+    async fn reserve(&self, bytes: usize) {
+        if self.bytes_per_sec == 0 {
+            return;
+        }
+        let cost = Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec as f64);
+        let start = {
+            let mut next = lock(&self.next_free);
+            let start = (*next).max(Instant::now());
+            *next = start + cost;
+            start
+        };
+        tokio::time::sleep_until(start).await;
+    }
+}
+
+/// Serves binaries the [`ImagePuller`] resolved to the devices that ask for them.
+pub struct ImageServer {
+    puller: Arc<ImagePuller>,
+    publisher: Publisher,
+    chunk_size: usize,
+    pace: Pace,
+    transfers: Mutex<HashMap<TransferKey, Transfer>>,
+    /// Transfers completed, for tests and metrics.
+    sent: std::sync::atomic::AtomicU64,
+}
+
+impl ImageServer {
+    /// A server publishing through `publisher` at `bytes_per_sec` (0: unpaced).
+    pub fn new(puller: Arc<ImagePuller>, publisher: Publisher, bytes_per_sec: u64) -> Self {
+        Self {
+            puller,
+            publisher,
+            chunk_size: DEFAULT_RAW_CHUNK_SIZE,
+            pace: Pace {
+                bytes_per_sec,
+                next_free: Mutex::new(Instant::now()),
+            },
+            transfers: Mutex::default(),
+            sent: Default::default(),
+        }
+    }
+
+    /// Transfers completed so far.
+    pub fn transfers_sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Handles one request by `client_id` on `domain`/`channel` (never blocks).
+    pub fn request(self: &Arc<Self>, client_id: &str, domain: &str, channel: &str, name: &str) {
+        let key = TransferKey {
+            domain: domain.to_owned(),
+            channel: channel.to_owned(),
+            name: name.to_owned(),
+        };
+        let spawn = {
+            let mut transfers = lock(&self.transfers);
+            match transfers.get_mut(&key) {
+                Some(t) => {
+                    if t.started || t.asked.contains(client_id) {
+                        t.again = true;
+                    }
+                    t.asked.insert(client_id.to_owned());
+                    false
+                }
+                None => {
+                    let mut t = Transfer::default();
+                    t.asked.insert(client_id.to_owned());
+                    transfers.insert(key.clone(), t);
+                    true
+                }
+            }
+        };
+        debug!(
+            client = client_id,
+            image = name,
+            queued = !spawn,
+            "binary requested"
+        );
+        if spawn {
+            let this = self.clone();
+            tokio::spawn(async move { this.transfer(key).await });
+        }
+    }
+
+    async fn transfer(self: Arc<Self>, key: TransferKey) {
+        if let Err(message) = self.send_rounds(&key).await {
+            lock(&self.transfers).remove(&key);
+            warn!(image = %key.name, channel = %key.channel, "{message}");
+        }
+    }
+
+    async fn send_rounds(&self, key: &TransferKey) -> Result<(), String> {
+        let channel = Channel::new(key.domain.clone(), key.channel.clone())
+            .map_err(|e| format!("cannot answer the request: {e}"))?;
+        let binary = match self.puller.binary(&key.name).await {
+            Ok(Some(binary)) => binary,
+            Ok(None) => {
+                return Err(format!(
+                    "a device asked for {}, which no task of this propeller resolved; not served",
+                    key.name
+                ))
+            }
+            Err(e) => return Err(format!("cannot serve the binary: {e}")),
+        };
+        loop {
+            {
+                let mut transfers = lock(&self.transfers);
+                if let Some(t) = transfers.get_mut(key) {
+                    t.started = true;
+                    t.again = false;
+                    t.asked.clear();
+                }
+            }
+            let chunks = split_into_chunks(&key.name, &binary, self.chunk_size)
+                .map_err(|e| format!("cannot split the binary: {e}"))?;
+            let total = chunks.len();
+            for chunk in chunks {
+                self.pace.reserve(chunk.data.len()).await;
+                self.publisher
+                    .registry_chunk(&channel, &chunk)
+                    .await
+                    .map_err(|e| format!("publishing chunk {}: {e}", chunk.chunk_idx))?;
+            }
+            self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            info!(image = %key.name, channel = %key.channel, bytes = binary.len(), chunks = total, "binary sent");
+            // Decide and deregister under one lock, so a request cannot slip in between.
+            let mut transfers = lock(&self.transfers);
+            if !transfers.get(key).is_some_and(|t| t.again) {
+                transfers.remove(key);
+                return Ok(());
+            }
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! A real OCI registry for tests: Debian's `docker-registry` (the CNCF distribution registry)
+//! on a loopback port, optionally behind htpasswd auth, with artifacts pushed by `oci-client`.
+//!
+//! Without the binary a test says how to install it and skips; with `CI=true` it fails.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+use oci_client::manifest::OciImageManifest;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+
+use super::Running;
+
+const BINARY: &str = "/usr/bin/docker-registry";
+
+/// A running registry; stopped when dropped.
+pub struct Registry {
+    _process: Running,
+    _dir: tempfile::TempDir,
+    /// `127.0.0.1:port`.
+    pub host: String,
+    login: Option<(String, String)>,
+}
+
+/// How a pushed artifact is laid out.
+pub enum Layout {
+    /// The CNCF Wasm artifact: `application/vnd.wasm.config.v0+json` config, one
+    /// `application/wasm` layer.
+    WasmArtifact,
+    /// An `oras push` of a plain file: empty config, one layer of a generic type.
+    PlainFile,
+    /// A container-image-like artifact: image config, one gzip tar layer.
+    ContainerImage,
+}
+
+impl Registry {
+    /// Starts a registry, with basic auth for `login` when given; `None` (after saying why)
+    /// when `docker-registry` is not installed outside CI.
+    pub fn start(login: Option<(&str, &str)>) -> Option<Self> {
+        if !Path::new(BINARY).exists() {
+            let why = format!("{BINARY} missing (apt-get install docker-registry)");
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("registry tests cannot be skipped in CI: {why}");
+            }
+            eprintln!("skipping: {why}");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("registry dir");
+        let port = super::envtest::free_port();
+        let host = format!("127.0.0.1:{port}");
+        let auth = match login {
+            Some((user, pass)) => {
+                let hash = bcrypt::hash(pass, 4).expect("bcrypt");
+                std::fs::write(dir.path().join("htpasswd"), format!("{user}:{hash}\n"))
+                    .expect("htpasswd");
+                format!(
+                    "auth:\n  htpasswd:\n    realm: propeller-test\n    path: {}\n",
+                    dir.path().join("htpasswd").display()
+                )
+            }
+            None => String::new(),
+        };
+        let config = format!(
+            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {host}\n{auth}",
+            dir.path().join("data").display()
+        );
+        let config_path: PathBuf = dir.path().join("config.yml");
+        std::fs::write(&config_path, config).expect("registry config");
+        let mut cmd = Command::new(BINARY);
+        cmd.arg("serve").arg(&config_path);
+        let process = Running::spawn(cmd);
+        let deadline = Instant::now() + super::WAIT;
+        while std::net::TcpStream::connect(&host).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "registry on {host} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Self {
+            _process: process,
+            _dir: dir,
+            host,
+            login: login.map(|(u, p)| (u.to_owned(), p.to_owned())),
+        })
+    }
+
+    fn auth(&self) -> RegistryAuth {
+        match &self.login {
+            Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
+            None => RegistryAuth::Anonymous,
+        }
+    }
+
+    fn client() -> Client {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Client::new(ClientConfig {
+            protocol: ClientProtocol::Http,
+            ..ClientConfig::default()
+        })
+    }
+
+    /// Pushes `bytes` as `repo:tag` in `layout`; returns the manifest digest.
+    pub fn push(&self, repo_tag: &str, bytes: &[u8], layout: Layout) -> String {
+        let reference: Reference = format!("{}/{repo_tag}", self.host).parse().expect("ref");
+        let (config, layer_type) = match layout {
+            Layout::WasmArtifact => (
+                Config::new(
+                    br#"{"architecture":"wasm","os":"wasip1","layerDigests":[]}"#.to_vec(),
+                    "application/vnd.wasm.config.v0+json".into(),
+                    None,
+                ),
+                "application/wasm",
+            ),
+            Layout::PlainFile => (
+                Config::new(
+                    b"{}".to_vec(),
+                    "application/vnd.oci.empty.v1+json".into(),
+                    None,
+                ),
+                "application/vnd.oci.image.layer.v1.tar",
+            ),
+            Layout::ContainerImage => (
+                Config::oci_v1(br#"{"architecture":"amd64","os":"linux"}"#.to_vec(), None),
+                "application/vnd.oci.image.layer.v1.tar+gzip",
+            ),
+        };
+        let layers = vec![ImageLayer::new(bytes.to_vec(), layer_type.into(), None)];
+        let manifest = OciImageManifest::build(&layers, &config, None);
+        let auth = self.auth();
+        runtime().block_on(async {
+            let client = Self::client();
+            client
+                .push(&reference, &layers, config, &auth, Some(manifest))
+                .await
+                .expect("push");
+            let (_, digest) = client
+                .pull_image_manifest(&reference, &auth)
+                .await
+                .expect("pull back the manifest");
+            digest
+        })
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A Wasm module exporting `add(i32, i32) -> i32`, padded with a custom section to at least
+/// `size` bytes.
+pub fn add_module(size: usize) -> Vec<u8> {
+    let pad = "x".repeat(size);
+    wat::parse_str(format!(
+        r#"(module (func (export "add") (param i32 i32) (result i32) local.get 0 local.get 1 i32.add)
+             (@custom "padding" "{pad}"))"#
+    ))
+    .expect("wat")
+}
+
+/// A `kubernetes.io/dockerconfigjson` Secret manifest granting `user`/`pass` on `host`.
+pub fn pull_secret_manifest(name: &str, host: &str, user: &str, pass: &str) -> String {
+    use base64::Engine as _;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{pass}"));
+    let config = format!(
+        r#"{{"auths":{{"{host}":{{"username":"{user}","password":"{pass}","auth":"{auth}"}}}}}}"#
+    );
+    let encoded = base64::engine::general_purpose::STANDARD.encode(config);
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\ntype: kubernetes.io/dockerconfigjson\ndata:\n  .dockerconfigjson: {encoded}\n"
+    )
+}
