@@ -42,12 +42,21 @@ fn operator_in(options: Options, ns: &str) -> Option<(ControlPlane, Running, u16
 /// `propeller run` as the ServiceAccount, with leader election on; returns the process and
 /// its MQTT and metrics ports once it leads and listens.
 fn start_operator(kubeconfig: &Path, identity: &str) -> (Running, u16, u16) {
-    let (process, metrics) = spawn_operator(kubeconfig, identity);
+    start_operator_with(kubeconfig, identity, &[])
+}
+
+/// [`start_operator`] with more flags.
+fn start_operator_with(kubeconfig: &Path, identity: &str, extra: &[&str]) -> (Running, u16, u16) {
+    let (process, metrics) = spawn_operator_with(kubeconfig, identity, extra);
     let mqtt = mqtt_port(&process);
     (process, mqtt, metrics)
 }
 
 fn spawn_operator(kubeconfig: &Path, identity: &str) -> (Running, u16) {
+    spawn_operator_with(kubeconfig, identity, &[])
+}
+
+fn spawn_operator_with(kubeconfig: &Path, identity: &str, extra: &[&str]) -> (Running, u16) {
     let metrics = free_port();
     let mut cmd = binary("propeller");
     cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
@@ -61,6 +70,7 @@ fn spawn_operator(kubeconfig: &Path, identity: &str) -> (Running, u16) {
             "1s",
         ])
         .args(["--log-format", "json"])
+        .args(extra)
         .env("KUBECONFIG", kubeconfig)
         .env("HOSTNAME", identity)
         .env("RUST_LOG", "info");
@@ -929,4 +939,82 @@ fn a_federated_job_of_two_rounds_stores_the_fedavg_model_in_a_configmap() {
     // Owned by its round, which the FederatedJob owns: deleting the job removes both.
     let owner = &cm["metadata"]["ownerReferences"][0];
     assert_eq!(owner["kind"], "TrainingRound", "{owner:#}");
+}
+
+#[test]
+fn oci_images_from_a_private_registry_run_through_the_operator() {
+    use support::registry::{add_module, pull_secret_manifest, Layout, Registry};
+    let Some(registry) = Registry::start(Some(("ci", "s3cret"))) else {
+        return;
+    };
+    let add = add_module(0);
+    let digest = registry.push("wasm/add:1.0", &add, Layout::WasmArtifact);
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let cache = cp.scratch().join("images");
+    let cache = cache.to_str().expect("utf-8 path");
+    let (_operator, mqtt, _) = start_operator_with(
+        &kubeconfig,
+        "operator-a",
+        &[
+            "--registry-plain-http",
+            &registry.host,
+            "--image-cache-dir",
+            cache,
+        ],
+    );
+    let ns = "oci";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let _a = device(&cp, ns, "edge-a", mqtt);
+    let _b = device(&cp, ns, "edge-b", mqtt);
+    wait_phase(&cp, ns, "proplet", "edge-a", "Running");
+    wait_phase(&cp, ns, "proplet", "edge-b", "Running");
+    // The real API server checks that a dockerconfigjson Secret holds a Docker config.
+    apply(
+        &cp,
+        ns,
+        &pull_secret_manifest("registry-login", &registry.host, "ci", "s3cret"),
+    );
+    let image = format!("{}/wasm/add:1.0", registry.host);
+    let task = |name: &str, inputs: &str, extra: &str| {
+        format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  imageUrl: {image}\n  inputs: {inputs}\n{extra}"
+        )
+    };
+    let login = "  imagePullSecrets:\n  - name: registry-login\n";
+    apply(
+        &cp,
+        ns,
+        &[
+            task("private", "[40, 2]", login),
+            task(
+                "everywhere",
+                "[1, 2]",
+                &format!("{login}  broadcast: true\n"),
+            ),
+            task("no-login", "[1, 1]", ""),
+        ]
+        .join("---\n"),
+    );
+    let private = wait_phase(&cp, ns, "task", "private", "completed");
+    assert_eq!(
+        private["status"]["results"], "42",
+        "{:#}",
+        private["status"]
+    );
+    assert_eq!(private["status"]["imageDigest"], digest.as_str());
+    let everywhere = wait_phase(&cp, ns, "task", "everywhere", "completed");
+    let results = everywhere["status"]["results"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(results.len(), 2, "{:#}", everywhere["status"]);
+    assert!(results.values().all(|r| r["results"] == "3"), "{results:?}");
+    let refused = wait_phase(&cp, ns, "task", "no-login", "failed");
+    let error = refused["status"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("registry refused access"), "{error}");
+    assert!(event_reasons(&cp, ns, "no-login")
+        .iter()
+        .any(|r| r == "ImageUnavailable"));
 }
