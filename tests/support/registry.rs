@@ -18,7 +18,9 @@ const BINARY: &str = "/usr/bin/docker-registry";
 
 /// A running registry; stopped when dropped.
 pub struct Registry {
-    _process: Running,
+    process: Running,
+    /// Access-log lines read so far.
+    log: std::sync::Mutex<Vec<String>>,
     _dir: tempfile::TempDir,
     /// `127.0.0.1:port`.
     pub host: String,
@@ -64,7 +66,7 @@ impl Registry {
             None => String::new(),
         };
         let config = format!(
-            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {host}\n{auth}",
+            "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {host}\n{auth}",
             dir.path().join("data").display()
         );
         let config_path: PathBuf = dir.path().join("config.yml");
@@ -81,11 +83,24 @@ impl Registry {
             std::thread::sleep(Duration::from_millis(50));
         }
         Some(Self {
-            _process: process,
+            process,
+            log: std::sync::Mutex::default(),
             _dir: dir,
             host,
             login: login.map(|(u, p)| (u.to_owned(), p.to_owned())),
         })
+    }
+
+    /// How many GETs of blob `digest` the registry has answered so far.
+    pub fn blob_gets(&self, digest: &str) -> usize {
+        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.extend(self.process.stderr.try_iter());
+        log.extend(self.process.stdout.try_iter());
+        let uri = format!("/blobs/{digest}");
+        log.iter()
+            .filter(|l| l.contains("response completed") && l.contains("method=GET"))
+            .filter(|l| l.contains(&uri))
+            .count()
     }
 
     fn auth(&self) -> RegistryAuth {
