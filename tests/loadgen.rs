@@ -9,6 +9,9 @@
 //!   credential, heartbeat on their channel like the agent does; after a while some of them
 //!   go silent (stay connected, stop heartbeating), so the operator's offline detection
 //!   can be timed. Prints when each phase started.
+//! * `push-module`: pushes an `add` Wasm module padded to a given size to an OCI registry as
+//!   a CNCF Wasm artifact, and writes the same bytes to a file (for the HTTP comparison).
+//!   Prints the manifest digest.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,6 +36,28 @@ enum Load {
     FanIn(Args),
     /// Many simulated proplets heartbeating.
     Heartbeats(HeartbeatArgs),
+    /// One Wasm artifact pushed to a registry.
+    PushModule(PushArgs),
+}
+
+/// A padded `add` module for the image benchmarks.
+#[derive(clap::Args, Debug)]
+struct PushArgs {
+    /// Registry `host:port`, spoken to over plain HTTP.
+    #[arg(long)]
+    registry: String,
+    /// `repository:tag` in the registry.
+    #[arg(long)]
+    reference: String,
+    /// Size of the module in bytes (a custom section pads it).
+    #[arg(long)]
+    size: usize,
+    /// Fill byte of the padding, so modules of one size differ.
+    #[arg(long, default_value_t = b'x')]
+    fill: u8,
+    /// Also write the module here.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
 }
 
 /// Fan-in load.
@@ -132,7 +157,72 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().load {
         Load::FanIn(args) => fan_in(args).await,
         Load::Heartbeats(args) => heartbeats(args).await,
+        Load::PushModule(args) => push_module(args).await,
     }
+}
+
+/// `add(i32, i32)` with a custom section making the whole module `size` bytes or a few more.
+fn padded_add(size: usize, fill: u8) -> anyhow::Result<Vec<u8>> {
+    let mut module = wat::parse_str(
+        r#"(module (func (export "add") (param i32 i32) (result i32) local.get 0 local.get 1 i32.add))"#,
+    )?;
+    let name = b"padding";
+    let payload = size.saturating_sub(module.len() + name.len() + 8);
+    let mut section = Vec::new();
+    leb128(&mut section, name.len() as u64);
+    section.extend_from_slice(name);
+    section.resize(section.len() + payload, fill);
+    module.push(0);
+    leb128(&mut module, section.len() as u64);
+    module.extend_from_slice(&section);
+    Ok(module)
+}
+
+fn leb128(out: &mut Vec<u8>, mut value: u64) {
+    loop {
+        let byte = (value & 0x7f) as u8;
+        value >>= 7;
+        if value == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
+
+async fn push_module(args: PushArgs) -> anyhow::Result<()> {
+    use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+    use oci_client::manifest::OciImageManifest;
+    use oci_client::secrets::RegistryAuth;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let module = padded_add(args.size, args.fill)?;
+    if let Some(path) = &args.out {
+        std::fs::write(path, &module).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let reference: oci_client::Reference = format!("{}/{}", args.registry, args.reference)
+        .parse()
+        .context("reference")?;
+    let client = oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..ClientConfig::default()
+    });
+    let config = Config::new(
+        br#"{"architecture":"wasm","os":"wasip1","layerDigests":[]}"#.to_vec(),
+        "application/vnd.wasm.config.v0+json".into(),
+        None,
+    );
+    let layers = vec![ImageLayer::new(module, "application/wasm".into(), None)];
+    let manifest = OciImageManifest::build(&layers, &config, None);
+    client
+        .push(&reference, &layers, config, &RegistryAuth::Anonymous, Some(manifest))
+        .await
+        .context("push")?;
+    let (_, digest) = client
+        .pull_image_manifest(&reference, &RegistryAuth::Anonymous)
+        .await
+        .context("reading the manifest back")?;
+    println!("{digest}");
+    Ok(())
 }
 
 fn unix_ms() -> u128 {

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# OCI image benchmark: `propeller standalone` with 10 local agents and Debian's
+# docker-registry, all on 127.0.0.1.
+#
+#   scripts/bench-oci.sh
+#
+# For a 1 MB and a 10 MB `add` module, to 1 agent and to 10 (a broadcast task): the time from
+# the Task's apply to its completion (1 ms polling),
+#   * cold:   an image neither propeller nor the agents have seen (pull, verify, cache, chunks),
+#   * cached: the same image again (manifest check, cache hit, chunks),
+#   * http:   the same bytes as an `http://` imageUrl that each agent fetches itself,
+# 3 runs each (median, min, max), with the registry pulls and chunk transfers they caused and
+# the longest gap between the agents' 1 s heartbeats as propeller recorded them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x /usr/bin/docker-registry ] || { echo "needs Debian's docker-registry (apt-get install docker-registry)" >&2; exit 1; }
+scripts/build-release.sh
+BIN=target/release
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+MQTT=$(free_port); API=$(free_port); REG=$(free_port); WEB=$(free_port)
+
+cat >"$WORK/registry.yml" <<YML
+version: 0.1
+log:
+  level: info
+  accesslog:
+    disabled: true
+storage:
+  filesystem:
+    rootdirectory: $WORK/registry
+http:
+  addr: 127.0.0.1:$REG
+YML
+/usr/bin/docker-registry serve "$WORK/registry.yml" >"$WORK/registry.log" 2>&1 &
+PIDS+=($!)
+mkdir -p "$WORK/www"
+python3 -m http.server "$WEB" --bind 127.0.0.1 --directory "$WORK/www" >/dev/null 2>&1 &
+PIDS+=($!)
+RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
+  --api-listen "127.0.0.1:$API" --registry-plain-http "127.0.0.1:$REG" >"$WORK/standalone.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
+for _ in $(seq 1 100); do python3 -c "import socket; socket.create_connection(('127.0.0.1', $REG))" 2>/dev/null && break; sleep 0.1; done
+
+python3 - "$API" "$WORK" "$MQTT" "$BIN" "$REG" "$WEB" <<'PY'
+import os, statistics, subprocess, sys, time
+sys.path.insert(0, "scripts")
+from bench_api import Api, proplet_manifest
+api_port, work, mqtt, bin_dir, reg, web = sys.argv[1:7]
+api = Api(api_port, os.path.join(work, "data"))
+call = api.call
+AGENTS = 10
+
+call("POST", "/v1/apply", "---\n".join(proplet_manifest(f"w{i}", mqtt, f"w{i}-secret") for i in range(AGENTS)))
+agents = []
+for i in range(AGENTS):
+    env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
+               PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=f"w{i}", PROPLET_CLIENT_KEY=f"w{i}-secret",
+               PROPLET_STATE_DIR=os.path.join(work, f"w{i}"), PROPLET_LIVELINESS_INTERVAL="1",
+               RUST_LOG="warn")
+    agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+def registry_blob_gets():
+    with open(os.path.join(work, "registry.log")) as f:
+        return sum(1 for l in f if "response completed" in l and "method=GET" in l and "/blobs/sha256:" in l)
+
+def transfers():
+    with open(os.path.join(work, "standalone.log")) as f:
+        return sum(1 for l in f if "binary sent" in l)
+
+pushed = 0
+def push(size, fill):
+    """A new image (new bytes) of `size`: its OCI reference, and its http:// URL."""
+    global pushed
+    pushed += 1
+    name = f"m{pushed}"
+    out = subprocess.run([os.path.join(bin_dir, "propeller-loadgen"), "push-module", "--registry", f"127.0.0.1:{reg}",
+                          "--reference", f"bench/{name}:v1", "--size", str(size), "--fill", str(fill),
+                          "--out", os.path.join(work, "www", f"{name}.wasm")], check=True, capture_output=True, text=True)
+    return f"127.0.0.1:{reg}/bench/{name}:v1", f"http://127.0.0.1:{web}/{name}.wasm"
+
+runs = 0
+def run(image, agents_wanted):
+    global runs
+    runs += 1
+    name = f"t{runs}"
+    spread = "  broadcast: true\n" if agents_wanted > 1 else "  propletSelector:\n    propletId: w0\n"
+    manifest = (f"apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\n"
+                f"spec:\n  name: {name}\n  functionName: add\n  imageUrl: {image}\n  inputs: [1, 2]\n{spread}")
+    t0 = time.perf_counter()
+    call("POST", "/v1/apply", manifest)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        status = call("GET", f"/v1/objects/task/default/{name}").get("status", {})
+        if status.get("phase") in ("completed", "failed"):
+            break
+        time.sleep(0.001)
+    else:
+        raise SystemExit(f"{name} did not finish")
+    elapsed = (time.perf_counter() - t0) * 1000
+    if status["phase"] != "completed":
+        raise SystemExit(f"{name} failed: {status.get('error')}")
+    if agents_wanted > 1 and len(status.get("results", {})) != agents_wanted:
+        raise SystemExit(f"{name}: {len(status.get('results', {}))} results, expected {agents_wanted}")
+    return elapsed
+
+def heartbeat_gap():
+    """The longest gap between consecutive heartbeats propeller recorded (the last ten of each
+    agent, which beat every second): transfers that starved the broker would stretch it."""
+    from datetime import datetime
+    gaps = []
+    for p in call("GET", "/v1/objects/proplet?namespace=default"):
+        beats = sorted(datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+                       for t in p.get("status", {}).get("aliveHistory", []))
+        gaps += [b - a for a, b in zip(beats, beats[1:])]
+    return max(gaps, default=0.0)
+
+def fmt(samples):
+    return f"median {statistics.median(samples):7.0f} ms (min {min(samples):.0f}, max {max(samples):.0f})"
+
+try:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ps = call("GET", "/v1/objects/proplet?namespace=default")
+        if sum(1 for p in ps if p.get("status", {}).get("phase") == "Running") == AGENTS:
+            break
+        time.sleep(0.1)
+    else:
+        raise SystemExit("the agents did not come up")
+    warm, _ = push(1000, 1)
+    run(warm, 1)
+    run(warm, AGENTS)
+    print(f"{'module':>7} {'agents':>6}  {'case':<7} apply -> completed (3 runs)")
+    for size in (1_000_000, 10_000_000):
+        for n in (1, AGENTS):
+            fill = 2
+            pulls0, sent0 = registry_blob_gets(), transfers()
+            cold, cached, http = [], [], []
+            for _ in range(3):
+                fill += 1
+                image, url = push(size, fill)
+                cold.append(run(image, n))
+                cached.append(run(image, n))
+                fill += 1
+                _, url = push(size, fill)
+                http.append(run(url, n))
+            pulls, sent = registry_blob_gets() - pulls0, transfers() - sent0
+            label = f"{size // 1_000_000:>5} MB {n:>6}"
+            print(f"{label}  cold    {fmt(cold)}")
+            print(f"{label}  cached  {fmt(cached)}")
+            print(f"{label}  http    {fmt(http)}")
+            print(f"{'':>15}  registry blob pulls {pulls} for 3 images; chunk transfers {sent} for 6 OCI runs; "
+                  f"longest heartbeat gap in the last 10 s {heartbeat_gap():.2f} s (interval 1 s)")
+finally:
+    for a in agents:
+        a.terminate()
+PY
