@@ -214,7 +214,13 @@ async fn push_module(args: PushArgs) -> anyhow::Result<()> {
     let layers = vec![ImageLayer::new(module, "application/wasm".into(), None)];
     let manifest = OciImageManifest::build(&layers, &config, None);
     client
-        .push(&reference, &layers, config, &RegistryAuth::Anonymous, Some(manifest))
+        .push(
+            &reference,
+            &layers,
+            config,
+            &RegistryAuth::Anonymous,
+            Some(manifest),
+        )
         .await
         .context("push")?;
     let (_, digest) = client

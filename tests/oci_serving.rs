@@ -14,12 +14,24 @@ use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use support::registry::{add_module, Layout, Registry};
 
 fn puller(registry: &Registry, cache: &std::path::Path) -> Arc<ImagePuller> {
+    puller_trusting(registry, cache, registry.ca_pem.clone())
+}
+
+fn puller_trusting(
+    registry: &Registry,
+    cache: &std::path::Path,
+    ca: Option<String>,
+) -> Arc<ImagePuller> {
+    let plain_http = match registry.ca_pem {
+        Some(_) => Vec::new(),
+        None => vec![registry.host.clone()],
+    };
     Arc::new(
         ImagePuller::new(PullerConfig {
             max_bytes: 100 << 20,
             timeout: Duration::from_secs(20),
-            plain_http: vec![registry.host.clone()],
-            extra_ca_pem: None,
+            plain_http,
+            extra_ca_pem: ca.map(String::into_bytes),
             cache_dir: cache.to_owned(),
             cache_bytes: 1 << 30,
         })
@@ -70,6 +82,33 @@ fn concurrent_resolutions_share_one_registry_pull_and_later_ones_use_the_cache()
         assert_eq!(served.as_deref(), Some(module.as_slice()));
     });
     assert_eq!(registry.blob_gets(&layer), 1);
+}
+
+#[test]
+fn a_registry_with_a_private_ca_is_trusted_only_with_its_ca() {
+    let Some(registry) = Registry::start_tls() else {
+        return;
+    };
+    let digest = registry.push("wasm/add:1", &add_module(0), Layout::WasmArtifact);
+    let image = format!("{}/wasm/add:1", registry.host);
+    let cache = tempfile::tempdir().expect("cache dir");
+    let untrusting = puller_trusting(&registry, &cache.path().join("a"), None);
+    let trusting = puller(&registry, &cache.path().join("b"));
+    runtime().block_on(async {
+        let refused = untrusting
+            .resolve(&image, RegistryAuth::Anonymous)
+            .await
+            .expect_err("an unknown CA must not be trusted");
+        assert!(
+            refused.to_string().to_lowercase().contains("certificate"),
+            "{refused}"
+        );
+        let resolved = trusting
+            .resolve(&image, RegistryAuth::Anonymous)
+            .await
+            .expect("resolve over TLS with the CA");
+        assert_eq!(resolved.manifest_digest, digest);
+    });
 }
 
 /// Collects `registry/server` chunks seen by a subscriber until `quiet` passes without one.

@@ -913,3 +913,42 @@ fn oci_images_are_resolved_pulled_and_served_over_mqtt() {
         .expect("base64");
     assert_eq!(data, add);
 }
+
+#[test]
+fn get_w_prints_the_table_then_a_line_per_change_as_it_happens() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, _port) = start_standalone(dir.path(), &[]);
+    apply_text(
+        &api,
+        dir.path(),
+        "first.yaml",
+        &inline_task("first", "[1, 2]"),
+    );
+    let mut cmd = support::binary("propeller");
+    cmd.args(["get", "tasks", "-w", "--server", &api, "--data-dir"])
+        .arg(dir.path());
+    let watch = support::Running::spawn(cmd);
+    let header = watch.stdout_line("NAME");
+    assert!(header.contains("PHASE"), "{header}");
+    assert!(watch.stdout_line("first").contains("first"));
+    // No proplet exists: the new task waits, and each of its writes is one line.
+    apply_text(
+        &api,
+        dir.path(),
+        "second.yaml",
+        &inline_task("second", "[3, 4]"),
+    );
+    let line = watch.stdout_line("second");
+    assert!(line.starts_with("second"), "{line}");
+    let (ok, _, err) = propeller_client(&api, dir.path(), &["delete", "task", "second"]);
+    assert!(ok, "{err}");
+    // Its last lines: the finalizer's removal, then the deletion.
+    assert!(watch.stdout_line("second").starts_with("second"));
+}
+
+/// A task with an inline module (no registry involved).
+fn inline_task(name: &str, inputs: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  file: {ADD_WASM}\n  inputs: {inputs}\n"
+    )
+}

@@ -1,25 +1,27 @@
-//! A minimal HTTP/1.1 responder for health, readiness and metrics endpoints.
+//! Health, readiness and metrics endpoints (agent and operator) on hyper's HTTP/1.1 server.
 //!
-//! Probes and Prometheus only send small GET requests, so a full HTTP stack would add size to
-//! the device agent for nothing. Each connection answers one request and closes; a client that
-//! does not finish its request head within five seconds is dropped.
+//! Probes and Prometheus send small GET requests; a [`Handler`] maps (method, path) to a
+//! [`Reply`]. hyper does the protocol (keep-alive, pipelining, malformed requests); a client
+//! that does not finish its request head within five seconds is dropped.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::CONTENT_TYPE;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
 
-/// Longest request head read.
-const MAX_HEAD: usize = 8192;
 /// Time allowed for the request head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
-    /// Status line text, e.g. `200 OK`.
-    pub status: &'static str,
+    /// Status code.
+    pub status: u16,
     /// `Content-Type`.
     pub content_type: &'static str,
     /// Body.
@@ -30,7 +32,7 @@ impl Reply {
     /// A 200 response.
     pub fn ok(content_type: &'static str, body: impl Into<String>) -> Self {
         Self {
-            status: "200 OK",
+            status: 200,
             content_type,
             body: body.into(),
         }
@@ -39,7 +41,7 @@ impl Reply {
     /// A 503 response (not ready).
     pub fn unavailable(body: impl Into<String>) -> Self {
         Self {
-            status: "503 Service Unavailable",
+            status: 503,
             content_type: "application/json",
             body: body.into(),
         }
@@ -48,10 +50,21 @@ impl Reply {
     /// A 404 response.
     pub fn not_found() -> Self {
         Self {
-            status: "404 Not Found",
+            status: 404,
             content_type: "text/plain",
             body: "not found\n".into(),
         }
+    }
+
+    fn into_response(self) -> Response<Full<Bytes>> {
+        let mut response = Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() = hyper::StatusCode::from_u16(self.status)
+            .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static(self.content_type),
+        );
+        response
     }
 }
 
@@ -70,40 +83,61 @@ pub async fn serve(listener: TcpListener, handler: Handler) {
         };
         let handler = handler.clone();
         tokio::spawn(async move {
-            if let Err(e) = answer(socket, &handler).await {
-                tracing::debug!(%peer, %e, "HTTP request failed");
+            let service = hyper::service::service_fn(move |request: Request<_>| {
+                let reply = handler(request.method().as_str(), request.uri().path());
+                async move { Ok::<_, std::convert::Infallible>(reply.into_response()) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .serve_connection(TokioIo::new(socket), service);
+            if let Err(e) = connection.await {
+                tracing::debug!(%peer, %e, "HTTP connection failed");
             }
         });
     }
 }
 
-async fn answer(mut socket: TcpStream, handler: &Handler) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(512);
-    let mut buf = [0u8; 512];
-    let read_head = async {
-        while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < MAX_HEAD {
-            let n = socket.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            request.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
-    };
-    if tokio::time::timeout(HEAD_TIMEOUT, read_head).await.is_err() {
-        return Ok(());
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn exchange(addr: std::net::SocketAddr, request: &str) -> String {
+        let mut socket = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        socket.write_all(request.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), socket.read_to_string(&mut out)).await;
+        out
     }
-    let head = String::from_utf8_lossy(&request);
-    let mut parts = head.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let reply = handler(method, path);
-    let response = format!(
-        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
-        reply.status,
-        reply.content_type,
-        reply.body.len(),
-        reply.body
-    );
-    socket.write_all(response.as_bytes()).await?;
-    socket.shutdown().await
+
+    #[tokio::test]
+    async fn routes_by_method_and_path_and_keeps_connections_alive() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let handler: Handler = Arc::new(|method, path| match (method, path) {
+            ("GET", "/healthz") => Reply::ok("application/json", r#"{"status":"ok"}"#),
+            ("GET", "/readyz") => Reply::unavailable(r#"{"status":"not leading"}"#),
+            _ => Reply::not_found(),
+        });
+        let server = tokio::spawn(serve(listener, handler));
+        // Two pipelined requests on one connection, the second closing it.
+        let both = exchange(
+            addr,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(both.starts_with("HTTP/1.1 200 OK"), "{both}");
+        assert!(both.contains(r#"{"status":"ok"}"#));
+        assert!(both.contains("HTTP/1.1 503 Service Unavailable"), "{both}");
+        let missing = exchange(
+            addr,
+            "POST /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let garbage = exchange(addr, "NOT HTTP AT ALL\r\n\r\n").await;
+        assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage}");
+        server.abort();
+    }
 }

@@ -398,7 +398,7 @@ fn unpack_shared_assets() -> Result<PathBuf, String> {
 }
 
 /// A CA and a serving certificate for 127.0.0.1 and localhost, as PEM (ca, cert, key).
-fn serving_certificate() -> (String, String, String) {
+pub fn serving_certificate() -> (String, String, String) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
     let ca_key = KeyPair::generate().expect("CA key");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+use oci_client::client::{
+    Certificate, CertificateEncoding, ClientConfig, ClientProtocol, Config, ImageLayer,
+};
 use oci_client::manifest::OciImageManifest;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
@@ -25,6 +27,8 @@ pub struct Registry {
     /// `127.0.0.1:port`.
     pub host: String,
     login: Option<(String, String)>,
+    /// The CA that signed its serving certificate, when it speaks TLS.
+    pub ca_pem: Option<String>,
 }
 
 /// How a pushed artifact is laid out.
@@ -42,6 +46,15 @@ impl Registry {
     /// Starts a registry, with basic auth for `login` when given; `None` (after saying why)
     /// when `docker-registry` is not installed outside CI.
     pub fn start(login: Option<(&str, &str)>) -> Option<Self> {
+        Self::start_with(login, false)
+    }
+
+    /// A registry serving HTTPS with a certificate from a private CA ([`Registry::ca_pem`]).
+    pub fn start_tls() -> Option<Self> {
+        Self::start_with(None, true)
+    }
+
+    fn start_with(login: Option<(&str, &str)>, tls: bool) -> Option<Self> {
         if !Path::new(BINARY).exists() {
             let why = format!("{BINARY} missing (apt-get install docker-registry)");
             if std::env::var("CI").is_ok_and(|v| v == "true") {
@@ -65,8 +78,23 @@ impl Registry {
             }
             None => String::new(),
         };
+        let ca_pem = tls.then(|| {
+            let (ca, cert, key) = super::envtest::serving_certificate();
+            std::fs::write(dir.path().join("cert.pem"), cert).expect("cert");
+            std::fs::write(dir.path().join("key.pem"), key).expect("key");
+            ca
+        });
+        let tls_config = if tls {
+            format!(
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                dir.path().join("cert.pem").display(),
+                dir.path().join("key.pem").display()
+            )
+        } else {
+            String::new()
+        };
         let config = format!(
-            "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {host}\n{auth}",
+            "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {host}\n{tls_config}{auth}",
             dir.path().join("data").display()
         );
         let config_path: PathBuf = dir.path().join("config.yml");
@@ -88,6 +116,7 @@ impl Registry {
             _dir: dir,
             host,
             login: login.map(|(u, p)| (u.to_owned(), p.to_owned())),
+            ca_pem,
         })
     }
 
@@ -110,10 +139,21 @@ impl Registry {
         }
     }
 
-    fn client() -> Client {
+    fn client(&self) -> Client {
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let (protocol, extra_root_certificates) = match &self.ca_pem {
+            Some(ca) => (
+                ClientProtocol::Https,
+                vec![Certificate {
+                    encoding: CertificateEncoding::Pem,
+                    data: ca.clone().into_bytes(),
+                }],
+            ),
+            None => (ClientProtocol::Http, Vec::new()),
+        };
         Client::new(ClientConfig {
-            protocol: ClientProtocol::Http,
+            protocol,
+            extra_root_certificates,
             ..ClientConfig::default()
         })
     }
@@ -147,7 +187,7 @@ impl Registry {
         let manifest = OciImageManifest::build(&layers, &config, None);
         let auth = self.auth();
         runtime().block_on(async {
-            let client = Self::client();
+            let client = self.client();
             client
                 .push(&reference, &layers, config, &auth, Some(manifest))
                 .await

@@ -202,9 +202,15 @@ async fn serve(
     if let Some(addr) = broker.tcp_addr() {
         info!(%addr, "mqtt listening");
     }
+    let images = cmd.images.images(
+        &std::env::temp_dir().join("propeller-images"),
+        broker.publisher(),
+        Arc::new(ApiPullSecrets(client.clone())),
+    )?;
     let mut registry = Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
     broker.metrics().register(&mut registry);
+    images.metrics().register(&mut registry);
     health.set_registry(registry);
     let raw_events = broker
         .take_events()
@@ -215,11 +221,6 @@ async fn serve(
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(),
     };
-    let images = cmd.images.images(
-        &std::env::temp_dir().join("propeller-images"),
-        broker.publisher(),
-        Arc::new(ApiPullSecrets(client.clone())),
-    )?;
     let rt = Runtime {
         client,
         settings,

@@ -14,10 +14,13 @@ use propeller_operator::metrics::ControllerMetrics;
 use propeller_operator::standalone::api::{
     self, canonical_kind, parse_manifest, ApiState, MetricsText,
 };
-use propeller_operator::standalone::client::{describe, table, ApiClient};
+use propeller_operator::standalone::client::{
+    column_widths, describe, render_rows, table, table_cells, ApiClient,
+};
 use propeller_operator::standalone::driver::{Driver, StandaloneSettings};
 use propeller_operator::standalone::events::EventLog;
 use propeller_operator::standalone::store::{ChangeKind, ObjectStore};
+use propeller_operator::standalone::watch::{ChangeLog, INITIAL_EVENTS_END};
 use propeller_operator::validation::Admission;
 use serde_json::Value;
 use tracing::{info, warn};
@@ -176,11 +179,13 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         broker.publisher(),
         Arc::new(StorePullSecrets(store.clone())),
     )?;
+    let image_metrics = images.metrics().clone();
     driver.attach_images(images);
     let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
     broker.metrics().register(&mut registry);
     store.metrics().register(&mut registry);
+    image_metrics.register(&mut registry);
     let metrics: MetricsText = {
         let driver = driver.clone();
         Arc::new(move || {
@@ -202,6 +207,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         token,
         events: events_log,
         metrics,
+        changes: ChangeLog::attach(&store).context("watching the store")?,
     });
     let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
     println!("propeller standalone: data in {}", cmd.data_dir.display());
@@ -394,52 +400,154 @@ pub async fn get(
     watch: bool,
 ) -> anyhow::Result<()> {
     let kind = kind_of(kind)?;
+    if !matches!(output, None | Some("wide" | "yaml" | "json")) {
+        bail!(
+            "unknown output format {:?}; use wide, yaml or json",
+            output.unwrap_or_default()
+        );
+    }
     let api = client.client()?;
-    let mut last = String::new();
+    if watch {
+        return watch_objects(&api, kind, name, namespace, output).await;
+    }
+    let objects: Vec<Value> = match name {
+        Some(n) => vec![
+            api.request("GET", &format!("/v1/objects/{kind}/{namespace}/{n}"), None)
+                .await?,
+        ],
+        None => api
+            .request(
+                "GET",
+                &format!("/v1/objects/{kind}?namespace={namespace}"),
+                None,
+            )
+            .await?
+            .as_array()
+            .cloned()
+            .unwrap_or_default(),
+    };
+    let text = match output {
+        Some("yaml") => objects
+            .iter()
+            .map(|o| serde_yaml_ng::to_string(o).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("---\n"),
+        Some("json") => {
+            let value = if name.is_some() && objects.len() == 1 {
+                objects[0].clone()
+            } else {
+                Value::Array(objects.clone())
+            };
+            serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
+        }
+        _ => table(kind, &objects, output == Some("wide"), chrono::Utc::now()),
+    };
+    print!("{text}");
+    Ok(())
+}
+
+/// Prints objects as the watch stream delivers them: the current ones as a table once the
+/// initial events end, then one line per change, as `kubectl get -w` does. A dropped
+/// connection resumes from the last resourceVersion seen; an expired one lists again.
+async fn watch_objects(
+    api: &ApiClient,
+    kind: &str,
+    name: Option<&str>,
+    namespace: &str,
+    output: Option<&str>,
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let wide = output == Some("wide");
+    let mut from: Option<String> = None;
+    let mut initial: Vec<Value> = Vec::new();
+    let mut listing = true;
+    let mut widths: Vec<usize> = Vec::new();
     loop {
-        let objects: Vec<Value> = match name {
-            Some(n) => vec![
-                api.request("GET", &format!("/v1/objects/{kind}/{namespace}/{n}"), None)
-                    .await?,
-            ],
-            None => api
-                .request(
-                    "GET",
-                    &format!("/v1/objects/{kind}?namespace={namespace}"),
-                    None,
-                )
-                .await?
-                .as_array()
-                .cloned()
-                .unwrap_or_default(),
-        };
-        let text = match output {
-            Some("yaml") => objects
-                .iter()
-                .map(|o| serde_yaml_ng::to_string(o).unwrap_or_default())
-                .collect::<Vec<_>>()
-                .join("---\n"),
-            Some("json") => {
-                let value = if name.is_some() && objects.len() == 1 {
-                    objects[0].clone()
-                } else {
-                    Value::Array(objects.clone())
-                };
-                serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
+        let mut path = format!("/v1/watch/{kind}?namespace={namespace}");
+        if let Some(n) = name {
+            path.push_str(&format!("&name={n}"));
+        }
+        if let Some(v) = &from {
+            path.push_str(&format!("&resourceVersion={v}"));
+        }
+        let mut stream = match api.stream(&path).await {
+            Ok(stream) => stream,
+            Err(e @ propeller_operator::standalone::client::ClientError::Connect { .. })
+                if from.is_some() =>
+            {
+                eprintln!("{e}; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
             }
-            Some("wide") => table(kind, &objects, true, chrono::Utc::now()),
-            None => table(kind, &objects, false, chrono::Utc::now()),
-            Some(other) => bail!("unknown output format {other:?}; use wide, yaml or json"),
+            Err(e) => return Err(e.into()),
         };
-        if !watch {
-            print!("{text}");
-            return Ok(());
+        while let Some(line) = stream.next_line().await? {
+            let event: Value = serde_json::from_str(&line)
+                .with_context(|| format!("watch event is not JSON: {line}"))?;
+            let object = &event["object"];
+            if let Some(v) = object["metadata"]["resourceVersion"].as_str() {
+                from = Some(v.to_owned());
+            }
+            match event["type"].as_str().unwrap_or_default() {
+                "BOOKMARK" => {
+                    let end = &object["metadata"]["annotations"][INITIAL_EVENTS_END];
+                    if listing && end == "true" {
+                        listing = false;
+                        let now = chrono::Utc::now();
+                        match output {
+                            Some("json" | "yaml") => {
+                                for o in &initial {
+                                    print!("{}", render_one(o, output));
+                                }
+                            }
+                            _ => {
+                                let rows = table_cells(kind, &initial, wide, now);
+                                widths = column_widths(&rows);
+                                print!("{}", render_rows(&rows, &widths));
+                            }
+                        }
+                        initial.clear();
+                        let _ = std::io::stdout().flush();
+                    }
+                }
+                "ERROR" if object["code"] == 410 => {
+                    eprintln!("watch expired ({}); listing again", object["message"]);
+                    from = None;
+                    listing = true;
+                    break;
+                }
+                "ERROR" => bail!("watch failed: {}", object["message"]),
+                _ if listing => initial.push(object.clone()),
+                _ => {
+                    let text = match output {
+                        Some("json" | "yaml") => render_one(object, output),
+                        _ => {
+                            let rows = table_cells(
+                                kind,
+                                std::slice::from_ref(object),
+                                wide,
+                                chrono::Utc::now(),
+                            );
+                            render_rows(&rows[1..], &widths)
+                        }
+                    };
+                    print!("{text}");
+                    let _ = std::io::stdout().flush();
+                }
+            }
         }
-        if text != last {
-            print!("{text}");
-            last = text;
-        }
+        eprintln!("watch connection closed; reconnecting");
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+fn render_one(object: &Value, output: Option<&str>) -> String {
+    match output {
+        Some("yaml") => format!(
+            "---\n{}",
+            serde_yaml_ng::to_string(object).unwrap_or_default()
+        ),
+        _ => serde_json::to_string_pretty(object).unwrap_or_default() + "\n",
     }
 }
 

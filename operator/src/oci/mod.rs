@@ -11,6 +11,7 @@
 pub mod artifact;
 pub mod cache;
 pub mod credentials;
+pub mod metrics;
 pub mod puller;
 pub mod reference;
 pub mod responder;
@@ -27,6 +28,7 @@ use crate::crd::task::Task;
 use crate::decision::task::ImageObservation;
 use crate::state::lock;
 pub use credentials::RegistryLogins;
+pub use metrics::ImageMetrics;
 pub use puller::{ImageError, ImagePuller, PullerConfig, ResolvedImage, DEFAULT_MAX_IMAGE_BYTES};
 pub use responder::{ImageServer, DEFAULT_CHUNK_RATE};
 
@@ -70,6 +72,7 @@ pub struct Images {
     /// Resolutions by (task UID, run count before the run).
     runs: Mutex<HashMap<(String, i64), RunImage>>,
     trigger: OnceLock<Trigger>,
+    metrics: ImageMetrics,
 }
 
 fn run_key(task: &Task) -> (String, i64) {
@@ -86,12 +89,12 @@ impl Images {
         publisher: Publisher,
         secrets: Arc<dyn PullSecrets>,
     ) -> Result<Arc<Self>, ImageError> {
-        let puller = Arc::new(ImagePuller::new(config.puller)?);
-        let server = Arc::new(ImageServer::new(
-            puller.clone(),
-            publisher,
-            config.chunk_rate,
-        ));
+        let metrics = ImageMetrics::default();
+        let puller = Arc::new(ImagePuller::new(config.puller)?.with_metrics(metrics.clone()));
+        let server = Arc::new(
+            ImageServer::new(puller.clone(), publisher, config.chunk_rate)
+                .with_metrics(metrics.clone()),
+        );
         Ok(Arc::new(Self {
             puller,
             server,
@@ -99,6 +102,7 @@ impl Images {
             secrets,
             runs: Mutex::default(),
             trigger: OnceLock::new(),
+            metrics,
         }))
     }
 
@@ -110,6 +114,11 @@ impl Images {
     /// The chunk server (for its counters).
     pub fn server(&self) -> &Arc<ImageServer> {
         &self.server
+    }
+
+    /// The service's counters.
+    pub fn metrics(&self) -> &ImageMetrics {
+        &self.metrics
     }
 
     /// Where this run's resolution stands, if it was asked for.
@@ -154,6 +163,17 @@ impl Images {
         let this = self.clone();
         tokio::spawn(async move {
             let outcome = this.resolve_now(&image, &namespace, &secrets).await;
+            let label = if outcome.is_ok() {
+                "resolved"
+            } else {
+                "failed"
+            };
+            this.metrics
+                .resolutions
+                .get_or_create(&metrics::OutcomeLabels {
+                    outcome: label.into(),
+                })
+                .inc();
             let state = match outcome {
                 Ok(resolved) => {
                     info!(task = %name, image = %image, digest = %resolved.manifest_digest, bytes = resolved.size, "image resolved");

@@ -19,6 +19,7 @@ use tokio::io::AsyncWrite;
 
 use super::artifact::{is_wasm, not_wasm_reason, wasm_layer, wasm_platform};
 use super::cache::{sha256_hex, BlobCache, CacheError};
+use super::metrics::ImageMetrics;
 use super::reference::{parse, registry_reference};
 use crate::state::lock;
 
@@ -142,6 +143,7 @@ pub struct ImagePuller {
     pulls: Mutex<HashMap<String, Shared<BoxFuture<'static, PullResult>>>>,
     /// How each pinned name was resolved, to pull its layer again after an eviction.
     origins: Mutex<HashMap<String, (Reference, OciDescriptor, RegistryAuth)>>,
+    metrics: ImageMetrics,
 }
 
 impl std::fmt::Debug for ImagePuller {
@@ -173,7 +175,14 @@ impl ImagePuller {
             clients: Mutex::default(),
             pulls: Mutex::default(),
             origins: Mutex::default(),
+            metrics: ImageMetrics::default(),
         })
+    }
+
+    /// Counts pulls in `metrics`.
+    pub fn with_metrics(mut self, metrics: ImageMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     fn client(&self, registry: &str, auth: &RegistryAuth) -> Client {
@@ -363,6 +372,10 @@ impl ImagePuller {
         tokio::task::spawn_blocking(move || cache.commit(scratch, &digest))
             .await
             .map_err(|e| ImageError::Cache(e.to_string()))??;
+        self.metrics.registry_pulls.inc();
+        self.metrics
+            .registry_bytes
+            .inc_by(u64::try_from(layer.size).unwrap_or(0));
         Ok(())
     }
 

@@ -16,6 +16,7 @@ use propeller_broker::server::Publisher;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::metrics::ImageMetrics;
 use super::puller::ImagePuller;
 use crate::state::lock;
 
@@ -71,6 +72,7 @@ pub struct ImageServer {
     transfers: Mutex<HashMap<TransferKey, Transfer>>,
     /// Transfers completed, for tests and metrics.
     sent: std::sync::atomic::AtomicU64,
+    metrics: ImageMetrics,
 }
 
 impl ImageServer {
@@ -86,7 +88,14 @@ impl ImageServer {
             },
             transfers: Mutex::default(),
             sent: Default::default(),
+            metrics: ImageMetrics::default(),
         }
+    }
+
+    /// Counts transfers in `metrics`.
+    pub fn with_metrics(mut self, metrics: ImageMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Transfers completed so far.
@@ -171,6 +180,8 @@ impl ImageServer {
                     .map_err(|e| format!("publishing chunk {}: {e}", chunk.chunk_idx))?;
             }
             self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.metrics.transfers.inc();
+            self.metrics.chunk_bytes.inc_by(binary.len() as u64);
             info!(image = %key.name, channel = %key.channel, bytes = binary.len(), chunks = total, "binary sent");
             // Decide and deregister under one lock, so a request cannot slip in between.
             let mut transfers = lock(&self.transfers);

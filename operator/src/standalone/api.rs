@@ -20,6 +20,7 @@ use crate::validation::Admission;
 
 use super::events::EventLog;
 use super::store::{Deleted, ObjectStore, StoreError};
+use super::watch::{ChangeLog, Filter, Watch};
 
 /// Kinds standalone serves, with the names users type for them.
 const KINDS: &[(&str, &[&str])] = &[
@@ -56,6 +57,8 @@ pub struct ApiState {
     pub events: Arc<EventLog>,
     /// Renders `/metrics` (OpenMetrics text).
     pub metrics: MetricsText,
+    /// Recent changes, for watches.
+    pub changes: Arc<ChangeLog>,
 }
 
 /// Renders the process's metrics as OpenMetrics text when `/metrics` is asked for.
@@ -292,6 +295,49 @@ async fn events_of(
     ))
 }
 
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WatchQuery {
+    namespace: Option<String>,
+    name: Option<String>,
+    resource_version: Option<String>,
+}
+
+/// `GET /v1/watch/{kind}`: one JSON watch event per line until the client goes away.
+async fn watch(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path(kind): Path<String>,
+    Query(q): Query<WatchQuery>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let kind = kind_or_404(&kind)?;
+    let from = match q.resource_version.as_deref().filter(|v| !v.is_empty()) {
+        Some(v) => Some(v.parse::<u64>().map_err(|_| {
+            ApiError(
+                StatusCode::BAD_REQUEST,
+                format!("resourceVersion {v:?} is not a number"),
+            )
+        })?),
+        None => None,
+    };
+    let filter = Filter {
+        kind: kind.to_owned(),
+        namespace: q.namespace.filter(|n| !n.is_empty()),
+        name: q.name.filter(|n| !n.is_empty()),
+    };
+    let watch = Watch::start(state.store.clone(), state.changes.clone(), filter, from)?;
+    let lines = futures::stream::unfold(watch, |mut watch| async move {
+        let line = watch.next_line().await?;
+        Some((Ok::<_, std::convert::Infallible>(line), watch))
+    });
+    Ok((
+        [("content-type", "application/json;stream=watch")],
+        axum::body::Body::from_stream(lines),
+    )
+        .into_response())
+}
+
 /// The API's routes.
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
@@ -303,6 +349,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
             get(get_one).delete(delete_one),
         )
         .route("/v1/events/{kind}/{namespace}/{name}", get(events_of))
+        .route("/v1/watch/{kind}", get(watch))
         .with_state(state)
 }
 

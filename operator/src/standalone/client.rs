@@ -1,11 +1,10 @@
-//! The client side of the standalone API: a small HTTP/1.1 client for loopback, and the
-//! table, YAML and describe renderings `propeller get/describe` print.
+//! The client side of the standalone API (hyper over loopback, including streaming
+//! watches), and the table, YAML and describe renderings `propeller get/describe` print.
 
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Why a request to the standalone API failed.
@@ -44,6 +43,36 @@ pub struct ApiClient {
     token: String,
 }
 
+/// A response whose body is still arriving (a watch).
+pub struct LineStream {
+    body: hyper::body::Incoming,
+    buffer: Vec<u8>,
+}
+
+impl LineStream {
+    /// The next complete line (without its newline); `None` when the server ended the body.
+    pub async fn next_line(&mut self) -> Result<Option<String>, ClientError> {
+        use http_body_util::BodyExt;
+        loop {
+            if let Some(end) = self.buffer.iter().position(|b| *b == b'\n') {
+                let rest = self.buffer.split_off(end + 1);
+                let mut line = std::mem::replace(&mut self.buffer, rest);
+                line.pop();
+                return Ok(Some(String::from_utf8_lossy(&line).into_owned()));
+            }
+            match self.body.frame().await {
+                Some(frame) => {
+                    let frame = frame.map_err(|e| ClientError::Protocol(e.to_string()))?;
+                    if let Ok(data) = frame.into_data() {
+                        self.buffer.extend_from_slice(&data);
+                    }
+                }
+                None => return Ok(None),
+            }
+        }
+    }
+}
+
 impl ApiClient {
     /// A client of the API at `addr` (`host:port`) using `token`.
     pub fn new(addr: impl Into<String>, token: impl Into<String>) -> Self {
@@ -53,6 +82,43 @@ impl ApiClient {
         }
     }
 
+    /// Sends one request over a new connection; the status and the body still arriving.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> Result<(u16, hyper::body::Incoming), ClientError> {
+        let stream =
+            TcpStream::connect(&self.addr)
+                .await
+                .map_err(|source| ClientError::Connect {
+                    addr: self.addr.clone(),
+                    source,
+                })?;
+        let _ = stream.set_nodelay(true);
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        tokio::spawn(connection);
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", &self.addr)
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("content-type", "text/plain")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.unwrap_or_default().to_owned(),
+            )))
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        Ok((response.status().as_u16(), response.into_body()))
+    }
+
     /// Sends one request; returns the JSON body of a 2xx answer.
     pub async fn request(
         &self,
@@ -60,67 +126,56 @@ impl ApiClient {
         path: &str,
         body: Option<&str>,
     ) -> Result<Value, ClientError> {
-        let mut stream =
-            TcpStream::connect(&self.addr)
-                .await
-                .map_err(|source| ClientError::Connect {
-                    addr: self.addr.clone(),
-                    source,
-                })?;
-        let body = body.unwrap_or_default();
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            self.addr,
-            self.token,
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).await?;
-        stream.write_all(body.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        let (status, payload) = split_response(&raw)?;
+        use http_body_util::BodyExt;
+        let (status, incoming) = self.send(method, path, body).await?;
+        let payload = incoming
+            .collect()
+            .await
+            .map_err(|e| ClientError::Protocol(e.to_string()))?
+            .to_bytes();
         let value: Value = if payload.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(payload)
+            serde_json::from_slice(&payload)
                 .map_err(|e| ClientError::Protocol(format!("body is not JSON: {e}")))?
         };
-        if (200..300).contains(&status) {
-            Ok(value)
-        } else {
-            Err(ClientError::Refused {
-                status,
-                message: value["error"]
-                    .as_str()
-                    .map(str::to_owned)
-                    .unwrap_or_else(|| format!("HTTP {status}")),
-            })
+        refused_unless_ok(status, value)
+    }
+
+    /// Opens a streaming GET (a watch); the lines arrive as the server sends them.
+    pub async fn stream(&self, path: &str) -> Result<LineStream, ClientError> {
+        use http_body_util::BodyExt;
+        let (status, body) = self.send("GET", path, None).await?;
+        if !(200..300).contains(&status) {
+            let payload = body
+                .collect()
+                .await
+                .map_err(|e| ClientError::Protocol(e.to_string()))?
+                .to_bytes();
+            let value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+            return Err(refused_unless_ok(status, value)
+                .err()
+                .unwrap_or_else(|| ClientError::Protocol(format!("HTTP {status}"))));
         }
+        Ok(LineStream {
+            body,
+            buffer: Vec::new(),
+        })
     }
 }
 
-/// Status code and body of a raw HTTP/1.1 response (identity or chunked body).
-fn split_response(raw: &[u8]) -> Result<(u16, &[u8]), ClientError> {
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| ClientError::Protocol("no end of headers".into()))?;
-    let head = String::from_utf8_lossy(&raw[..end]);
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| ClientError::Protocol("no status line".into()))?;
-    let body = &raw[end + 4..];
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        return Err(ClientError::Protocol(
-            "chunked bodies are not expected from the standalone API".into(),
-        ));
+fn refused_unless_ok(status: u16, value: Value) -> Result<Value, ClientError> {
+    if (200..300).contains(&status) {
+        Ok(value)
+    } else {
+        Err(ClientError::Refused {
+            status,
+            message: value["error"]
+                .as_str()
+                .map(str::to_owned)
+                .unwrap_or_else(|| format!("HTTP {status}")),
+        })
     }
-    Ok((status, body))
 }
 
 /// One printer column of a kind, from its CRD.
@@ -209,6 +264,17 @@ fn cell(obj: &Value, column: &Column, now: DateTime<Utc>) -> String {
 /// The rows of `objects` as `kubectl get` prints them: NAME (and NAMESPACE when `wide`),
 /// then the kind's printer columns, aligned.
 pub fn table(kind: &str, objects: &[Value], wide: bool, now: DateTime<Utc>) -> String {
+    let rows = table_cells(kind, objects, wide, now);
+    render_rows(&rows, &column_widths(&rows))
+}
+
+/// The header and one row per object, cell by cell.
+pub fn table_cells(
+    kind: &str,
+    objects: &[Value],
+    wide: bool,
+    now: DateTime<Utc>,
+) -> Vec<Vec<String>> {
     let cols = columns(kind);
     let mut header = Vec::new();
     if wide {
@@ -231,15 +297,33 @@ pub fn table(kind: &str, objects: &[Value], wide: bool, now: DateTime<Utc>) -> S
         row.extend(cols.iter().map(|c| cell(obj, c, now)));
         rows.push(row);
     }
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-        .collect();
+    rows
+}
+
+/// The widest cell of each column.
+pub fn column_widths(rows: &[Vec<String>]) -> Vec<usize> {
+    let columns = rows.first().map_or(0, Vec::len);
+    (0..columns)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+/// Rows padded to `widths` (a later row of a watch keeps the first table's alignment).
+pub fn render_rows(rows: &[Vec<String>], widths: &[usize]) -> String {
     let mut out = String::new();
     for row in rows {
         let line: Vec<String> = row
             .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
+            .enumerate()
+            .map(|(i, c)| {
+                let w = widths.get(i).copied().unwrap_or(0);
+                format!("{c:<w$}")
+            })
             .collect();
         out.push_str(line.join("   ").trim_end());
         out.push('\n');
@@ -360,15 +444,6 @@ mod tests {
             row.contains("completed") && row.contains("pi") && row.ends_with("5m"),
             "{row}"
         );
-    }
-
-    #[test]
-    fn responses_split_into_status_and_body() {
-        let raw = b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-type: application/json\r\ncontent-length: 13\r\n\r\n{\"error\":\"x\"}";
-        let (status, body) = split_response(raw).unwrap_or((0, b""));
-        assert_eq!(status, 422);
-        assert_eq!(body, b"{\"error\":\"x\"}");
-        assert!(split_response(b"garbage").is_err());
     }
 
     #[test]

@@ -8,3 +8,4 @@ pub mod driver;
 pub mod events;
 pub mod pull_secrets;
 pub mod store;
+pub mod watch;
