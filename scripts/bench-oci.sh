@@ -9,8 +9,9 @@
 #   * cold:   an image neither propeller nor the agents have seen (pull, verify, cache, chunks),
 #   * cached: the same image again (manifest check, cache hit, chunks),
 #   * http:   the same bytes as an `http://` imageUrl that each agent fetches itself,
-# 3 runs each (median, min, max), with the registry pulls and chunk transfers they caused and
-# the longest gap between the agents' 1 s heartbeats as propeller recorded them.
+# 3 runs each (median, min, max), with the registry pulls and chunk transfers they caused (from
+# /metrics) and the longest gap between the agents' 1 s heartbeats as propeller recorded them.
+# Then the OCI cases again with chunk publishing unpaced (--image-chunk-rate 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/bin/docker-registry ] || { echo "needs Debian's docker-registry (apt-get install docker-registry)" >&2; exit 1; }
@@ -40,48 +41,61 @@ PIDS+=($!)
 mkdir -p "$WORK/www"
 python3 -m http.server "$WEB" --bind 127.0.0.1 --directory "$WORK/www" >/dev/null 2>&1 &
 PIDS+=($!)
-RUST_LOG=warn "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
-  --api-listen "127.0.0.1:$API" --registry-plain-http "127.0.0.1:$REG" >"$WORK/standalone.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 100); do [ -s "$WORK/data/api-token" ] && break; sleep 0.1; done
 for _ in $(seq 1 100); do python3 -c "import socket; socket.create_connection(('127.0.0.1', $REG))" 2>/dev/null && break; sleep 0.1; done
 
 python3 - "$API" "$WORK" "$MQTT" "$BIN" "$REG" "$WEB" <<'PY'
 import os, statistics, subprocess, sys, time
 sys.path.insert(0, "scripts")
-from bench_api import Api, proplet_manifest
+from bench_api import Api, pick, proplet_manifest
 api_port, work, mqtt, bin_dir, reg, web = sys.argv[1:7]
-api = Api(api_port, os.path.join(work, "data"))
-call = api.call
 AGENTS = 10
+api = call = None
 
-call("POST", "/v1/apply", "---\n".join(proplet_manifest(f"w{i}", mqtt, f"w{i}-secret") for i in range(AGENTS)))
-agents = []
-for i in range(AGENTS):
-    env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
-               PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=f"w{i}", PROPLET_CLIENT_KEY=f"w{i}-secret",
-               PROPLET_STATE_DIR=os.path.join(work, f"w{i}"), PROPLET_LIVELINESS_INTERVAL="1",
-               RUST_LOG="warn")
-    agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+def start(pace, data):
+    """propeller standalone publishing chunks at `pace`, and the 10 agents."""
+    global api, call
+    server = subprocess.Popen([os.path.join(bin_dir, "propeller"), "standalone", "--data-dir", data,
+                               "--mqtt-listen", f"127.0.0.1:{mqtt}", "--api-listen", f"127.0.0.1:{api_port}",
+                               "--registry-plain-http", f"127.0.0.1:{reg}", "--image-chunk-rate", pace],
+                              env=dict(os.environ, RUST_LOG="warn"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        if os.path.exists(os.path.join(data, "api-token")):
+            break
+        time.sleep(0.1)
+    time.sleep(0.3)
+    api = Api(api_port, data)
+    call = api.call
+    call("POST", "/v1/apply", "---\n".join(proplet_manifest(f"w{i}", mqtt, f"w{i}-secret") for i in range(AGENTS)))
+    agents = []
+    for i in range(AGENTS):
+        env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
+                   PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=f"w{i}", PROPLET_CLIENT_KEY=f"w{i}-secret",
+                   PROPLET_STATE_DIR=os.path.join(data, f"w{i}"), PROPLET_LIVELINESS_INTERVAL="1",
+                   RUST_LOG="warn")
+        agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ps = call("GET", "/v1/objects/proplet?namespace=default")
+        if sum(1 for p in ps if p.get("status", {}).get("phase") == "Running") == AGENTS:
+            return [server] + agents
+        time.sleep(0.1)
+    raise SystemExit("the agents did not come up")
 
-def registry_blob_gets():
-    with open(os.path.join(work, "registry.log")) as f:
-        return sum(1 for l in f if "response completed" in l and "method=GET" in l and "/blobs/sha256:" in l)
-
-def transfers():
-    with open(os.path.join(work, "standalone.log")) as f:
-        return sum(1 for l in f if "binary sent" in l)
+def counters():
+    samples = api.samples()
+    return (pick(samples, "propeller_image_registry_pulls_total"), pick(samples, "propeller_image_transfers_total"))
 
 pushed = 0
-def push(size, fill):
-    """A new image (new bytes) of `size`: its OCI reference, and its http:// URL."""
+def push(size):
+    """A new image (bytes no earlier push had) of `size`: its OCI reference and http:// URL."""
     global pushed
     pushed += 1
     name = f"m{pushed}"
-    out = subprocess.run([os.path.join(bin_dir, "propeller-loadgen"), "push-module", "--registry", f"127.0.0.1:{reg}",
-                          "--reference", f"bench/{name}:v1", "--size", str(size), "--fill", str(fill),
-                          "--out", os.path.join(work, "www", f"{name}.wasm")], check=True, capture_output=True, text=True)
+    subprocess.run([os.path.join(bin_dir, "propeller-loadgen"), "push-module", "--registry", f"127.0.0.1:{reg}",
+                    "--reference", f"bench/{name}:v1", "--size", str(size), "--fill", str(pushed % 256),
+                    "--out", os.path.join(work, "www", f"{name}.wasm")], check=True, capture_output=True, text=True)
     return f"127.0.0.1:{reg}/bench/{name}:v1", f"http://127.0.0.1:{web}/{name}.wasm"
 
 runs = 0
@@ -123,40 +137,37 @@ def heartbeat_gap():
 def fmt(samples):
     return f"median {statistics.median(samples):7.0f} ms (min {min(samples):.0f}, max {max(samples):.0f})"
 
-try:
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        ps = call("GET", "/v1/objects/proplet?namespace=default")
-        if sum(1 for p in ps if p.get("status", {}).get("phase") == "Running") == AGENTS:
-            break
-        time.sleep(0.1)
-    else:
-        raise SystemExit("the agents did not come up")
-    warm, _ = push(1000, 1)
-    run(warm, 1)
-    run(warm, AGENTS)
-    print(f"{'module':>7} {'agents':>6}  {'case':<7} apply -> completed (3 runs)")
-    for size in (1_000_000, 10_000_000):
-        for n in (1, AGENTS):
-            fill = 2
-            pulls0, sent0 = registry_blob_gets(), transfers()
-            cold, cached, http = [], [], []
-            for _ in range(3):
-                fill += 1
-                image, url = push(size, fill)
-                cold.append(run(image, n))
-                cached.append(run(image, n))
-                fill += 1
-                _, url = push(size, fill)
-                http.append(run(url, n))
-            pulls, sent = registry_blob_gets() - pulls0, transfers() - sent0
-            label = f"{size // 1_000_000:>5} MB {n:>6}"
-            print(f"{label}  cold    {fmt(cold)}")
-            print(f"{label}  cached  {fmt(cached)}")
-            print(f"{label}  http    {fmt(http)}")
-            print(f"{'':>15}  registry blob pulls {pulls} for 3 images; chunk transfers {sent} for 6 OCI runs; "
-                  f"longest heartbeat gap in the last 10 s {heartbeat_gap():.2f} s (interval 1 s)")
-finally:
-    for a in agents:
-        a.terminate()
+for pace in ("16MiB", "0"):
+    procs = start(pace, os.path.join(work, f"data-{pace}"))
+    try:
+        warm, _ = push(1000)
+        run(warm, 1)
+        run(warm, AGENTS)
+        label_pace = "default pace 16 MiB/s" if pace != "0" else "unpaced (--image-chunk-rate 0)"
+        print(f"chunks at {label_pace}")
+        print(f"{'module':>7} {'agents':>6}  {'case':<7} apply -> completed (3 runs)")
+        for size in (1_000_000, 10_000_000):
+            for n in (1, AGENTS):
+                pulls0, sent0 = counters()
+                cold, cached, http = [], [], []
+                for _ in range(3):
+                    image, _ = push(size)
+                    cold.append(run(image, n))
+                    cached.append(run(image, n))
+                    if pace != "0":
+                        _, url = push(size)
+                        http.append(run(url, n))
+                pulls, sent = (a - b for a, b in zip(counters(), (pulls0, sent0)))
+                label = f"{size // 1_000_000:>5} MB {n:>6}"
+                print(f"{label}  cold    {fmt(cold)}")
+                print(f"{label}  cached  {fmt(cached)}")
+                if http:
+                    print(f"{label}  http    {fmt(http)}")
+                print(f"{'':>15}  registry pulls {pulls:.0f} for 3 images; chunk transfers {sent:.0f} for 6 runs; "
+                      f"longest heartbeat gap in the last 10 s {heartbeat_gap():.2f} s (interval 1 s)")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
 PY

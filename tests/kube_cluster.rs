@@ -212,6 +212,40 @@ fn shorten_tail(text: &str) -> String {
     text.chars().skip(skip).collect()
 }
 
+/// Every YAML file under `dir`, at any depth.
+fn yaml_files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = yaml_files(dir);
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.path().is_dir() {
+            out.extend(yaml_files_under(&entry.path()));
+        }
+    }
+    out
+}
+
+/// The files a kustomization includes, following nested kustomizations.
+fn kustomized_files(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string(dir.join("kustomization.yaml")).expect("kustomization");
+    let doc: Value = serde_yaml_ng::from_str(&text).expect("kustomization YAML");
+    let mut out = Vec::new();
+    for resource in doc["resources"].as_array().into_iter().flatten() {
+        let path = dir.join(resource.as_str().unwrap_or_default());
+        if path.is_dir() {
+            out.extend(kustomized_files(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
 /// Every YAML file directly in `dir`, sorted.
 fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -244,10 +278,17 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
     let apply = ["apply", "--server-side", "--dry-run=server"].map(String::from);
     let samples = repo_root().join("tests/fixtures/upstream-samples");
     let ours = repo_root().join("configs/samples");
-    for file in yaml_files(&samples).into_iter().chain(yaml_files(&ours)) {
+    let quickstart = repo_root().join("configs/samples/quickstart");
+    let mut judged: Vec<PathBuf> = Vec::new();
+    for file in yaml_files(&samples)
+        .into_iter()
+        .chain(yaml_files(&ours))
+        .chain(yaml_files(&quickstart))
+    {
         if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
             continue;
         }
+        judged.push(file.clone());
         let path = file.display().to_string();
         let args = [
             &["-n".into(), "default".into()][..],
@@ -257,17 +298,31 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
         dry_run(path, args.concat());
     }
     // The kustomizations, as kubectl builds them.
-    for dir in [
+    let kustomizations = [
         "configs/crd",
         "configs/rbac",
         "configs/deploy",
         "configs/samples",
-    ] {
+    ];
+    for dir in kustomizations {
         dry_run(
             format!("-k {dir}"),
             [&apply[..], &["-k".into(), dir.into()]].concat(),
         );
+        judged.extend(kustomized_files(&repo_root().join(dir)));
     }
+    // Nothing under configs/ escapes: every manifest was judged directly or through a
+    // kustomization, except the Helm chart (the chart test renders it for the server).
+    let unjudged: Vec<PathBuf> = yaml_files_under(&repo_root().join("configs"))
+        .into_iter()
+        .filter(|f| !f.starts_with(repo_root().join("configs/helm")))
+        .filter(|f| f.file_name().is_some_and(|n| n != "kustomization.yaml"))
+        .filter(|f| !judged.iter().any(|j| same_file(j, f)))
+        .collect();
+    assert!(
+        unjudged.is_empty(),
+        "manifests no test sends to the API server: {unjudged:?}"
+    );
     assert!(checked > 30, "only {checked} manifests found");
     assert!(
         refused.is_empty(),
@@ -1017,4 +1072,205 @@ fn oci_images_from_a_private_registry_run_through_the_operator() {
     assert!(event_reasons(&cp, ns, "no-login")
         .iter()
         .any(|r| r == "ImageUnavailable"));
+}
+
+/// Value sets that exercise every branch of the chart's templates.
+const CHART_VALUES: [(&str, &str); 4] = [
+    ("defaults", ""),
+    (
+        "tls-namespaced",
+        r#"watchNamespace: edge
+domainId: factory
+channelId: line-1
+scheduler: priority
+lastSeenThreshold: 45s
+livelinessInterval: 15s
+statusFlushInterval: 2s
+taskTimeout: 30m
+logFormat: text
+tls: {enabled: true, secretName: propeller-tls, clientCA: true, disablePlain: true}
+credentialsSecret: propeller-clients
+extraArgs: ["--lease-name=custom"]
+extraEnv: [{name: RUST_LOG, value: debug}]
+service: {type: LoadBalancer, annotations: {example.com/lb: internal}}
+serviceAccount: {annotations: {example.com/role: propeller}}
+imagePullSecrets: [{name: regcred}]
+podAnnotations: {prometheus.io/scrape: "true"}
+nodeSelector: {kubernetes.io/os: linux}
+tolerations: [{key: edge, operator: Exists, effect: NoSchedule}]
+image: {tag: ""}
+fullnameOverride: prop
+images: {cacheSize: 400MiB, volumeSize: 512Mi, registryLoginSecret: registry-login}
+"#,
+    ),
+    (
+        "no-rbac-no-leader",
+        "rbac: {create: false}\nserviceAccount: {create: false, name: existing}\nleaderElect: false\nresources: {}\n",
+    ),
+    ("cluster-wide-images", "images: {registryLoginSecret: registry-login}\n"),
+];
+
+/// Value sets the chart must refuse, with a word of the message.
+const BAD_CHART_VALUES: [(&str, &str, &str); 4] = [
+    (
+        "unknown scheduler",
+        "scheduler: random\n",
+        "scheduler must be",
+    ),
+    (
+        "tls without secret",
+        "tls: {enabled: true}\n",
+        "tls.enabled needs",
+    ),
+    (
+        "no listener",
+        "tls: {disablePlain: true}\n",
+        "disablePlain needs",
+    ),
+    ("bad log format", "logFormat: xml\n", "logFormat must be"),
+];
+
+/// Checks the API server cannot make: Services reach a container port, bindings name the
+/// pods' ServiceAccount and existing roles.
+fn check_rendered_chart(name: &str, rendered: &str) {
+    use serde::Deserialize;
+    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(rendered)
+        .filter_map(|d| Value::deserialize(d).ok())
+        .filter(|d| d.is_object())
+        .collect();
+    let of = |kind: &str| -> Vec<&Value> { docs.iter().filter(|d| d["kind"] == kind).collect() };
+    let deployments = of("Deployment");
+    assert_eq!(deployments.len(), 1, "{name}: one Deployment");
+    let pod = &deployments[0]["spec"]["template"]["spec"];
+    let ports: Vec<&str> = pod["containers"][0]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    for service in of("Service") {
+        for port in service["spec"]["ports"].as_array().into_iter().flatten() {
+            let target = port["targetPort"].as_str().unwrap_or_default();
+            assert!(
+                ports.contains(&target),
+                "{name}: Service port {port} targets no container port {ports:?}"
+            );
+        }
+    }
+    let account = pod["serviceAccountName"].as_str().unwrap_or_default();
+    let roles: Vec<&str> = of("ClusterRole")
+        .into_iter()
+        .chain(of("Role"))
+        .filter_map(|r| r["metadata"]["name"].as_str())
+        .collect();
+    for binding in of("ClusterRoleBinding")
+        .into_iter()
+        .chain(of("RoleBinding"))
+    {
+        for subject in binding["subjects"].as_array().into_iter().flatten() {
+            assert_eq!(subject["name"], account, "{name}: binding {binding}");
+        }
+        let role = binding["roleRef"]["name"].as_str().unwrap_or_default();
+        assert!(
+            roles.contains(&role),
+            "{name}: binding to missing role {role}"
+        );
+    }
+}
+
+#[test]
+fn the_helm_chart_lints_renders_and_passes_a_server_side_dry_run() {
+    let Some((cp, _)) = cluster(Options::default()) else {
+        return;
+    };
+    let Some(helm) = support::envtest::helm_binary() else {
+        eprintln!("SKIPPED: helm not found (neither on PATH nor ../shared/envtest/helm.xz)");
+        return;
+    };
+    let home = cp.scratch().join("helm-home");
+    std::fs::create_dir_all(&home).expect("helm home");
+    let run_helm = |args: &[&str]| {
+        let mut cmd = std::process::Command::new(&helm);
+        cmd.args(args)
+            .current_dir(repo_root())
+            .env("HOME", &home)
+            .env("XDG_CACHE_HOME", home.join("cache"))
+            .env("XDG_CONFIG_HOME", home.join("config"))
+            .env("XDG_DATA_HOME", home.join("data"));
+        cmd.output().expect("run helm")
+    };
+    cp.kubectl_ok(&["create", "namespace", "edge"]);
+    let chart = "configs/helm/propeller";
+    for (name, values) in CHART_VALUES {
+        let file = cp.scratch().join(format!("values-{name}.yaml"));
+        std::fs::write(&file, values).expect("values file");
+        let file = file.to_str().expect("utf-8 path");
+        let lint = run_helm(&["lint", "--strict", chart, "-f", file]);
+        assert!(
+            lint.status.success(),
+            "helm lint ({name}):\n{}{}",
+            String::from_utf8_lossy(&lint.stdout),
+            String::from_utf8_lossy(&lint.stderr)
+        );
+        let out = run_helm(&[
+            "template",
+            "propeller",
+            chart,
+            "--namespace",
+            "propeller-system",
+            "-f",
+            file,
+        ]);
+        assert!(
+            out.status.success(),
+            "helm template ({name}): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rendered = String::from_utf8_lossy(&out.stdout).into_owned();
+        check_rendered_chart(name, &rendered);
+        let dry = cp.kubectl_stdin(
+            &["apply", "--server-side", "--dry-run=server", "-f", "-"],
+            &rendered,
+        );
+        assert!(
+            dry.status.success(),
+            "the API server refused the chart ({name}): {}",
+            shorten(&String::from_utf8_lossy(&dry.stderr))
+        );
+        let objects = String::from_utf8_lossy(&dry.stdout).lines().count();
+        eprintln!("chart values {name}: {objects} objects accepted by the API server");
+    }
+    for (name, values, message) in BAD_CHART_VALUES {
+        let file = cp.scratch().join("bad-values.yaml");
+        std::fs::write(&file, values).expect("values file");
+        let out = run_helm(&[
+            "template",
+            "propeller",
+            chart,
+            "-f",
+            file.to_str().expect("path"),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(message),
+            "{name}: {err}"
+        );
+    }
+    let crds = cp
+        .kubectl()
+        .args([
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "-f",
+            "configs/helm/propeller/crds",
+        ])
+        .current_dir(repo_root())
+        .output()
+        .expect("kubectl");
+    assert!(
+        crds.status.success(),
+        "{}",
+        String::from_utf8_lossy(&crds.stderr)
+    );
 }

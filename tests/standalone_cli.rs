@@ -9,9 +9,24 @@ use support::{mosquitto_pub, propeller_client, start_standalone, ADD_WASM};
 fn the_demo_computes_add_and_the_pipeline_and_a_restart_keeps_everything() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut server, api, mqtt_port) = start_standalone(dir.path(), &["--demo"]);
+    // The demo tells what happens, in order, with the logs in a file instead.
+    server.stdout_line("logs in");
+    server.stdout_line("demo: applied the quickstart: Secret quickstart-proplet-key");
+    server.stdout_line("demo: started the agent");
+    server.stdout_line("proplet quickstart-proplet: Running");
+    server.stdout_line("task add: scheduled on quickstart-proplet");
     server.stdout_line("task add: completed, result 42");
     server.stdout_line("task pipeline-step-two: completed, result 100");
     server.stdout_line("propellerjob pipeline: Completed");
+    let summary = server.stdout_line("demo finished:");
+    assert!(summary.contains("3 completed"), "{summary}");
+    server.stdout_line("propeller get tasks");
+    assert!(
+        server.stderr_so_far().is_empty(),
+        "the demo's logs belong in the file"
+    );
+    let log = std::fs::read_to_string(dir.path().join("propeller.log")).expect("log file");
+    assert!(log.contains("INFO"), "{log}");
 
     // The client commands read what the server holds.
     let (ok, out, err) = propeller_client(&api, dir.path(), &["get", "task"]);

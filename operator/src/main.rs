@@ -126,7 +126,13 @@ fn main() -> anyhow::Result<()> {
             block_on(commands::broker::run(cmd))?;
         }
         Command::Standalone(cmd) => {
-            commands::logging::init();
+            if cmd.demo && !cmd.verbose {
+                std::fs::create_dir_all(&cmd.data_dir)
+                    .with_context(|| format!("creating {}", cmd.data_dir.display()))?;
+                commands::logging::init_to_file(&cmd.data_dir.join(commands::demo::LOG_FILE))?;
+            } else {
+                commands::logging::init();
+            }
             block_on(commands::standalone::run(*cmd))?;
         }
         Command::Apply { file, client } => {

@@ -360,6 +360,23 @@ fn find_assets(options: Options) -> Result<Assets, String> {
     })
 }
 
+/// The real `helm`: on PATH, in `$KUBEBUILDER_ASSETS`, or unpacked from
+/// `../shared/envtest/helm.xz`; `None` when there is none.
+pub fn helm_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("helm"))
+            .find(|p| p.is_file())
+    }) {
+        return Some(path);
+    }
+    let dir = match std::env::var_os("KUBEBUILDER_ASSETS") {
+        Some(dir) => PathBuf::from(dir),
+        None => unpack_shared_assets().ok()?,
+    };
+    Some(dir.join("helm")).filter(|p| p.is_file())
+}
+
 /// Unpacks `../shared/envtest/*.xz` into `target/envtest-assets` once; the directory.
 fn unpack_shared_assets() -> Result<PathBuf, String> {
     let shared = repo_root().join("../shared/envtest");
@@ -371,7 +388,7 @@ fn unpack_shared_assets() -> Result<PathBuf, String> {
     }
     let out = repo_root().join("target/envtest-assets");
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
-    for name in ["kube-apiserver", "kube-controller-manager"] {
+    for name in ["kube-apiserver", "kube-controller-manager", "helm"] {
         let target = out.join(name);
         let packed = shared.join(format!("{name}.xz"));
         if target.is_file() || !packed.is_file() {

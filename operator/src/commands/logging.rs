@@ -30,3 +30,22 @@ pub fn init_with(format: LogFormat) {
         LogFormat::Json => builder.json().try_init(),
     };
 }
+
+/// Logs as text to the file at `path` (appended), filtered like [`init`]: the demo keeps its
+/// terminal for what it tells the user.
+pub fn init_to_file(path: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening the log file {}", path.display()))?;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttd=off"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .try_init();
+    Ok(())
+}

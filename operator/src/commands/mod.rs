@@ -1,6 +1,7 @@
 //! Subcommands of the `propeller` binary that run services.
 
 pub mod broker;
+pub mod demo;
 pub mod image_args;
 pub mod logging;
 pub mod reconcile_args;

@@ -11,15 +11,13 @@ use anyhow::{bail, Context};
 use clap::Args;
 use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
 use propeller_operator::metrics::ControllerMetrics;
-use propeller_operator::standalone::api::{
-    self, canonical_kind, parse_manifest, ApiState, MetricsText,
-};
+use propeller_operator::standalone::api::{self, canonical_kind, ApiState, MetricsText};
 use propeller_operator::standalone::client::{
     column_widths, describe, render_rows, table, table_cells, ApiClient,
 };
 use propeller_operator::standalone::driver::{Driver, StandaloneSettings};
 use propeller_operator::standalone::events::EventLog;
-use propeller_operator::standalone::store::{ChangeKind, ObjectStore};
+use propeller_operator::standalone::store::ObjectStore;
 use propeller_operator::standalone::watch::{ChangeLog, INITIAL_EVENTS_END};
 use propeller_operator::validation::Admission;
 use serde_json::Value;
@@ -50,9 +48,13 @@ pub struct StandaloneCommand {
     pub reconcile: ReconcileArgs,
     #[command(flatten)]
     pub images: ImageArgs,
-    /// Also start a local proplet, apply the quickstart samples and print their results.
+    /// Also start a local proplet, apply the quickstart samples and print their progress
+    /// and results (logs then go to a file in the data directory).
     #[arg(long)]
     pub demo: bool,
+    /// With --demo: print the logs of propeller and the agent here instead of to files.
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 /// Where the client commands find the API.
@@ -95,7 +97,7 @@ impl ClientArgs {
     }
 }
 
-fn random_hex(bytes: usize) -> anyhow::Result<String> {
+pub(crate) fn random_hex(bytes: usize) -> anyhow::Result<String> {
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut buf))
@@ -125,13 +127,6 @@ fn token(dir: &Path) -> anyhow::Result<String> {
     std::fs::write(&path, &token)?;
     Ok(token)
 }
-
-/// The quickstart manifests, built into the binary so the demo works from any directory.
-const QUICKSTART: [&str; 3] = [
-    include_str!("../../../configs/samples/quickstart/proplet.yaml"),
-    include_str!("../../../configs/samples/quickstart/task.yaml"),
-    include_str!("../../../configs/samples/quickstart/pipeline.yaml"),
-];
 
 /// Runs standalone mode until Ctrl-C.
 pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
@@ -219,8 +214,18 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
 
     let mut agent = None;
     if cmd.demo {
-        agent = Some(start_demo(&api_state, mqtt, &cmd.data_dir).await?);
-        tokio::spawn(print_results(store.clone()));
+        if !cmd.verbose {
+            println!(
+                "  logs in {} (-v prints them here)",
+                cmd.data_dir.join(super::demo::LOG_FILE).display()
+            );
+        }
+        agent = Some(super::demo::start(&api_state, mqtt, &cmd.data_dir, cmd.verbose).await?);
+        tokio::spawn(super::demo::narrate(
+            store.clone(),
+            api_addr,
+            cmd.data_dir.clone(),
+        ));
     }
     let shutdown = async {
         super::signals::terminated().await;
@@ -233,110 +238,6 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     api_task.abort();
     broker.shutdown();
     Ok(())
-}
-
-/// Applies the quickstart with a freshly generated proplet key and starts a local `proplet`
-/// (found next to this binary) that logs in with it.
-async fn start_demo(
-    api_state: &ApiState,
-    mqtt: SocketAddr,
-    data_dir: &Path,
-) -> anyhow::Result<tokio::process::Child> {
-    let key = random_hex(16)?;
-    let mut docs = Vec::new();
-    for text in QUICKSTART {
-        docs.extend(parse_manifest(text).map_err(anyhow::Error::msg)?);
-    }
-    for doc in &mut docs {
-        match doc["kind"].as_str() {
-            Some("Secret") => doc["stringData"]["key"] = Value::String(key.clone()),
-            Some("Proplet") => {
-                doc["spec"]["connectionConfig"]["mqttAddress"] =
-                    Value::String(format!("tcp://{mqtt}"))
-            }
-            _ => {}
-        }
-    }
-    let applied = api::apply_documents(api_state, &docs)
-        .await
-        .map_err(|problems| {
-            anyhow::anyhow!("the quickstart does not apply:\n{}", problems.join("\n"))
-        })?;
-    for a in &applied {
-        println!(
-            "  applied {} {}",
-            a["kind"].as_str().unwrap_or_default(),
-            a["name"].as_str().unwrap_or_default()
-        );
-    }
-    let exe = std::env::current_exe().context("locating this binary")?;
-    let agent = exe.with_file_name("proplet");
-    if !agent.exists() {
-        bail!(
-            "the demo needs the proplet binary next to {} (build both with `cargo build --bins`)",
-            exe.display()
-        );
-    }
-    let state_dir = data_dir.join("demo-proplet");
-    std::fs::create_dir_all(&state_dir)?;
-    let child = tokio::process::Command::new(&agent)
-        .env("PROPLET_MQTT_ADDRESS", format!("tcp://{mqtt}"))
-        .env("PROPLET_DOMAIN_ID", "quickstart")
-        .env("PROPLET_CHANNEL_ID", "quickstart")
-        .env("PROPLET_CLIENT_ID", "quickstart-proplet")
-        .env("PROPLET_CLIENT_KEY", &key)
-        .env("PROPLET_STATE_DIR", &state_dir)
-        .env("PROPLET_LIVELINESS_INTERVAL", "2")
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", agent.display()))?;
-    println!("  started a local proplet (client id quickstart-proplet)");
-    Ok(child)
-}
-
-/// Prints every task and job result once, as it arrives.
-async fn print_results(store: ObjectStore) {
-    let mut changes = store.subscribe();
-    let mut printed = std::collections::HashSet::new();
-    loop {
-        let change = match changes.recv().await {
-            Ok(c) => c,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(_) => return,
-        };
-        if change.kind_of_change == ChangeKind::Deleted {
-            continue;
-        }
-        let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) else {
-            continue;
-        };
-        let phase = obj["status"]["phase"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        let finished = matches!(
-            phase.as_str(),
-            "completed" | "failed" | "skipped" | "interrupted" | "Completed" | "Failed"
-        );
-        let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
-        if !finished || !printed.insert((change.kind.clone(), change.name.clone(), run)) {
-            continue;
-        }
-        match change.kind.as_str() {
-            "Task" => {
-                let result = &obj["status"]["results"];
-                let shown = result
-                    .as_str()
-                    .map_or_else(|| result.to_string(), str::to_owned);
-                match obj["status"]["error"].as_str() {
-                    Some(e) => println!("task {}: {phase}: {e}", change.name),
-                    None => println!("task {}: {phase}, result {shown}", change.name),
-                }
-            }
-            "PropellerJob" => println!("propellerjob {}: {phase}", change.name),
-            _ => {}
-        }
-    }
 }
 
 /// `propeller apply -f FILE|DIR|-`.
