@@ -184,6 +184,39 @@ fn devices_asking_together_get_one_transfer_and_latecomers_another() {
         }
         assert_eq!(joined, module);
 
+        // A device that asks while a (slowly paced) round runs gets only what it missed.
+        let slow = Arc::new(ImageServer::new(
+            puller.clone(),
+            broker.publisher(),
+            1_500_000,
+        ));
+        slow.request("early", "d1", "c1", &resolved.pinned);
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            if let Ok(Ok(Event::Incoming(Packet::Publish(p)))) =
+                tokio::time::timeout(support::WAIT, eventloop.poll()).await
+            {
+                let chunk: serde_json::Value = serde_json::from_slice(&p.payload).expect("chunk");
+                seen.push(chunk["chunk_idx"].as_u64().unwrap_or(99));
+            }
+        }
+        slow.request("late", "d1", "c1", &resolved.pinned);
+        seen.extend(
+            chunks_until_quiet(&mut eventloop, Duration::from_secs(2))
+                .await
+                .iter()
+                .map(|c| c["chunk_idx"].as_u64().unwrap_or(99)),
+        );
+        assert_eq!(slow.transfers_sent(), 2, "{seen:?}");
+        let (full, resent) = seen.split_at(3);
+        assert_eq!(full, [0, 1, 2]);
+        assert!(
+            !resent.is_empty()
+                && resent.len() < 3
+                && resent.iter().copied().eq(0..resent.len() as u64),
+            "the late device is sent the chunks before its request only: {seen:?}"
+        );
+
         // A device asking again (a second task waiting for the same image) gets it again.
         server.request("dev-0", "d1", "c1", &resolved.pinned);
         let again = chunks_until_quiet(&mut eventloop, Duration::from_secs(2)).await;

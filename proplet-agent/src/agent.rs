@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use propeller_broker::protocol::{
-    decode, targets, AggregatedMetrics, Channel, ChunkAssembler, ChunkProgress, Discovery,
-    Heartbeat, Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice,
+    decode, targets, AggregatedMetrics, Channel, ChunkAssembler, ChunkError, ChunkProgress,
+    Discovery, Heartbeat, Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice,
     ProcessMetrics, RegistryChunk, RegistryRequest, ResultValue, StartRequest, StopRequest,
     TaskMetrics, TaskResult, Timestamp, TopicKind,
 };
@@ -842,6 +842,10 @@ impl Agent {
             }
             Ok(ChunkProgress::Pending { received, total }) => {
                 debug!(image = name, received, total, "chunk stored");
+            }
+            // propeller resends the first chunks for devices that asked late.
+            Err(error @ ChunkError::DuplicateIndex { .. }) => {
+                debug!(image = name, %error, "chunk already held")
             }
             Err(error) => warn!(image = name, %error, "chunk rejected"),
         }

@@ -399,17 +399,21 @@ impl ImagePuller {
             return Ok(Some(bytes));
         }
         let origin = lock(&self.origins).get(name).cloned();
-        let (reference, layer, auth) = origin.unwrap_or_else(|| {
-            // Resolved by an earlier process: pull anonymously by digest.
-            let reference = parse(name).unwrap_or_else(|_| {
-                Reference::with_digest(String::new(), String::new(), digest.clone())
-            });
-            let layer = OciDescriptor {
-                digest: digest.clone(),
-                ..OciDescriptor::default()
-            };
-            (reference, layer, RegistryAuth::Anonymous)
-        });
+        let (reference, layer, auth) = match origin {
+            Some(origin) => origin,
+            None => {
+                // Resolved by an earlier process: pull anonymously by digest.
+                let reference = parse(name).map_err(|reason| ImageError::BadReference {
+                    reference: name.to_owned(),
+                    reason,
+                })?;
+                let layer = OciDescriptor {
+                    digest: digest.clone(),
+                    ..OciDescriptor::default()
+                };
+                (reference, layer, RegistryAuth::Anonymous)
+            }
+        };
         let client = self.client(reference.resolve_registry(), &auth);
         client
             .store_auth_if_needed(reference.resolve_registry(), &auth)

@@ -1,11 +1,13 @@
 //! Answers devices' `registry/proplet` requests with `registry/server` chunks, the wire format
 //! upstream's proxy uses, so upstream proplets work unchanged.
 //!
-//! Every device on a channel receives every chunk, so one transfer serves all devices that
-//! asked before it began; a request that arrives while a transfer runs (its device missed the
-//! first chunks), or a second request from the same device (two tasks waiting for one image),
-//! schedules one more transfer after it. Chunks are paced by a byte rate shared by all
-//! transfers, so a large module to many devices leaves the broker room for heartbeats.
+//! Every device on a channel receives every chunk, so one round of chunks serves all devices
+//! that asked before it began. A device that asks while a round runs missed only the chunks
+//! published before its request arrived: the next round resends just those (both upstream's
+//! proplet and ours assemble chunks by index, in any order). A second request from the same
+//! device (two tasks waiting for one image) gets a full round. Chunks are paced by a byte
+//! rate shared by all transfers, so a large module to many devices leaves the broker room
+//! for heartbeats.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -32,12 +34,32 @@ struct TransferKey {
 
 #[derive(Debug, Default)]
 struct Transfer {
-    /// Devices that asked since the current (or next) transfer began.
+    /// Devices that asked since the current (or next) round began.
     asked: HashSet<String>,
-    /// The first chunk went out: later askers need another transfer.
+    /// The current round's first chunk went out: later askers need another round.
     started: bool,
-    /// Another transfer must follow this one.
+    /// Another round must follow this one.
     again: bool,
+    /// Chunks of the current round published so far.
+    published: u32,
+    /// The current round sends every chunk (not only a prefix).
+    full_round: bool,
+    /// The next round must send every chunk (a repeat asker, or one that came in during a
+    /// prefix round and missed the rest before it).
+    next_full: bool,
+    /// Otherwise the next round sends chunks `0..resend_upto`: what late askers missed.
+    resend_upto: u32,
+}
+
+impl Transfer {
+    /// The state at the start of a round.
+    fn round(full_round: bool) -> Self {
+        Self {
+            started: true,
+            full_round,
+            ..Self::default()
+        }
+    }
 }
 
 /// Shares the publishing rate between transfers: each chunk reserves its slot in time.
@@ -114,8 +136,12 @@ impl ImageServer {
             let mut transfers = lock(&self.transfers);
             match transfers.get_mut(&key) {
                 Some(t) => {
-                    if t.started || t.asked.contains(client_id) {
+                    if t.asked.contains(client_id) || (t.started && !t.full_round) {
                         t.again = true;
+                        t.next_full = true;
+                    } else if t.started {
+                        t.again = true;
+                        t.resend_upto = t.resend_upto.max(t.published);
                     }
                     t.asked.insert(client_id.to_owned());
                     false
@@ -160,34 +186,48 @@ impl ImageServer {
             }
             Err(e) => return Err(format!("cannot serve the binary: {e}")),
         };
+        let total = split_into_chunks(&key.name, &binary, self.chunk_size)
+            .map_err(|e| format!("cannot split the binary: {e}"))?
+            .len();
+        let mut round_end = total;
+        if let Some(t) = lock(&self.transfers).get_mut(key) {
+            *t = Transfer::round(true);
+        }
         loop {
-            {
-                let mut transfers = lock(&self.transfers);
-                if let Some(t) = transfers.get_mut(key) {
-                    t.started = true;
-                    t.again = false;
-                    t.asked.clear();
-                }
-            }
             let chunks = split_into_chunks(&key.name, &binary, self.chunk_size)
                 .map_err(|e| format!("cannot split the binary: {e}"))?;
-            let total = chunks.len();
-            for chunk in chunks {
+            let mut bytes = 0u64;
+            for chunk in chunks.take(round_end) {
                 self.pace.reserve(chunk.data.len()).await;
+                bytes += chunk.data.len() as u64;
                 self.publisher
                     .registry_chunk(&channel, &chunk)
                     .await
                     .map_err(|e| format!("publishing chunk {}: {e}", chunk.chunk_idx))?;
+                if let Some(t) = lock(&self.transfers).get_mut(key) {
+                    t.published += 1;
+                }
             }
             self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.metrics.transfers.inc();
-            self.metrics.chunk_bytes.inc_by(binary.len() as u64);
-            info!(image = %key.name, channel = %key.channel, bytes = binary.len(), chunks = total, "binary sent");
-            // Decide and deregister under one lock, so a request cannot slip in between.
+            self.metrics.chunk_bytes.inc_by(bytes);
+            info!(image = %key.name, channel = %key.channel, chunks = round_end, of = total, "binary sent");
+            // Decide, and deregister or start the next round, under one lock: a request
+            // cannot slip in between.
             let mut transfers = lock(&self.transfers);
-            if !transfers.get(key).is_some_and(|t| t.again) {
-                transfers.remove(key);
-                return Ok(());
+            match transfers.get_mut(key) {
+                Some(t) if t.again => {
+                    round_end = if t.next_full {
+                        total
+                    } else {
+                        (t.resend_upto as usize).clamp(1, total)
+                    };
+                    *t = Transfer::round(round_end == total);
+                }
+                _ => {
+                    transfers.remove(key);
+                    return Ok(());
+                }
             }
         }
     }
