@@ -13,4 +13,5 @@ pub mod propeller_job;
 pub mod recurrence;
 pub mod scheduler;
 pub mod task;
+pub mod task_observations;
 pub mod task_phase;

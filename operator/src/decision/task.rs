@@ -9,7 +9,6 @@
 //! publish within one process; after a restart a repeated start reaches the same proplet,
 //! which ignores a start for a task it already has.
 
-use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -20,11 +19,15 @@ use super::conditions::{remove_condition, set_condition, DesiredCondition};
 use super::dag::{evaluate, Readiness};
 use super::recurrence::{gate, rerun_at, ScheduleGate};
 use super::scheduler::{
-    filter_candidates, select_proplet, CandidateProplet, RoundRobinState, SelectorView, Strategy,
+    filter_candidates, select_proplet, CandidateProplet, SelectorView, Strategy,
 };
-use crate::crd::common::MetricsSample;
 use crate::crd::proplet::PropletType;
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
+
+pub use super::task_observations::{
+    active_tasks, needs_image_resolution, observe_caches, observe_indexed, occupied, occupies,
+    proplet_view, ImageObservation, JobOutcome, PropletView, ReportedResult, TaskObservations,
+};
 
 /// Condition: a proplet has been assigned.
 pub const SCHEDULED: &str = "Scheduled";
@@ -43,96 +46,6 @@ pub struct TaskSettings {
     pub strategy: Strategy,
     /// Time limit for tasks without `spec.timeoutSeconds` (daemons are exempt).
     pub default_timeout: Duration,
-}
-
-/// A proplet the task may be sent to, with the identity its messages carry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PropletView {
-    /// What the scheduler matches against.
-    pub candidate: CandidateProplet,
-    /// The MQTT client id (`connectionConfig.clientId`), which results are checked against.
-    pub client_id: String,
-    /// Topic domain of the proplet.
-    pub domain: String,
-    /// Topic channel of the proplet.
-    pub channel: String,
-}
-
-/// A result the broker received for this task and the status does not hold yet.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReportedResult {
-    /// The authenticated MQTT client id that sent it.
-    pub client_id: String,
-    /// `results` as sent (a string for ordinary tasks, an object for FL envelopes).
-    pub value: Value,
-    /// The reported error, if any (an empty string is no error).
-    pub error: Option<String>,
-}
-
-/// What the driver knows beyond the Task object.
-#[derive(Debug, Clone, Default)]
-pub struct TaskObservations {
-    /// Proplets of the task's namespace.
-    pub proplets: Vec<PropletView>,
-    /// Phases of the tasks named in `dependsOn` that exist.
-    pub dependencies: BTreeMap<String, TaskPhase>,
-    /// A dependency cycle through this task, as a path.
-    pub cycle: Option<Vec<String>>,
-    /// Results received and not yet written, in arrival order.
-    pub results: Vec<ReportedResult>,
-    /// The latest task metrics received and not yet written.
-    pub metrics: Option<MetricsSample>,
-    /// The start of the current run was already published by this process.
-    pub dispatched: bool,
-    /// Round-robin memory of the scheduler.
-    pub round_robin: RoundRobinState,
-    /// The Kubernetes Job of a task running on a `k8s` proplet, once the driver saw it.
-    pub job: Option<JobOutcome>,
-    /// The registry resolution of this run's OCI `imageUrl`, once asked for.
-    pub image: Option<ImageObservation>,
-}
-
-/// Where the registry resolution of a run's OCI `imageUrl` stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ImageObservation {
-    /// Asked for, not finished.
-    Resolving,
-    /// The manifest digest, with the Wasm layer cached and ready to serve.
-    Resolved {
-        /// `sha256:…` of the manifest.
-        digest: String,
-    },
-    /// Why the image cannot be used.
-    Failed(String),
-}
-
-/// Whether the task's binary comes from an OCI registry through propeller (not inline, not
-/// an HTTP(S) URL the device fetches itself).
-pub fn needs_image_resolution(task: &Task) -> bool {
-    task.spec.file.as_deref().is_none_or(str::is_empty)
-        && task
-            .spec
-            .image_url
-            .as_deref()
-            .and_then(crate::oci::reference::registry_reference)
-            .is_some()
-}
-
-/// What the driver saw of the Kubernetes Job that runs a task on a `k8s` proplet.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JobOutcome {
-    /// Still running (or not started).
-    Running,
-    /// Finished successfully; the result found by the extraction order, if any.
-    Succeeded {
-        /// The extracted result.
-        result: Option<String>,
-    },
-    /// Failed for good.
-    Failed {
-        /// Why, from the Job's conditions.
-        message: String,
-    },
 }
 
 /// Where one start goes.
@@ -1003,149 +916,6 @@ fn plan_running(
     }
 }
 
-/// How a Proplet looks to the Task plan; `active_tasks` is counted by the driver.
-pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -> PropletView {
-    let name = proplet.metadata.name.clone().unwrap_or_default();
-    let conn = &proplet.spec.connection_config;
-    let external = proplet.spec.external.clone().unwrap_or_default();
-    PropletView {
-        candidate: CandidateProplet {
-            name: name.clone(),
-            namespace: proplet
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into()),
-            phase: proplet.status.as_ref().map(|s| s.phase).unwrap_or_default(),
-            proplet_type: proplet.spec.type_,
-            labels: proplet.metadata.labels.clone().unwrap_or_default(),
-            device_type: external.device_type,
-            capabilities: external.capabilities,
-            active_tasks,
-        },
-        client_id: proplet.client_id().to_owned(),
-        domain: conn.domain().unwrap_or_default().to_owned(),
-        channel: conn.channel_id.clone(),
-    }
-}
-
-/// How many tasks occupy `proplet` (its `taskCount`, and the least-loaded score).
-pub fn active_tasks<'a>(
-    proplet: &crate::crd::proplet::Proplet,
-    tasks: impl IntoIterator<Item = &'a Task>,
-) -> u32 {
-    let name = proplet.metadata.name.as_deref().unwrap_or_default();
-    let ns = &proplet.metadata.namespace;
-    let count = tasks
-        .into_iter()
-        .filter(|t| t.metadata.namespace == *ns && occupies(t, name))
-        .count();
-    u32::try_from(count).unwrap_or(u32::MAX)
-}
-
-/// The part of a task's observations that comes from a driver's caches: its dependencies'
-/// phases, a dependency cycle through it, and the proplets of its namespace. The inbox,
-/// ledger, scheduler memory and Job are added by the driver.
-pub fn observe_caches(
-    task: &Task,
-    tasks: &[&Task],
-    proplets: &[&crate::crd::proplet::Proplet],
-) -> TaskObservations {
-    let ns = task.metadata.namespace.clone();
-    let same_ns: Vec<&Task> = tasks
-        .iter()
-        .copied()
-        .filter(|t| t.metadata.namespace == ns)
-        .collect();
-    // One pass for every proplet's load, rather than one pass per proplet.
-    let mut load: HashMap<&str, u32> = HashMap::new();
-    for t in &same_ns {
-        for name in occupied(t) {
-            *load.entry(name).or_default() += 1;
-        }
-    }
-    observe_indexed(
-        task,
-        |dep| {
-            same_ns
-                .iter()
-                .find(|t| t.metadata.name.as_deref() == Some(dep))
-                .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default())
-        },
-        || {
-            same_ns
-                .iter()
-                .map(|t| {
-                    (
-                        t.metadata.name.clone().unwrap_or_default(),
-                        t.spec.depends_on.clone(),
-                    )
-                })
-                .collect()
-        },
-        proplets,
-        |p| {
-            load.get(p.metadata.name.as_deref().unwrap_or_default())
-                .copied()
-                .unwrap_or(0)
-        },
-    )
-}
-
-/// [`observe_caches`] from lookups a driver answers from its indexes: the phase of a task
-/// of the same namespace by name, the namespace's dependency graph (asked only when the task
-/// has dependencies), and a proplet's load.
-pub fn observe_indexed(
-    task: &Task,
-    phase_of: impl Fn(&str) -> Option<TaskPhase>,
-    graph: impl FnOnce() -> super::dag::Graph,
-    proplets: &[&crate::crd::proplet::Proplet],
-    load: impl Fn(&crate::crd::proplet::Proplet) -> u32,
-) -> TaskObservations {
-    let ns = &task.metadata.namespace;
-    let dependencies = task
-        .spec
-        .depends_on
-        .iter()
-        .filter_map(|dep| phase_of(dep).map(|phase| (dep.clone(), phase)))
-        .collect();
-    let cycle = if task.spec.depends_on.is_empty() {
-        None
-    } else {
-        super::dag::cycle_through(&graph(), task.metadata.name.as_deref().unwrap_or_default())
-    };
-    let proplets = proplets
-        .iter()
-        .filter(|p| p.metadata.namespace == *ns)
-        .map(|p| proplet_view(p, load(p)))
-        .collect();
-    TaskObservations {
-        proplets,
-        dependencies,
-        cycle,
-        ..TaskObservations::default()
-    }
-}
-
-/// The proplets `task` occupies now (see [`occupies`]), each once.
-pub fn occupied(task: &Task) -> Vec<&str> {
-    let Some(status) = task.status.as_ref() else {
-        return Vec::new();
-    };
-    if !matches!(status.phase, TaskPhase::Scheduled | TaskPhase::Running) {
-        return Vec::new();
-    }
-    let mut names: Vec<&str> = status
-        .assigned_proplet
-        .as_deref()
-        .into_iter()
-        .chain(status.broadcast_proplets.iter().map(String::as_str))
-        .collect();
-    names.sort_unstable();
-    names.dedup();
-    names
-}
-
 /// Whether `task` runs now as a Job on a `k8s` proplet (the driver should look at the Job).
 pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
     task.status
@@ -1153,19 +923,10 @@ pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
         .is_some_and(|s| s.phase == TaskPhase::Running && runs_as_job(observed, s))
 }
 
-/// Whether `task` occupies proplet `name` now (it counts towards the proplet's `taskCount`).
-pub fn occupies(task: &Task, name: &str) -> bool {
-    task.status.as_ref().is_some_and(|s| {
-        matches!(s.phase, TaskPhase::Scheduled | TaskPhase::Running)
-            && (s.assigned_proplet.as_deref() == Some(name)
-                || s.broadcast_proplets.iter().any(|p| p == name))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::common::find_condition;
+    use crate::crd::common::{find_condition, MetricsSample};
     use crate::crd::proplet::{Proplet, PropletPhase};
     use crate::decision::scheduler::filter_candidates;
     use chrono::TimeZone;
