@@ -192,10 +192,14 @@ fn summary(store: &ObjectStore, api: SocketAddr, data_dir: &Path) -> String {
         *tasks.entry(phase.to_owned()).or_default() += 1;
     }
     let counts: Vec<String> = tasks.iter().map(|(p, n)| format!("{n} {p}")).collect();
+    // As the user started this program, so the commands work when pasted.
+    let me = std::env::args()
+        .next()
+        .unwrap_or_else(|| "propeller".to_owned());
     format!(
         "demo finished: tasks {}; propeller and the agent keep running until Ctrl-C.\n\
-         \x20 look at what ran:  propeller get tasks  |  propeller describe task add  |  propeller get pjob\n\
-         \x20 watch changes:     propeller get tasks -w     (API http://{api}, token in {})\n\
+         \x20 look at what ran:  {me} get tasks  |  {me} describe task add  |  {me} get pjob\n\
+         \x20 watch changes:     {me} get tasks -w     (API http://{api}, token in {})\n\
          \x20 logs:              {} and {}\n",
         counts.join(", "),
         data_dir.join("api-token").display(),
