@@ -7,9 +7,8 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oci_client::secrets::RegistryAuth;
 use propeller_broker::server::{BrokerConfig, Credential, CredentialStore, EmbeddedBroker, Role};
-use propeller_operator::oci::{ImagePuller, ImageServer, PullerConfig};
+use propeller_operator::oci::{ImagePuller, ImageServer, PullerConfig, RegistryLogins};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use support::registry::{add_module, Layout, Registry};
 
@@ -60,7 +59,7 @@ fn concurrent_resolutions_share_one_registry_pull_and_later_ones_use_the_cache()
     let resolved = runtime().block_on(async {
         let all = (0..8).map(|_| {
             let (puller, image) = (puller.clone(), image.clone());
-            tokio::spawn(async move { puller.resolve(&image, RegistryAuth::Anonymous).await })
+            tokio::spawn(async move { puller.resolve(&image, &RegistryLogins::default()).await })
         });
         let mut out = Vec::new();
         for handle in all {
@@ -74,7 +73,7 @@ fn concurrent_resolutions_share_one_registry_pull_and_later_ones_use_the_cache()
     assert_eq!(registry.blob_gets(&layer), 1);
     runtime().block_on(async {
         let again = puller
-            .resolve(&image, RegistryAuth::Anonymous)
+            .resolve(&image, &RegistryLogins::default())
             .await
             .expect("resolve from cache");
         assert_eq!(again, resolved[0]);
@@ -96,7 +95,7 @@ fn a_registry_with_a_private_ca_is_trusted_only_with_its_ca() {
     let trusting = puller(&registry, &cache.path().join("b"));
     runtime().block_on(async {
         let refused = untrusting
-            .resolve(&image, RegistryAuth::Anonymous)
+            .resolve(&image, &RegistryLogins::default())
             .await
             .expect_err("an unknown CA must not be trusted");
         assert!(
@@ -104,7 +103,7 @@ fn a_registry_with_a_private_ca_is_trusted_only_with_its_ca() {
             "{refused}"
         );
         let resolved = trusting
-            .resolve(&image, RegistryAuth::Anonymous)
+            .resolve(&image, &RegistryLogins::default())
             .await
             .expect("resolve over TLS with the CA");
         assert_eq!(resolved.manifest_digest, digest);
@@ -138,7 +137,7 @@ fn devices_asking_together_get_one_transfer_and_latecomers_another() {
         let resolved = puller
             .resolve(
                 &format!("{}/wasm/big:1", registry.host),
-                RegistryAuth::Anonymous,
+                &RegistryLogins::default(),
             )
             .await
             .expect("resolve");

@@ -4,8 +4,6 @@
 
 use oci_client::manifest::{ImageIndexEntry, OciDescriptor, OciImageManifest};
 
-/// Config media type of the CNCF TAG Runtime Wasm artifact.
-pub const WASM_CONFIG_MEDIA_TYPE: &str = "application/vnd.wasm.config.v0+json";
 /// Layer media types that declare a Wasm binary.
 pub const WASM_LAYER_MEDIA_TYPES: [&str; 3] = [
     "application/wasm",

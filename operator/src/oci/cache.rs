@@ -111,6 +111,23 @@ impl BlobCache {
         Ok(Some(bytes))
     }
 
+    /// The first `n` bytes of a cached blob (fewer if it is shorter), without reading or
+    /// hashing the rest.
+    pub fn head(&self, digest: &str, n: usize) -> Result<Option<Vec<u8>>, CacheError> {
+        use std::io::Read;
+        let path = self.blob_path(digest)?;
+        let file = match fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_at(&path)(e)),
+        };
+        let mut head = Vec::with_capacity(n);
+        file.take(n as u64)
+            .read_to_end(&mut head)
+            .map_err(io_at(&path))?;
+        Ok(Some(head))
+    }
+
     /// Whether the blob is cached (without reading it).
     pub fn contains(&self, digest: &str) -> bool {
         self.blob_path(digest).is_ok_and(|p| p.is_file())
@@ -202,6 +219,7 @@ mod tests {
             cache.get(&digest)?.as_deref(),
             Some(&b"\0asm\x01\0\0\0"[..])
         );
+        assert_eq!(cache.head(&digest, 4)?.as_deref(), Some(&b"\0asm"[..]));
         cache.remember("reg/app@sha256:abc", &digest)?;
         assert_eq!(cache.lookup("reg/app@sha256:abc"), Some(digest));
         assert_eq!(cache.lookup("reg/other@sha256:abc"), None);

@@ -82,11 +82,6 @@ impl RegistryLogins {
             .cloned()
             .unwrap_or(RegistryAuth::Anonymous)
     }
-
-    /// Whether no login is known.
-    pub fn is_empty(&self) -> bool {
-        self.by_host.is_empty()
-    }
 }
 
 fn entry_auth(entry: &AuthEntry) -> Result<RegistryAuth, String> {

@@ -29,8 +29,8 @@ use crate::decision::task::ImageObservation;
 use crate::state::lock;
 pub use credentials::RegistryLogins;
 pub use metrics::ImageMetrics;
-pub use puller::{ImageError, ImagePuller, PullerConfig, ResolvedImage, DEFAULT_MAX_IMAGE_BYTES};
-pub use responder::{ImageServer, DEFAULT_CHUNK_RATE};
+pub use puller::{ImageError, ImagePuller, PullerConfig, ResolvedImage};
+pub use responder::ImageServer;
 
 /// Reads the Docker config JSON of a pull Secret (the API server or the embedded store).
 pub trait PullSecrets: Send + Sync {
@@ -109,11 +109,6 @@ impl Images {
     /// Sets what is called with a Task's UID when its resolution finished (once).
     pub fn on_resolved(&self, trigger: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.trigger.set(Box::new(trigger));
-    }
-
-    /// The chunk server (for its counters).
-    pub fn server(&self) -> &Arc<ImageServer> {
-        &self.server
     }
 
     /// The service's counters.
@@ -219,16 +214,7 @@ impl Images {
             })?;
             logins.merge(&parsed);
         }
-        let written = reference::registry_reference(image).unwrap_or(image);
-        let registry = reference::parse(written)
-            .map(|r| r.resolve_registry().to_owned())
-            .map_err(|reason| ImageError::BadReference {
-                reference: image.to_owned(),
-                reason,
-            })?;
-        self.puller
-            .resolve(image, logins.for_registry(&registry))
-            .await
+        self.puller.resolve(image, &logins).await
     }
 
     /// Answers a `registry/proplet` request; `false` if `event` is something else.

@@ -19,6 +19,7 @@ use tokio::io::AsyncWrite;
 
 use super::artifact::{is_wasm, not_wasm_reason, wasm_layer, wasm_platform};
 use super::cache::{sha256_hex, BlobCache, CacheError};
+use super::credentials::RegistryLogins;
 use super::metrics::ImageMetrics;
 use super::reference::{parse, registry_reference};
 use crate::state::lock;
@@ -113,9 +114,6 @@ pub struct PullerConfig {
     /// Size cap of the blob cache.
     pub cache_bytes: u64,
 }
-
-/// Default cap of one image: upstream's proplet refuses bigger binaries too.
-pub const DEFAULT_MAX_IMAGE_BYTES: u64 = 100 * 1024 * 1024;
 
 /// What a tag resolved to for one task run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -216,17 +214,18 @@ impl ImagePuller {
     }
 
     /// Resolves `image_url` to a manifest digest, checks it is a Wasm artifact within the
-    /// size cap, and makes sure its layer is in the cache.
+    /// size cap, and makes sure its layer is in the cache; `logins` gives the registry's.
     pub async fn resolve(
         self: &Arc<Self>,
         image_url: &str,
-        auth: RegistryAuth,
+        logins: &RegistryLogins,
     ) -> Result<ResolvedImage, ImageError> {
         let written = registry_reference(image_url).unwrap_or(image_url);
         let reference = parse(written).map_err(|reason| ImageError::BadReference {
             reference: image_url.to_owned(),
             reason,
         })?;
+        let auth = logins.for_registry(reference.resolve_registry());
         let name = reference.whole();
         let secs = self.config.timeout.as_secs();
         tokio::time::timeout(self.config.timeout, self.resolve_parsed(reference, auth))
@@ -265,10 +264,10 @@ impl ImagePuller {
         self.ensure_layer(&client, &reference, &layer).await?;
         let cache = self.cache.clone();
         let digest = layer.digest.clone();
-        let head = tokio::task::spawn_blocking(move || cache.get(&digest))
+        // Only the magic bytes: the digest was checked when the layer was pulled.
+        let head = tokio::task::spawn_blocking(move || cache.head(&digest, 4))
             .await
-            .map_err(|e| ImageError::Cache(e.to_string()))??
-            .map(|bytes| bytes.get(..4).map(<[u8]>::to_vec).unwrap_or(bytes));
+            .map_err(|e| ImageError::Cache(e.to_string()))??;
         match head {
             Some(head) if is_wasm(&head) => {}
             Some(head) => {

@@ -22,9 +22,6 @@ use super::metrics::ImageMetrics;
 use super::puller::ImagePuller;
 use crate::state::lock;
 
-/// Default pace of chunk publishing, in bytes of binary per second.
-pub const DEFAULT_CHUNK_RATE: u64 = 16 * 1024 * 1024;
-
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct TransferKey {
     domain: String,
@@ -92,8 +89,6 @@ pub struct ImageServer {
     chunk_size: usize,
     pace: Pace,
     transfers: Mutex<HashMap<TransferKey, Transfer>>,
-    /// Transfers completed, for tests and metrics.
-    sent: std::sync::atomic::AtomicU64,
     metrics: ImageMetrics,
 }
 
@@ -109,7 +104,6 @@ impl ImageServer {
                 next_free: Mutex::new(Instant::now()),
             },
             transfers: Mutex::default(),
-            sent: Default::default(),
             metrics: ImageMetrics::default(),
         }
     }
@@ -122,7 +116,7 @@ impl ImageServer {
 
     /// Transfers completed so far.
     pub fn transfers_sent(&self) -> u64 {
-        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+        self.metrics.transfers.get()
     }
 
     /// Handles one request by `client_id` on `domain`/`channel` (never blocks).
@@ -186,9 +180,7 @@ impl ImageServer {
             }
             Err(e) => return Err(format!("cannot serve the binary: {e}")),
         };
-        let total = split_into_chunks(&key.name, &binary, self.chunk_size)
-            .map_err(|e| format!("cannot split the binary: {e}"))?
-            .len();
+        let total = binary.len().div_ceil(self.chunk_size).max(1);
         let mut round_end = total;
         if let Some(t) = lock(&self.transfers).get_mut(key) {
             *t = Transfer::round(true);
@@ -208,7 +200,6 @@ impl ImageServer {
                     t.published += 1;
                 }
             }
-            self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.metrics.transfers.inc();
             self.metrics.chunk_bytes.inc_by(bytes);
             info!(image = %key.name, channel = %key.channel, chunks = round_end, of = total, "binary sent");

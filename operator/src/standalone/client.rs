@@ -126,36 +126,21 @@ impl ApiClient {
         path: &str,
         body: Option<&str>,
     ) -> Result<Value, ClientError> {
-        use http_body_util::BodyExt;
         let (status, incoming) = self.send(method, path, body).await?;
-        let payload = incoming
-            .collect()
-            .await
-            .map_err(|e| ClientError::Protocol(e.to_string()))?
-            .to_bytes();
-        let value: Value = if payload.is_empty() {
-            Value::Null
+        let value = json_body(incoming).await?;
+        if (200..300).contains(&status) {
+            Ok(value)
         } else {
-            serde_json::from_slice(&payload)
-                .map_err(|e| ClientError::Protocol(format!("body is not JSON: {e}")))?
-        };
-        refused_unless_ok(status, value)
+            Err(refused(status, &value))
+        }
     }
 
     /// Opens a streaming GET (a watch); the lines arrive as the server sends them.
     pub async fn stream(&self, path: &str) -> Result<LineStream, ClientError> {
-        use http_body_util::BodyExt;
         let (status, body) = self.send("GET", path, None).await?;
         if !(200..300).contains(&status) {
-            let payload = body
-                .collect()
-                .await
-                .map_err(|e| ClientError::Protocol(e.to_string()))?
-                .to_bytes();
-            let value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
-            return Err(refused_unless_ok(status, value)
-                .err()
-                .unwrap_or_else(|| ClientError::Protocol(format!("HTTP {status}"))));
+            let value = json_body(body).await.unwrap_or(Value::Null);
+            return Err(refused(status, &value));
         }
         Ok(LineStream {
             body,
@@ -164,17 +149,29 @@ impl ApiClient {
     }
 }
 
-fn refused_unless_ok(status: u16, value: Value) -> Result<Value, ClientError> {
-    if (200..300).contains(&status) {
-        Ok(value)
-    } else {
-        Err(ClientError::Refused {
-            status,
-            message: value["error"]
-                .as_str()
-                .map(str::to_owned)
-                .unwrap_or_else(|| format!("HTTP {status}")),
-        })
+/// The whole body as JSON (`null` when empty).
+async fn json_body(incoming: hyper::body::Incoming) -> Result<Value, ClientError> {
+    use http_body_util::BodyExt;
+    let payload = incoming
+        .collect()
+        .await
+        .map_err(|e| ClientError::Protocol(e.to_string()))?
+        .to_bytes();
+    if payload.is_empty() {
+        return Ok(Value::Null);
+    }
+    serde_json::from_slice(&payload)
+        .map_err(|e| ClientError::Protocol(format!("body is not JSON: {e}")))
+}
+
+/// The server's refusal, with its `{"error": …}` message when it sent one.
+fn refused(status: u16, value: &Value) -> ClientError {
+    ClientError::Refused {
+        status,
+        message: value["error"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("HTTP {status}")),
     }
 }
 
