@@ -101,8 +101,8 @@ fn json<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).unwrap_or(Value::Null)
 }
 
-/// Applies `plan` to `task`: finalizer, status, Job or starts, status after dispatch, stops,
-/// and finally the finalizer's removal.
+/// Applies `plan` to `task`: finalizer, status, Job or starts, stops, and finally the
+/// finalizer's removal.
 pub async fn apply_task<W: ObjectWriter>(
     writer: &W,
     task: &Task,
@@ -165,14 +165,8 @@ pub async fn apply_task<W: ObjectWriter>(
                 let channel = Channel::new(start.domain.clone(), start.channel.clone())?;
                 fx.publisher.start(&channel, &start.request).await?;
             }
-            fx.ledger.record(uid, run);
+            fx.ledger.record(uid, run, chrono::Utc::now());
         }
-    }
-    if let Some(after) = &plan.after_dispatch {
-        version = writer
-            .write_status(meta, &json(&current), &json(after), version.as_deref())
-            .await
-            .map_err(TaskApplyError::Backend)?;
     }
     for stop in &plan.stops {
         let channel = Channel::new(stop.domain.clone(), stop.channel.clone())?;

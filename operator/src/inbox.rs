@@ -9,6 +9,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
+use chrono::{DateTime, Utc};
+
 use crate::crd::common::MetricsSample;
 use crate::decision::task::ReportedResult;
 
@@ -101,7 +103,7 @@ impl TaskInbox {
 /// Runs whose start this process already published, as (task UID, run number).
 #[derive(Debug, Default)]
 pub struct DispatchLedger {
-    sent: Mutex<HashSet<(String, i64)>>,
+    sent: Mutex<HashMap<(String, i64), DateTime<Utc>>>,
 }
 
 impl DispatchLedger {
@@ -110,25 +112,30 @@ impl DispatchLedger {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashSet<(String, i64)>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, i64), DateTime<Utc>>> {
         self.sent.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether run `run` of task `uid` was started.
     pub fn contains(&self, uid: &str, run: i64) -> bool {
-        self.lock().contains(&(uid.to_owned(), run))
+        self.lock().contains_key(&(uid.to_owned(), run))
     }
 
-    /// Records that run `run` of task `uid` was started; older runs are forgotten.
-    pub fn record(&self, uid: &str, run: i64) {
+    /// When run `run` of task `uid` was started by this process.
+    pub fn dispatched_at(&self, uid: &str, run: i64) -> Option<DateTime<Utc>> {
+        self.lock().get(&(uid.to_owned(), run)).copied()
+    }
+
+    /// Records that run `run` of task `uid` was started at `at`; older runs are forgotten.
+    pub fn record(&self, uid: &str, run: i64, at: DateTime<Utc>) {
         let mut sent = self.lock();
-        sent.retain(|(u, r)| u != uid || *r >= run);
-        sent.insert((uid.to_owned(), run));
+        sent.retain(|(u, r), _| u != uid || *r >= run);
+        sent.insert((uid.to_owned(), run), at);
     }
 
     /// Forgets a deleted task.
     pub fn forget(&self, uid: &str) {
-        self.lock().retain(|(u, _)| u != uid);
+        self.lock().retain(|(u, _), _| u != uid);
     }
 }
 
@@ -220,11 +227,12 @@ mod tests {
     #[test]
     fn the_ledger_remembers_the_current_run_only() {
         let ledger = DispatchLedger::new();
-        ledger.record("u", 1);
+        let at = chrono::DateTime::UNIX_EPOCH;
+        ledger.record("u", 1, at);
         assert!(ledger.contains("u", 1));
-        ledger.record("u", 2);
+        ledger.record("u", 2, at);
         assert!(!ledger.contains("u", 1));
-        assert!(ledger.contains("u", 2));
+        assert_eq!(ledger.dispatched_at("u", 2), Some(at));
         ledger.forget("u");
         assert!(!ledger.contains("u", 2));
     }

@@ -196,7 +196,7 @@ impl DriverState {
         observed.results = results;
         observed.metrics = metrics;
         let run = task.status.as_ref().and_then(|s| s.run_count).unwrap_or(0);
-        observed.dispatched = self.ledger.contains(uid, run);
+        observed.dispatched_at = self.ledger.dispatched_at(uid, run);
         observed.round_robin = lock(&self.round_robin).clone();
     }
 

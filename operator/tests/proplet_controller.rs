@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 const SETTINGS: PropletSettings = PropletSettings {
     last_seen_threshold: Duration::from_secs(30),
     status_flush_interval: Duration::from_secs(10),
+    routine_writes_per_second: 0,
 };
 
 fn at(secs: i64) -> DateTime<Utc> {

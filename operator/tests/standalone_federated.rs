@@ -61,10 +61,12 @@ async fn two_rounds_of_fedavg_through_the_standalone_driver() {
         proplet: PropletSettings {
             last_seen_threshold: Duration::from_secs(30),
             status_flush_interval: Duration::from_secs(5),
+            routine_writes_per_second: 20,
         },
         task: TaskSettings {
             strategy: Strategy::RoundRobin,
             default_timeout: Duration::from_secs(3600),
+            running_write_delay: Duration::from_secs(1),
         },
         sweep: Duration::from_secs(10),
     };

@@ -20,6 +20,19 @@ pub struct ReconcileArgs {
     /// Heartbeat-only status changes are written at most this often per proplet.
     #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = parse_setting_duration)]
     pub status_flush_interval: Duration,
+    /// Kubernetes mode: heartbeat-only Proplet status writes per second across the whole
+    /// fleet (0: no cap). With many proplets each one's lastSeen is refreshed less often, so
+    /// the API server keeps room for phase changes, which are never held back.
+    #[arg(
+        long,
+        env = "PROPELLER_HEARTBEAT_WRITES_PER_SECOND",
+        default_value_t = 20
+    )]
+    pub heartbeat_writes_per_second: u32,
+    /// A task's `running` status is written only if its result has not come this long after
+    /// the start; a quicker result makes `completed` the only write after the assignment.
+    #[arg(long, env = "PROPELLER_RUNNING_WRITE_DELAY", default_value = "1s", value_parser = parse_setting_duration)]
+    pub running_write_delay: Duration,
     /// Scoring of candidate proplets: round-robin, least-loaded (or priority).
     #[arg(long, env = "PROPELLER_SCHEDULER", default_value = "round-robin")]
     pub scheduler: Strategy,
@@ -34,6 +47,7 @@ impl ReconcileArgs {
         PropletSettings {
             last_seen_threshold: self.last_seen_threshold,
             status_flush_interval: self.status_flush_interval,
+            routine_writes_per_second: self.heartbeat_writes_per_second,
         }
     }
 
@@ -42,6 +56,7 @@ impl ReconcileArgs {
         TaskSettings {
             strategy: self.scheduler,
             default_timeout: self.task_timeout,
+            running_write_delay: self.running_write_delay,
         }
     }
 }

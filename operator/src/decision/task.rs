@@ -46,6 +46,9 @@ pub struct TaskSettings {
     pub strategy: Strategy,
     /// Time limit for tasks without `spec.timeoutSeconds` (daemons are exempt).
     pub default_timeout: Duration,
+    /// How long after its start a task's result may come before `running` is written: a
+    /// result within it makes `completed` the only status write after the assignment.
+    pub running_write_delay: Duration,
 }
 
 /// Where one start goes.
@@ -113,7 +116,7 @@ impl Note {
 }
 
 /// What to do for one task now. The executor applies, in order: finalizer, `status`,
-/// `starts` (only if `status` was written or is `None`), `after_dispatch`, `stops`.
+/// `starts` (only if `status` was written or is `None`), `stops`.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TaskPlan {
     /// Finalizer change.
@@ -124,8 +127,6 @@ pub struct TaskPlan {
     pub starts: Vec<StartCommand>,
     /// Create the task's ConfigMap and Job (a `k8s` proplet) once `status` is persisted.
     pub create_job: bool,
-    /// Status to write after the starts went out.
-    pub after_dispatch: Option<TaskStatus>,
     /// Stops to publish.
     pub stops: Vec<StopCommand>,
     /// How many of the observed results the written status includes (to forget them).
@@ -498,25 +499,21 @@ pub fn plan(
 
     match desired.phase {
         TaskPhase::Pending => plan_pending(task, observed, settings, now, &mut desired, &mut plan),
-        TaskPhase::Scheduled => plan_scheduled(task, observed, now, &mut desired, &mut plan),
+        TaskPhase::Scheduled => {
+            plan_scheduled(task, observed, settings, now, &mut desired, &mut plan)
+        }
         TaskPhase::Running => plan_running(task, observed, settings, now, &mut desired, &mut plan),
         _ => {}
     }
 
     note_new_wait(&written, &desired, &mut plan);
     desired.observed_generation = gen;
-    if let Some(after) = plan.after_dispatch.as_mut() {
-        after.observed_generation = gen;
-    }
     // The executor forgets consumed reports only after a status write, so consuming one
     // (even an ignored result) must write, or it would be re-read at every reconcile.
     let consumed = plan.consumed_results > 0 || plan.consumed_metrics;
-    if desired != written || plan.after_dispatch.is_some() || consumed {
+    if desired != written || consumed {
         desired.updated_at = Some(now);
         plan.status = Some(desired);
-    }
-    if let Some(after) = plan.after_dispatch.as_mut() {
-        after.updated_at = Some(now);
     }
     plan
 }
@@ -706,19 +703,22 @@ fn plan_pending(
         "Scheduled",
         format!("assigned to {}", names.join(", ")),
     ));
-    dispatch(task, observed, now, desired, plan);
+    dispatch(task, observed, settings, now, desired, plan);
 }
 
-/// Sends the starts for a run whose assignment is (about to be) persisted.
+/// Sends the starts (or creates the Job) for a run whose assignment is (about to be)
+/// persisted. The `running` status is not written here: the next reconcile writes it once
+/// the result is overdue by [`TaskSettings::running_write_delay`], or writes the result
+/// instead, so a quick task costs one status write after its assignment, not two.
 fn dispatch(
     task: &Task,
     observed: &TaskObservations,
+    settings: &TaskSettings,
     now: DateTime<Utc>,
-    desired: &TaskStatus,
+    desired: &mut TaskStatus,
     plan: &mut TaskPlan,
 ) {
     let gen = task.metadata.generation;
-    let mut after = desired.clone();
     let mut missing = Vec::new();
     for name in targets_of(desired) {
         match view(observed, &name) {
@@ -727,10 +727,8 @@ fn dispatch(
                 plan.create_job = true;
             }
             Some(target) => {
-                if !observed.dispatched {
-                    plan.starts
-                        .push(start_for(task, target, desired.image_digest.as_deref()));
-                }
+                plan.starts
+                    .push(start_for(task, target, desired.image_digest.as_deref()))
             }
             None => missing.push(name),
         }
@@ -739,7 +737,7 @@ fn dispatch(
         // The assigned proplet disappeared between assignment and start: fail rather than
         // choose another, so a start can never reach two proplets.
         finish(
-            &mut after,
+            desired,
             TaskPhase::Failed,
             Some(format!(
                 "assigned proplet(s) {} no longer exist",
@@ -750,34 +748,77 @@ fn dispatch(
         );
         plan.starts.clear();
         plan.create_job = false;
-        plan.after_dispatch = Some(after);
         return;
     }
-    after.phase = TaskPhase::Running;
-    after.started_at = Some(now);
+    if !plan.starts.is_empty() {
+        look_again_by(plan, later(now, settings.running_write_delay));
+    }
+}
+
+/// Marks a dispatched run as running since `since`.
+fn mark_running(task: &Task, status: &mut TaskStatus, since: DateTime<Utc>) {
+    status.phase = TaskPhase::Running;
+    status.started_at = Some(since);
     set_condition(
-        &mut after.conditions,
+        &mut status.conditions,
         &DesiredCondition::new(
             STARTED,
             true,
             "StartSent",
             "the start was sent to the proplet",
         ),
-        gen,
-        now,
+        task.metadata.generation,
+        since,
     );
-    plan.after_dispatch = Some(after);
 }
 
+fn later(at: DateTime<Utc>, by: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(by)
+        .ok()
+        .and_then(|d| at.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+fn look_again_by(plan: &mut TaskPlan, at: DateTime<Utc>) {
+    plan.requeue_at = Some(plan.requeue_at.map_or(at, |t| t.min(at)));
+}
+
+/// A scheduled task: dispatch it, or, once this process has dispatched it, treat it as the
+/// running task it is and write `running` only when its result is overdue.
 fn plan_scheduled(
     task: &Task,
     observed: &TaskObservations,
+    settings: &TaskSettings,
     now: DateTime<Utc>,
     desired: &mut TaskStatus,
     plan: &mut TaskPlan,
 ) {
-    let snapshot = desired.clone();
-    dispatch(task, observed, now, &snapshot, plan);
+    if runs_as_job(observed, desired) {
+        if observed.job.is_some() {
+            mark_running(task, desired, now);
+            plan_running(task, observed, settings, now, desired, plan);
+        } else {
+            dispatch(task, observed, settings, now, desired, plan);
+        }
+        return;
+    }
+    let Some(sent) = observed.dispatched_at else {
+        // Not sent by this process: a first reconcile after the assignment was written, or
+        // a restart. A start sent again reaches an agent that already has the run; it answers
+        // with the result it has instead of running the task twice.
+        dispatch(task, observed, settings, now, desired, plan);
+        return;
+    };
+    let mut running = desired.clone();
+    mark_running(task, &mut running, sent);
+    plan_running(task, observed, settings, now, &mut running, plan);
+    let overdue = later(sent, settings.running_write_delay);
+    let consumed = plan.consumed_results > 0 || plan.consumed_metrics;
+    if running.phase.is_terminal() || consumed || now >= overdue {
+        *desired = running;
+    } else {
+        look_again_by(plan, overdue);
+    }
 }
 
 fn plan_running(
@@ -872,11 +913,15 @@ fn plan_running(
         }
     }
     if desired.phase.is_terminal() {
-        plan.notes.push(if desired.phase == TaskPhase::Completed {
-            Note::normal("Completed", "the task finished successfully")
-        } else {
-            Note::warning("Failed", desired.error.clone().unwrap_or_default())
-        });
+        // A success is in the status (phase, result, the Completed condition) and on every
+        // watch; only a failure also gets an Event, so a burst of tasks costs the API server
+        // no Event per success.
+        if desired.phase != TaskPhase::Completed {
+            plan.notes.push(Note::warning(
+                "Failed",
+                desired.error.clone().unwrap_or_default(),
+            ));
+        }
         if task.spec.is_recurring {
             if let Some(at) = rerun_at(&task.spec, desired, now) {
                 desired.next_run = Some(at);
@@ -918,9 +963,9 @@ fn plan_running(
 
 /// Whether `task` runs now as a Job on a `k8s` proplet (the driver should look at the Job).
 pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
-    task.status
-        .as_ref()
-        .is_some_and(|s| s.phase == TaskPhase::Running && runs_as_job(observed, s))
+    task.status.as_ref().is_some_and(|s| {
+        matches!(s.phase, TaskPhase::Scheduled | TaskPhase::Running) && runs_as_job(observed, s)
+    })
 }
 
 #[cfg(test)]
@@ -946,6 +991,7 @@ mod tests {
         TaskSettings {
             strategy: Strategy::RoundRobin,
             default_timeout: Duration::from_secs(3600),
+            running_write_delay: Duration::from_secs(1),
         }
     }
 
@@ -1046,10 +1092,27 @@ mod tests {
             .unwrap_or_else(|| panic!("the plan writes no status: {plan:?}"))
     }
 
-    fn after(plan: &TaskPlan) -> &TaskStatus {
-        plan.after_dispatch
-            .as_ref()
-            .unwrap_or_else(|| panic!("the plan has no after-dispatch status: {plan:?}"))
+    /// The status the reconcile after `first` writes once the running-write delay has
+    /// passed without a result (the start went out at `now()`).
+    fn after(task: &Task, observed: &TaskObservations, first: &TaskPlan) -> TaskStatus {
+        let mut next = task.clone();
+        next.metadata.finalizers = Some(vec![TASK_FINALIZER.to_owned()]);
+        if first.status.is_some() {
+            next.status = first.status.clone();
+        }
+        let mut seen = observed.clone();
+        if !first.starts.is_empty() {
+            seen.dispatched_at = Some(now());
+        }
+        if first.create_job {
+            seen.job = Some(JobOutcome::Running);
+        }
+        let delay = settings().running_write_delay;
+        let again = plan(&next, &seen, &settings(), later(now(), delay));
+        match again.status {
+            Some(status) => status,
+            None => panic!("the follow-up writes no status: {:?}", again.notes),
+        }
     }
 
     /// (status, reason, message) of a condition.
@@ -1114,7 +1177,10 @@ mod tests {
             plan.starts[0].request.image_url.as_deref(),
             Some(format!("registry.example/add@{DIGEST}").as_str())
         );
-        assert_eq!(after(&plan).image_digest.as_deref(), Some(DIGEST));
+        assert_eq!(
+            after(&task, &observed, &plan).image_digest.as_deref(),
+            Some(DIGEST)
+        );
     }
 
     #[test]
@@ -1224,12 +1290,15 @@ mod tests {
         assert_eq!(req.kind.as_deref(), Some("standard"));
         assert_eq!(req.priority, Some(50));
 
-        let running = after(&plan);
+        let running = &after(&task, &observed, &plan);
         assert_eq!(running.phase, TaskPhase::Running);
         assert_eq!(running.started_at, Some(now()));
         assert_eq!(running.assigned_proplet.as_deref(), Some("edge"));
         assert_eq!(running.run_count, Some(1));
-        assert_eq!(running.updated_at, Some(now()));
+        assert_eq!(
+            running.updated_at,
+            Some(later(now(), settings().running_write_delay))
+        );
         assert_eq!(running.observed_generation, Some(1));
         assert_eq!(condition(running, STARTED).0, "True");
         assert_eq!(condition(running, STARTED).1, "StartSent");
@@ -1237,7 +1306,11 @@ mod tests {
 
         assert_eq!(plan.chosen.as_deref(), Some("edge"));
         assert!(plan.stops.is_empty());
-        assert_eq!(plan.requeue_at, None);
+        assert_eq!(
+            plan.requeue_at,
+            Some(later(now(), settings().running_write_delay)),
+            "the running write waits for the delay"
+        );
         assert_eq!(reasons(&plan), vec![(false, "Scheduled")]);
     }
 
@@ -1285,16 +1358,20 @@ mod tests {
             "runCount": 1, "observedGeneration": 1
         }));
         let mut observed = observing(vec![proplet("a", "a-client"), proplet("b", "b-client")]);
-        observed.dispatched = true;
+        observed.dispatched_at = Some(now());
         let plan = plan(&task, &observed, &settings(), now());
 
         assert!(plan.starts.is_empty(), "{:?}", plan.starts);
         assert_eq!(plan.chosen, None);
-        assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
-        let running = after(&plan);
+        assert_eq!(plan.status, None, "within the delay nothing is written");
+        let overdue = later(now(), settings().running_write_delay);
+        assert_eq!(plan.requeue_at, Some(overdue));
+        let plan = super::plan(&task, &observed, &settings(), overdue);
+        assert!(plan.starts.is_empty(), "{:?}", plan.starts);
+        let running = written(&plan);
         assert_eq!(running.phase, TaskPhase::Running);
         assert_eq!(running.assigned_proplet.as_deref(), Some("b"));
-        assert_eq!(running.started_at, Some(now()));
+        assert_eq!(running.started_at, Some(now()), "since the start went out");
         assert_eq!(running.run_count, Some(1), "a retry is not another run");
         assert_eq!(condition(running, STARTED).0, "True");
     }
@@ -1316,7 +1393,7 @@ mod tests {
             Some("b-client")
         );
         assert_eq!(plan.chosen, None);
-        let running = after(&plan);
+        let running = after(&task, &observed, &plan);
         assert_eq!(running.phase, TaskPhase::Running);
         assert_eq!(running.assigned_proplet.as_deref(), Some("b"));
         assert_eq!(running.run_count, Some(1));
@@ -1339,7 +1416,7 @@ mod tests {
 
         assert!(plan.starts.is_empty(), "{:?}", plan.starts);
         assert_eq!(plan.chosen, None);
-        let failed = after(&plan);
+        let failed = written(&plan);
         assert_eq!(failed.phase, TaskPhase::Failed);
         assert_eq!(failed.finished_at, Some(now()));
         assert_eq!(failed.assigned_proplet.as_deref(), Some("gone"));
@@ -1369,7 +1446,6 @@ mod tests {
             )
         );
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         assert_eq!(plan.chosen, None);
         let retry = chrono::Duration::from_std(NO_CANDIDATE_RETRY)
             .unwrap_or_else(|e| panic!("retry interval: {e}"));
@@ -1416,7 +1492,6 @@ mod tests {
         assert_eq!(message, expected);
         assert!(message.contains('a') && message.contains('b'), "{message}");
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         let retry = chrono::Duration::from_std(NO_CANDIDATE_RETRY)
             .unwrap_or_else(|e| panic!("retry interval: {e}"));
         assert_eq!(plan.requeue_at, Some(now() + retry));
@@ -1453,7 +1528,6 @@ mod tests {
             )
         );
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         assert_eq!(plan.requeue_at, None, "dependency changes trigger the task");
     }
 
@@ -1473,7 +1547,6 @@ mod tests {
         let (ok, reason, message) = condition(status, COMPLETED);
         assert_eq!((ok, reason, message), ("False", "Skipped", error));
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         assert_eq!(reasons(&plan), vec![(false, "Skipped")]);
     }
 
@@ -1551,7 +1624,6 @@ mod tests {
         assert!(message.contains("2026-03-14T12:00:00"), "{message}");
         assert_eq!(plan.requeue_at, Some(at(12, 0, 0)));
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
     }
 
     #[test]
@@ -1569,7 +1641,6 @@ mod tests {
         );
         assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
         assert_eq!(plan.starts.len(), 1);
-        assert_eq!(after(&plan).phase, TaskPhase::Running);
     }
 
     // 7. Results of an ordinary task.
@@ -1592,9 +1663,8 @@ mod tests {
         assert_eq!(condition(status, COMPLETED).1, "Succeeded");
         assert_eq!(plan.consumed_results, 1);
         assert!(plan.starts.is_empty() && plan.stops.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         assert_eq!(plan.requeue_at, None);
-        assert_eq!(reasons(&plan), vec![(false, "Completed")]);
+        assert!(reasons(&plan).is_empty(), "a success records no Event");
     }
 
     #[test]
@@ -1693,12 +1763,9 @@ mod tests {
 
     #[test]
     fn broadcast_task_is_sent_to_every_candidate() {
-        let plan = plan(
-            &task_from(broadcast_value()),
-            &two_proplets(),
-            &settings(),
-            now(),
-        );
+        let task = task_from(broadcast_value());
+        let observed = two_proplets();
+        let plan = plan(&task, &observed, &settings(), now());
 
         let status = written(&plan);
         assert_eq!(status.phase, TaskPhase::Scheduled);
@@ -1715,7 +1782,7 @@ mod tests {
             vec![("a", Some("a-client")), ("b", Some("b-client"))]
         );
         assert_eq!(plan.chosen, None, "broadcasts do not move the round robin");
-        let running = after(&plan);
+        let running = after(&task, &observed, &plan);
         assert_eq!(running.phase, TaskPhase::Running);
         assert_eq!(running.broadcast_proplets, vec!["a", "b"]);
     }
@@ -1903,7 +1970,6 @@ mod tests {
         assert_eq!(status.finished_at, Some(now()));
         assert_eq!(condition(status, COMPLETED).1, "Interrupted");
         assert!(plan.starts.is_empty());
-        assert_eq!(plan.after_dispatch, None);
         assert_eq!(reasons(&plan), vec![(false, "Stopped")]);
     }
 
@@ -1981,12 +2047,8 @@ mod tests {
     #[test]
     fn rerun_annotation_runs_a_finished_task_again() {
         let task = completed_with_annotation("1", None);
-        let plan = plan(
-            &task,
-            &observing(vec![proplet("edge", "edge-client")]),
-            &settings(),
-            now(),
-        );
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
 
         let status = written(&plan);
         assert_eq!(status.rerun_token.as_deref(), Some("1"));
@@ -1998,7 +2060,7 @@ mod tests {
         assert!(find_condition(&status.conditions, COMPLETED).is_none());
         assert_eq!(plan.starts.len(), 1);
         assert_eq!(plan.starts[0].proplet, "edge");
-        let running = after(&plan);
+        let running = after(&task, &observed, &plan);
         assert_eq!(running.phase, TaskPhase::Running);
         assert_eq!(running.started_at, Some(now()));
         assert_eq!(running.rerun_token.as_deref(), Some("1"));
@@ -2152,16 +2214,17 @@ mod tests {
 
     #[test]
     fn a_task_with_an_image_on_a_k8s_proplet_creates_its_job_instead_of_publishing() {
-        let plan = plan(
-            &image_task(None),
-            &observing(vec![k8s_proplet("cluster")]),
-            &settings(),
-            now(),
-        );
+        let task = image_task(None);
+        let observed = observing(vec![k8s_proplet("cluster")]);
+        let plan = plan(&task, &observed, &settings(), now());
         assert!(plan.create_job);
         assert!(plan.starts.is_empty());
         assert_eq!(written(&plan).assigned_proplet.as_deref(), Some("cluster"));
-        assert_eq!(after(&plan).phase, TaskPhase::Running);
+        assert_eq!(
+            after(&task, &observed, &plan).phase,
+            TaskPhase::Running,
+            "running once the Job is seen"
+        );
     }
 
     #[test]

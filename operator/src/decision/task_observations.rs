@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use super::scheduler::{CandidateProplet, RoundRobinState};
@@ -47,8 +48,9 @@ pub struct TaskObservations {
     pub results: Vec<ReportedResult>,
     /// The latest task metrics received and not yet written.
     pub metrics: Option<MetricsSample>,
-    /// The start of the current run was already published by this process.
-    pub dispatched: bool,
+    /// When this process published the start of the current run (None: not by this
+    /// process, which after a restart means it may have to be sent again).
+    pub dispatched_at: Option<DateTime<Utc>>,
     /// Round-robin memory of the scheduler.
     pub round_robin: RoundRobinState,
     /// The Kubernetes Job of a task running on a `k8s` proplet, once the driver saw it.

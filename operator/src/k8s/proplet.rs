@@ -27,6 +27,25 @@ pub struct PropletSettings {
     pub last_seen_threshold: Duration,
     /// Heartbeat-only changes are written at most this often.
     pub status_flush_interval: Duration,
+    /// Heartbeat-only writes per second across all proplets (0: no cap). Each proplet's
+    /// refresh interval stretches to its fair share of this budget, so a large fleet's
+    /// refreshes cannot saturate the API server and delay the writes that matter (a proplet
+    /// going Offline), which are never capped.
+    pub routine_writes_per_second: u32,
+}
+
+impl PropletSettings {
+    /// How often one proplet's heartbeat-only changes are written in a fleet of
+    /// `fleet_size`: the flush interval, or longer when the fleet's share of the routine
+    /// budget is smaller.
+    pub fn routine_interval(&self, fleet_size: usize) -> Duration {
+        if self.routine_writes_per_second == 0 {
+            return self.status_flush_interval;
+        }
+        let share =
+            Duration::from_secs_f64(fleet_size as f64 / f64::from(self.routine_writes_per_second));
+        share.max(self.status_flush_interval)
+    }
 }
 
 /// What the driver knows about a proplet beyond the object itself.
@@ -42,6 +61,8 @@ pub struct PropletObservations {
     pub report: DeviceReport,
     /// Tasks scheduled or running on the proplet now (`status.taskCount`).
     pub task_count: i64,
+    /// How many proplets the driver holds (they share the routine-write budget).
+    pub fleet_size: usize,
 }
 
 /// The latest description and resource figures a device reported; each replaces the last.
@@ -144,18 +165,18 @@ pub fn plan(
     // Load moves with every task transition: like heartbeat figures it is written at most
     // once per flush interval, so a burst of tasks does not become a burst of writes.
     desired.task_count = observed.task_count;
+    let routine_interval = settings.routine_interval(observed.fleet_size);
     if write_due(
         &written,
         &desired,
         observed.last_write,
-        settings.status_flush_interval,
+        routine_interval,
         now,
     ) {
         plan.routine = !significant_change(&written, &desired);
         plan.status = Some(desired);
     } else if written != desired {
-        let flush = chrono::Duration::from_std(settings.status_flush_interval)
-            .unwrap_or(chrono::Duration::MAX);
+        let flush = chrono::Duration::from_std(routine_interval).unwrap_or(chrono::Duration::MAX);
         if let Some(due) = observed
             .last_write
             .and_then(|at| at.checked_add_signed(flush))

@@ -99,9 +99,6 @@ pub struct Shared {
     /// Proplet of each MQTT client id, rebuilt with the credential table, so a heartbeat
     /// finds its Proplet without scanning all of them.
     clients: std::sync::RwLock<HashMap<String, ObjectRef<Proplet>>>,
-    /// Proplet status writes in flight, to put off heartbeat-only ones when the API server
-    /// is behind.
-    status_writes: std::sync::atomic::AtomicUsize,
     /// Broker logins derived from Proplets.
     pub credentials: Arc<CredentialStore>,
     /// Emits Kubernetes Events.
@@ -204,7 +201,6 @@ impl Shared {
             deployments: caches.deployments,
             secrets: caches.secrets,
             clients: std::sync::RwLock::new(HashMap::new()),
-            status_writes: std::sync::atomic::AtomicUsize::new(0),
             credentials,
             task_trigger: task_tx,
             proplet_trigger: proplet_tx,
@@ -367,21 +363,9 @@ async fn reconcile_proplet_inner(
         last_write: lock(&ctx.state.proplet_writes).get(&key).copied(),
         report: ctx.state.liveness.report(&client_id),
         task_count: i64::from(ctx.active_tasks(&proplet)),
+        fleet_size: ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len(),
     };
-    let mut plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
-    if plan.routine
-        && ctx.status_writes.load(std::sync::atomic::Ordering::Relaxed) >= ROUTINE_WRITE_LIMIT
-    {
-        // The API server is behind: leave the heartbeat figures in memory and look again
-        // after a flush interval, so phase changes (a proplet going Offline) are not queued
-        // behind refreshes of lastSeen.
-        plan.status = None;
-        let later = chrono::Duration::from_std(ctx.settings.proplet.status_flush_interval)
-            .unwrap_or(chrono::Duration::MAX);
-        if let Some(retry) = now.checked_add_signed(later) {
-            plan.look_again_by(retry);
-        }
-    }
+    let plan = plan_proplet(&proplet, &observed, &ctx.settings.proplet, now);
     if let Some(problem) = &plan.problem {
         ctx.note(
             &proplet.object_ref(&()),
@@ -393,12 +377,7 @@ async fn reconcile_proplet_inner(
         )
         .await;
     }
-    let in_flight = plan
-        .status
-        .as_ref()
-        .map(|_| InFlight::enter(&ctx.status_writes));
     apply_proplet(&ctx.client, &proplet, &plan).await?;
-    drop(in_flight);
     if let Some(status) = &plan.status {
         ctx.state
             .liveness
@@ -436,30 +415,10 @@ async fn reconcile_proplet_inner(
     Ok(Action::requeue(wait))
 }
 
-/// Counts one write in flight for as long as it lives (also when the write fails).
-struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
-
-impl<'a> InFlight<'a> {
-    fn enter(counter: &'a std::sync::atomic::AtomicUsize) -> Self {
-        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Self(counter)
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 /// How often the credential table is rebuilt when Proplets or Secrets changed: a new
 /// device can log in this long after its Proplet is stored, and a burst of new Proplets
 /// costs one rebuild per tick, not one per Proplet.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
-
-/// Proplet status writes in flight beyond which heartbeat-only writes wait: half the
-/// reconcile slots, so a phase change always finds one.
-const ROUTINE_WRITE_LIMIT: usize = RECONCILE_CONCURRENCY as usize / 2;
 
 /// Reconciles of one kind that run at once. kube's client speaks HTTP/1.1, so every
 /// concurrent API call is a TLS connection of its own: unbounded, a resync of 10,000
@@ -512,11 +471,7 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     for note in &plan.notes {
         ctx.note(&reference, note).await;
     }
-    let finished = plan
-        .after_dispatch
-        .as_ref()
-        .or(plan.status.as_ref())
-        .is_some_and(|s| s.phase.is_terminal());
+    let finished = plan.status.as_ref().is_some_and(|s| s.phase.is_terminal());
     if finished {
         // Dependents may run now, and the proplet has one task less.
         let name = task.name_any();
@@ -528,7 +483,7 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
             }
         }
     }
-    if plan.status.is_some() || plan.after_dispatch.is_some() {
+    if plan.status.is_some() {
         for proplet in observed.proplets.iter().filter(|p| {
             plan.starts.iter().any(|s| s.proplet == p.candidate.name)
                 || task.status.as_ref().is_some_and(|s| {

@@ -658,6 +658,9 @@ impl Driver {
             last_write: lock(&self.state.proplet_writes).get(&map_key).copied(),
             report: self.state.liveness.report(&client_id),
             task_count: i64::from(self.cache.load(&key.namespace, &key.name)),
+            // The embedded store batches heartbeat-only writes into shared transactions, so
+            // they need no fleet-wide budget.
+            fleet_size: 0,
         };
         let plan = plan_proplet(&proplet, &observed, &self.settings.proplet, now);
         let written = proplet.status.clone().unwrap_or_default();

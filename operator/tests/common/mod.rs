@@ -246,10 +246,12 @@ impl Harness {
             proplet: propeller_operator::k8s::proplet::PropletSettings {
                 last_seen_threshold: std::time::Duration::from_secs(30),
                 status_flush_interval: std::time::Duration::from_secs(5),
+                routine_writes_per_second: 20,
             },
             task: propeller_operator::decision::task::TaskSettings {
                 strategy: propeller_operator::decision::scheduler::Strategy::RoundRobin,
                 default_timeout: std::time::Duration::from_secs(3600),
+                running_write_delay: std::time::Duration::from_secs(1),
             },
         };
         let (shared, triggers) = Shared::new(
