@@ -8,7 +8,9 @@
 //! * `heartbeats`: N simulated proplets, each a real MQTT connection with its own
 //!   credential, heartbeat on their channel like the agent does; after a while some of them
 //!   go silent (stay connected, stop heartbeating), so the operator's offline detection
-//!   can be timed. Prints when each phase started.
+//!   can be timed. Prints when each phase started. With `--storm-after-secs`, every
+//!   connection is instead dropped at once (no DISCONNECT, as in a network blip) and comes
+//!   back within `--storm-spread-ms`, heartbeating again at once.
 //! * `push-module`: pushes an `add` Wasm module padded to a given size to an OCI registry as
 //!   a CNCF Wasm artifact, and writes the same bytes to a file (for the HTTP comparison).
 //!   Prints the manifest digest.
@@ -126,6 +128,13 @@ struct HeartbeatArgs {
     /// Seconds after the silence starts at which everything disconnects and the run ends.
     #[arg(long, default_value_t = 60)]
     run_after_silence_secs: u64,
+    /// Seconds after the last proplet connected at which every connection drops at once
+    /// and reconnects (0: no storm). Replaces the silence.
+    #[arg(long, default_value_t = 0)]
+    storm_after_secs: u64,
+    /// The reconnections of a storm are spread evenly over this many milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    storm_spread_ms: u64,
 }
 
 fn qos(level: u8) -> anyhow::Result<QoS> {
@@ -238,19 +247,13 @@ fn unix_ms() -> u128 {
         .unwrap_or(0)
 }
 
-/// One simulated proplet: connects, heartbeats every `interval` while `beating` says so,
-/// keeps the connection (pings) until `stop` flips.
-async fn simulated_proplet(
-    args: Arc<HeartbeatArgs>,
-    i: usize,
-    connecting: Arc<Semaphore>,
-    connected: tokio::sync::mpsc::UnboundedSender<()>,
-    beating: tokio::sync::watch::Receiver<bool>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<()> {
-    let id = format!("{}-{i}", args.prefix);
-    let mut options = MqttOptions::new(&id, "127.0.0.1", args.port);
-    options.set_credentials(&id, format!("{id}-key"));
+/// Connects `id`, retrying a few times; returns once the CONNACK accepted it.
+async fn connect_proplet(
+    args: &HeartbeatArgs,
+    id: &str,
+) -> anyhow::Result<(AsyncClient, rumqttc::EventLoop)> {
+    let mut options = MqttOptions::new(id, "127.0.0.1", args.port);
+    options.set_credentials(id, format!("{id}-key"));
     options.set_keep_alive(Duration::from_secs(60));
     let (client, mut eventloop) = AsyncClient::new(options, 16);
     // Wait out a slow CONNACK during the connect storm instead of reconnecting after
@@ -258,17 +261,6 @@ async fn simulated_proplet(
     // accepted runs into rumqttd 0.20's takeover race (BENCHMARKS.md, section 4), which would
     // then be measured instead of the heartbeat load.
     eventloop.network_options.set_connection_timeout(60);
-    let alive = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
-        .map_err(|e| anyhow::anyhow!("channel: {e}"))?
-        .alive();
-    let beat = propeller_broker::protocol::Heartbeat {
-        proplet_id: id.clone(),
-        namespace: Some("default".into()),
-        metadata: None,
-        metrics: None,
-    }
-    .encode();
-    let permit = connecting.acquire().await.context("connect gate")?;
     let mut failures = 0;
     loop {
         match eventloop.poll().await {
@@ -276,7 +268,7 @@ async fn simulated_proplet(
                 if ack.code != rumqttc::ConnectReturnCode::Success {
                     bail!("{id}: refused: {:?}", ack.code);
                 }
-                break;
+                return Ok((client, eventloop));
             }
             Ok(_) => {}
             Err(e) => {
@@ -288,40 +280,98 @@ async fn simulated_proplet(
             }
         }
     }
-    drop(permit);
-    let _ = connected.send(());
-    let publisher = {
-        let client = client.clone();
-        let mut stop = stop.clone();
-        let interval = Duration::from_secs(args.interval_secs.max(1));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop.changed() => return,
-                }
-                if *beating.borrow() {
-                    let _ = client
-                        .publish(&alive, QoS::AtMostOnce, false, beat.clone())
-                        .await;
-                }
-            }
-        })
-    };
-    loop {
-        tokio::select! {
-            polled = eventloop.poll() => {
-                if let Err(e) = polled {
-                    publisher.abort();
-                    bail!("{id}: connection lost: {e}");
-                }
-            }
-            _ = stop.changed() => break,
-        }
+}
+
+/// Signals of one heartbeat run that every simulated proplet follows.
+struct Signals {
+    connected: tokio::sync::mpsc::UnboundedSender<()>,
+    reconnected: tokio::sync::mpsc::UnboundedSender<()>,
+    beating: tokio::sync::watch::Receiver<bool>,
+    storm: tokio::sync::watch::Receiver<bool>,
+    stop: tokio::sync::watch::Receiver<bool>,
+}
+
+/// One simulated proplet: connects, heartbeats every `interval` while `beating` says so,
+/// keeps the connection (pings) until `stop` flips. When `storm` flips it drops the
+/// connection without a DISCONNECT, waits its share of the spread, and connects again.
+async fn simulated_proplet(
+    args: Arc<HeartbeatArgs>,
+    i: usize,
+    connecting: Arc<Semaphore>,
+    signals: Signals,
+) -> anyhow::Result<()> {
+    let id = format!("{}-{i}", args.prefix);
+    let alive = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
+        .map_err(|e| anyhow::anyhow!("channel: {e}"))?
+        .alive();
+    let beat = propeller_broker::protocol::Heartbeat {
+        proplet_id: id.clone(),
+        namespace: Some("default".into()),
+        metadata: None,
+        metrics: None,
     }
-    publisher.abort();
+    .encode();
+    let permit = connecting.acquire().await.context("connect gate")?;
+    let (mut client, mut eventloop) = connect_proplet(&args, &id).await?;
+    drop(permit);
+    let _ = signals.connected.send(());
+    let mut stop = signals.stop.clone();
+    let mut storm = signals.storm.clone();
+    let mut stormed = false;
+    loop {
+        let publisher = {
+            let client = client.clone();
+            let mut stop = stop.clone();
+            let beating = signals.beating.clone();
+            let alive = alive.clone();
+            let beat = beat.clone();
+            let interval = Duration::from_secs(args.interval_secs.max(1));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(interval);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => {}
+                        _ = stop.changed() => return,
+                    }
+                    if *beating.borrow() {
+                        let _ = client
+                            .publish(&alive, QoS::AtMostOnce, false, beat.clone())
+                            .await;
+                    }
+                }
+            })
+        };
+        let storm_now = loop {
+            tokio::select! {
+                polled = eventloop.poll() => {
+                    if let Err(e) = polled {
+                        publisher.abort();
+                        bail!("{id}: connection lost: {e}");
+                    }
+                }
+                _ = stop.changed() => break false,
+                changed = storm.changed(), if !stormed => {
+                    if changed.is_ok() && *storm.borrow() {
+                        break true;
+                    }
+                }
+            }
+        };
+        publisher.abort();
+        if !storm_now {
+            break;
+        }
+        // The blip: the socket closes with no DISCONNECT, as when a network drops.
+        stormed = true;
+        drop(client);
+        drop(eventloop);
+        let spread = args.storm_spread_ms.max(1);
+        let share = (i as u64).saturating_mul(spread) / (args.proplets.max(1) as u64);
+        tokio::time::sleep(Duration::from_millis(share)).await;
+        (client, eventloop) = connect_proplet(&args, &id).await?;
+        let _ = signals.reconnected.send(());
+    }
     let _ = client.disconnect().await;
     // Let the DISCONNECT go out.
     let _ = tokio::time::timeout(Duration::from_millis(200), eventloop.poll()).await;
@@ -337,6 +387,8 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (_loud_tx, loud_rx) = tokio::sync::watch::channel(true);
     let (quiet_tx, quiet_rx) = tokio::sync::watch::channel(true);
+    let (storm_tx, storm_rx) = tokio::sync::watch::channel(false);
+    let (reconnected_tx, mut reconnected_rx) = tokio::sync::mpsc::unbounded_channel();
     println!(
         "{}",
         json!({"event": "connecting", "proplets": args.proplets, "unix_ms": unix_ms()})
@@ -350,13 +402,18 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
         } else {
             loud_rx.clone()
         };
+        let signals = Signals {
+            connected: connected_tx.clone(),
+            reconnected: reconnected_tx.clone(),
+            beating,
+            storm: storm_rx.clone(),
+            stop: stop_rx.clone(),
+        };
         proplets.spawn(simulated_proplet(
             args.clone(),
             i,
             connecting.clone(),
-            connected_tx.clone(),
-            beating,
-            stop_rx.clone(),
+            signals,
         ));
     }
     let all_connected = async {
@@ -378,7 +435,31 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
         .await
         .context("the proplets did not connect within 600 s")??;
     println!("{}", json!({"event": "connected", "unix_ms": unix_ms()}));
-    tokio::time::sleep(Duration::from_secs(args.silence_after_secs)).await;
+    if args.storm_after_secs > 0 {
+        tokio::time::sleep(Duration::from_secs(args.storm_after_secs)).await;
+        storm_tx.send_replace(true);
+        println!("{}", json!({"event": "storm", "unix_ms": unix_ms()}));
+        let mut back = 0;
+        let all_back = async {
+            while back < args.proplets {
+                tokio::select! {
+                    Some(()) = reconnected_rx.recv() => back += 1,
+                    Some(done) = proplets.join_next() => match done {
+                        Ok(Err(e)) => return Err(e),
+                        Ok(Ok(())) => bail!("a proplet ended during the storm"),
+                        Err(e) => bail!("proplet task: {e}"),
+                    },
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(600), all_back)
+            .await
+            .context("the proplets did not reconnect within 600 s")??;
+        println!("{}", json!({"event": "reconnected", "unix_ms": unix_ms()}));
+        tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
+    } else {
+        tokio::time::sleep(Duration::from_secs(args.silence_after_secs)).await;
     if args.silent > 0 {
         quiet_tx.send_replace(false);
         println!(
@@ -386,7 +467,8 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
             json!({"event": "silenced", "count": args.silent, "unix_ms": unix_ms()})
         );
     }
-    tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
+        tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
+    }
     stop_tx.send_replace(true);
     let mut failed = 0;
     while let Some(done) = proplets.join_next().await {
