@@ -1632,6 +1632,90 @@ mod tests {
         );
     }
 
+    // ---------------------------------------------------------------- outside 1970-2100
+
+    // The cron crate only searches 1970-2100; these years are searched on a stand-in year.
+
+    #[test]
+    fn stand_in_years_have_the_same_calendar() {
+        let mut checked = 0;
+        for year in (1000..1970).chain(2101..3200).chain([-262_000, 262_000]) {
+            let stand_in = stand_in_year(year).unwrap();
+            assert!((2001..=2028).contains(&stand_in), "{year} -> {stand_in}");
+            for ordinal in 1..=366 {
+                let real = NaiveDate::from_yo_opt(year, ordinal);
+                let other = NaiveDate::from_yo_opt(stand_in, ordinal);
+                assert_eq!(
+                    real.map(|d| (d.month(), d.day(), d.weekday())),
+                    other.map(|d| (d.month(), d.day(), d.weekday())),
+                    "{year} day {ordinal} vs {stand_in}"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 700_000, "only {checked} days");
+        for year in [1970, 2026, 2100] {
+            assert_eq!(stand_in_year(year), Some(year));
+        }
+    }
+
+    #[test]
+    fn years_past_2100_and_before_1970() {
+        // 2200-01-06 is the first Monday of 2200.
+        assert_eq!(
+            series("0 9 * * MON", "2200-01-01T00:00:00Z", Tz::UTC, 2),
+            utcs(&["2200-01-06T09:00:00Z", "2200-01-13T09:00:00Z"])
+        );
+        // Day OR in 2300: the 13th (a Monday) and every Friday.
+        assert_eq!(
+            series("0 0 13 * FRI", "2300-01-01T00:00:00Z", Tz::UTC, 4),
+            utcs(&[
+                "2300-01-05T00:00:00Z",
+                "2300-01-12T00:00:00Z",
+                "2300-01-13T00:00:00Z",
+                "2300-01-19T00:00:00Z"
+            ])
+        );
+        // 1900 was not a leap year.
+        assert_eq!(
+            series("0 0 29 2 *", "1890-01-01T00:00:00Z", Tz::UTC, 3),
+            utcs(&[
+                "1892-02-29T00:00:00Z",
+                "1896-02-29T00:00:00Z",
+                "1904-02-29T00:00:00Z"
+            ])
+        );
+        // A year-end crossing from a stand-in year into the next.
+        assert_eq!(
+            series("0 0 1 1 *", "2150-06-01T00:00:00Z", Tz::UTC, 2),
+            utcs(&["2151-01-01T00:00:00Z", "2152-01-01T00:00:00Z"])
+        );
+    }
+
+    #[test]
+    fn dst_policy_applies_before_1970() {
+        let tz = Tz::America__New_York;
+        // 1960-04-24 02:00 EST -> 03:00 EDT (07:00Z): 02:30 fires at the change.
+        assert_eq!(
+            series("30 2 * * *", "1960-04-23T12:00:00Z", tz, 2),
+            utcs(&["1960-04-24T07:00:00Z", "1960-04-25T06:30:00Z"])
+        );
+        // 1960-10-30 02:00 EDT -> 01:00 EST (06:00Z): 01:30 fires once, an hourly schedule in
+        // both passes.
+        assert_eq!(
+            series("30 1 * * *", "1960-10-29T12:00:00Z", tz, 2),
+            utcs(&["1960-10-30T05:30:00Z", "1960-10-31T06:30:00Z"])
+        );
+        assert_eq!(
+            series("0 * * * *", "1960-10-30T04:30:00Z", tz, 3),
+            utcs(&[
+                "1960-10-30T05:00:00Z",
+                "1960-10-30T06:00:00Z",
+                "1960-10-30T07:00:00Z"
+            ])
+        );
+    }
+
     // ---------------------------------------------------------------- brute-force oracle
 
     /// Independent, minute-by-minute implementation of the documented semantics. Valid for
