@@ -54,19 +54,23 @@
 //!
 //! # Search
 //!
-//! [`CronSchedule::next_after`] skips whole months, days and hours that cannot match (bit-mask
-//! lookups, no minute-by-minute scanning) and gives up after [`SEARCH_HORIZON_YEARS`] years
-//! of local calendar time (`0 0 30 2 *` never fires). The zone's offset is probed hourly over
-//! the 26 hours after the start instant, so an upcoming clock set back is seen and its
-//! second-pass wall-clock times (which lie *before* the start's wall-clock time) are searched
-//! too. It reads no clock and keeps no state.
+//! The `cron` crate does the calendar search: the five fields are validated here, then
+//! translated into the crate's 6-field form (seconds `0`, weekdays by name) and searched on a
+//! UTC clock that stands for naive wall-clock time, so the crate never sees a clock change.
+//! This module maps each wall-clock match to instants with the zone's rules (the policy
+//! above), adds the day OR (the crate ANDs the day fields, so two crate schedules are
+//! searched) and gives up after [`SEARCH_HORIZON_YEARS`] years of local calendar time
+//! (`0 0 30 2 *` never fires). The zone's offset is probed hourly over the 26 hours after the
+//! start instant, so an upcoming clock set back is seen and its second-pass wall-clock times
+//! (which lie *before* the start's wall-clock time) are searched too. It reads no clock and
+//! keeps no state.
 
 use std::fmt;
 use std::str::FromStr;
 
 use chrono::{
-    DateTime, Datelike, MappedLocalTime, Months, NaiveDate, NaiveDateTime, Offset, TimeDelta,
-    TimeZone, Timelike, Utc,
+    DateTime, Datelike, MappedLocalTime, Months, NaiveDate, NaiveDateTime, NaiveTime, Offset,
+    TimeDelta, TimeZone, Timelike, Utc,
 };
 use chrono_tz::{GapInfo, Tz, TZ_VARIANTS};
 
@@ -82,6 +86,11 @@ const FOLD_PROBE_HOURS: i64 = 26;
 /// Upper bound (minutes) when walking out of a gap whose end the zone data cannot report
 /// directly; real gaps are at most one day long.
 const GAP_SCAN_LIMIT_MINUTES: u32 = 48 * 60;
+
+/// The years the `cron` crate searches (its year field's range); other years are searched
+/// on a stand-in year with the same calendar.
+const CRATE_FIRST_YEAR: i32 = 1970;
+const CRATE_LAST_YEAR: i32 = 2100;
 
 const MONTH_NAMES: [&str; 12] = [
     "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
@@ -275,6 +284,19 @@ pub enum CronError {
         /// `CRON_TZ` or `TZ`.
         prefix: &'static str,
     },
+    /// The `cron` crate rejected the expression this module translated the fields into.
+    /// Validation here accepts only what translates, so this means a bug, reported rather
+    /// than panicking.
+    #[error(
+        "invalid cron expression: the cron library rejected its translation `{expression}`: \
+         {message}"
+    )]
+    Translation {
+        /// The 6-field expression given to the crate.
+        expression: String,
+        /// The crate's error message.
+        message: String,
+    },
     /// `spec.timezone` names a zone that does not exist.
     #[error(
         "unknown time zone `{name}`: expected an IANA name such as `Europe/Berlin` or `UTC`{hint}",
@@ -342,22 +364,18 @@ fn lookup_zone(name: &str) -> Result<Tz, Option<String>> {
 
 /// A parsed, validated 5-field cron expression. Parsing once and keeping this value lets
 /// reconcilers validate `spec.schedule` and compute `status.nextRun` from the same rules.
+///
+/// The fields are checked here (typed errors, robfig quirks) and then handed to the `cron`
+/// crate as its 6-field form, which does the calendar search; this type only adds what the
+/// crate does not do: the Vixie day OR, time zones and the daylight-saving policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CronSchedule {
-    /// Bit `m` set when minute `m` matches.
-    minutes: u64,
-    /// Bit `h` set when hour `h` matches.
-    hours: u64,
-    /// Bit `d` (1-31) set when day-of-month `d` matches.
-    days_of_month: u64,
-    /// Bit `m` (1-12) set when month `m` matches.
-    months: u64,
-    /// Bit `w` (0-6, Sunday = 0) set when weekday `w` matches.
-    days_of_week: u64,
-    /// Day-of-month field was `*`/`?` (unrestricted) — selects the AND rule for days.
-    dom_unrestricted: bool,
-    /// Day-of-week field was `*`/`?` (unrestricted) — selects the AND rule for days.
-    dow_unrestricted: bool,
+    /// The crate's schedules over naive wall-clock time; an activation is a match of any of
+    /// them. Two when both day fields are restricted (day-of-month with any weekday, any day
+    /// of the month with the weekdays), since the crate ANDs the day fields.
+    calendars: Vec<cron::Schedule>,
+    /// The hour set is all of 0-23: the schedule follows elapsed time across clock changes.
+    interval: bool,
     /// Zone from a `CRON_TZ=`/`TZ=` prefix; takes precedence over the caller's zone.
     timezone: Option<Tz>,
 }
@@ -405,14 +423,33 @@ impl CronSchedule {
         } else {
             dow.bits
         };
+
+        let times = format!(
+            "0 {} {}",
+            crate_field(minute.bits, 0, 59, None),
+            crate_field(hour.bits, 0, 23, None)
+        );
+        let month = crate_field(month.bits, 1, 12, None);
+        let dom_text = crate_field(dom.bits, 1, 31, None);
+        let dow_text = crate_field(days_of_week, 0, 6, Some(&WEEKDAY_NAMES));
+        let days = if dom.unrestricted || dow.unrestricted {
+            vec![(dom_text.as_str(), dow_text.as_str())]
+        } else {
+            vec![(dom_text.as_str(), "*"), ("*", dow_text.as_str())]
+        };
+        let calendars = days
+            .into_iter()
+            .map(|(dom, dow)| {
+                let expression = format!("{times} {dom} {month} {dow}");
+                cron::Schedule::from_str(&expression).map_err(|error| CronError::Translation {
+                    expression,
+                    message: error.to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(CronSchedule {
-            minutes: minute.bits,
-            hours: hour.bits,
-            days_of_month: dom.bits,
-            months: month.bits,
-            days_of_week,
-            dom_unrestricted: dom.unrestricted,
-            dow_unrestricted: dow.unrestricted,
+            calendars,
+            interval: hour.bits == (1u64 << 24) - 1,
             timezone,
         })
     }
@@ -438,7 +475,7 @@ impl CronSchedule {
 
         // Probe the offsets of the next day: a clock set back there repeats wall-clock times
         // that lie before `local_after`, and those (second-pass) instants are still in the
-        // future.
+        // future, so the search starts one fold length earlier in wall-clock time.
         let mut min_offset = offset_after;
         let mut max_offset = offset_after;
         for hour in 1..=FOLD_PROBE_HOURS {
@@ -455,10 +492,10 @@ impl CronSchedule {
             .checked_add_months(Months::new(12 * SEARCH_HORIZON_YEARS))
             .unwrap_or(NaiveDate::MAX);
 
-        // Matching wall-clock times are visited in increasing local order. Their instants are
-        // increasing too except around a fall-back, so keep the earliest instant seen and stop
-        // once a candidate's earliest possible instant (local time minus the largest offset
-        // in play) cannot beat it.
+        // The crate yields matching wall-clock times in increasing local order. Their instants
+        // are increasing too except around a fall-back, so keep the earliest instant seen and
+        // stop once a candidate's earliest possible instant (local time minus the largest
+        // offset in play) cannot beat it.
         let mut best: Option<(NaiveDateTime, TimeDelta)> = None;
         while let Some(candidate) = self.next_local_match(cursor, limit) {
             if let Some((best_instant, max_shift)) = best {
@@ -485,80 +522,60 @@ impl CronSchedule {
     /// True when the schedule fires every hour, i.e. it is an interval schedule that follows
     /// elapsed time across daylight-saving changes.
     fn is_interval(&self) -> bool {
-        self.hours == (1u64 << 24) - 1
+        self.interval
     }
 
     /// Whether a local wall-clock time (with seconds 0) matches all fields.
     #[cfg(test)]
     fn matches_local(&self, local: NaiveDateTime) -> bool {
-        local.second() == 0
-            && local.nanosecond() == 0
-            && has_bit(self.minutes, local.minute())
-            && has_bit(self.hours, local.hour())
-            && has_bit(self.months, local.month())
-            && self.day_matches(local.date())
-    }
-
-    /// Vixie/robfig rule: OR when both day fields are restricted, AND otherwise.
-    fn day_matches(&self, date: NaiveDate) -> bool {
-        let dom = has_bit(self.days_of_month, date.day());
-        let dow = has_bit(self.days_of_week, date.weekday().num_days_from_sunday());
-        if self.dom_unrestricted || self.dow_unrestricted {
-            dom && dow
-        } else {
-            dom || dow
-        }
+        let stand_in = stand_in_year(local.year()).and_then(|year| local.with_year(year));
+        local.nanosecond() == 0
+            && stand_in.is_some_and(|stand_in| {
+                let clock = stand_in.and_utc();
+                self.calendars
+                    .iter()
+                    .any(|calendar| calendar.includes(clock))
+            })
     }
 
     /// First matching whole-minute wall-clock time at or after `from` (whose seconds are
-    /// ignored), on or before `limit`. Skips non-matching months, days and hours at once.
+    /// ignored), on or before `limit`.
+    ///
+    /// The crate searches a UTC clock that stands for naive wall-clock time, so it never sees
+    /// a clock change. It only knows the years 1970-2100; outside them each year is searched
+    /// on its stand-in (see [`stand_in_year`]), one year per call.
     fn next_local_match(&self, from: NaiveDateTime, limit: NaiveDate) -> Option<NaiveDateTime> {
-        let mut date = from.date();
-        let mut hour = from.hour();
-        let mut minute = from.minute();
-        while date <= limit {
-            if !has_bit(self.months, date.month()) {
-                date = self.next_month_start(date)?;
-                hour = 0;
-                minute = 0;
-                continue;
+        let mut from = truncate_to_minute(from)?;
+        while from.date() <= limit {
+            let year = from.year();
+            let stand_in = stand_in_year(year)?;
+            // The crate returns matches strictly after its argument.
+            let start = from
+                .with_year(stand_in)?
+                .checked_sub_signed(TimeDelta::try_seconds(1)?)?
+                .and_utc();
+            let found = self
+                .calendars
+                .iter()
+                .filter_map(|calendar| calendar.after(&start).next())
+                .map(|clock| clock.naive_utc())
+                // Past its stand-in year, a match only counts where the years are the real ones.
+                .filter(|clock| clock.year() == stand_in || stand_in == year)
+                .min();
+            if let Some(clock) = found {
+                let local = clock.with_year(clock.year() - stand_in + year)?;
+                return (local.date() <= limit).then_some(local);
             }
-            if !self.day_matches(date) {
-                date = date.succ_opt()?;
-                hour = 0;
-                minute = 0;
-                continue;
-            }
-            let Some(matching_hour) = next_bit(self.hours, hour) else {
-                date = date.succ_opt()?;
-                hour = 0;
-                minute = 0;
-                continue;
+            // With the real years the crate has already looked up to its last year.
+            let next_year = if stand_in == year {
+                CRATE_LAST_YEAR
+            } else {
+                year
             };
-            if matching_hour != hour {
-                hour = matching_hour;
-                minute = 0;
-            }
-            match next_bit(self.minutes, minute) {
-                Some(matching_minute) => return date.and_hms_opt(hour, matching_minute, 0),
-                None => {
-                    hour += 1;
-                    minute = 0;
-                }
-            }
+            from =
+                NaiveDate::from_ymd_opt(next_year.checked_add(1)?, 1, 1)?.and_time(NaiveTime::MIN);
         }
         None
-    }
-
-    /// First day of the next month (after `date`'s month) that the month field allows.
-    fn next_month_start(&self, date: NaiveDate) -> Option<NaiveDate> {
-        match next_bit(self.months, date.month() + 1) {
-            Some(month) => NaiveDate::from_ymd_opt(date.year(), month, 1),
-            None => {
-                let first = next_bit(self.months, 1)?;
-                NaiveDate::from_ymd_opt(date.year().checked_add(1)?, first, 1)
-            }
-        }
     }
 
     /// UTC instants (as naive UTC) at which a matching wall-clock time fires, per the DST rules
@@ -588,6 +605,36 @@ impl CronSchedule {
             }
         }
     }
+}
+
+/// The year whose calendar the crate searches in place of `year`: `year` itself within the
+/// crate's range (1970-2100), else a year in 2001-2028 that starts on the same weekday and
+/// has the same length. Those 28 years hold all fourteen Gregorian year calendars, so every
+/// date keeps its weekday and February 29 exists exactly when it does in `year`.
+fn stand_in_year(year: i32) -> Option<i32> {
+    if (CRATE_FIRST_YEAR..=CRATE_LAST_YEAR).contains(&year) {
+        return Some(year);
+    }
+    let shape = |year: i32| {
+        let first_day = NaiveDate::from_ymd_opt(year, 1, 1)?.weekday();
+        Some((first_day, NaiveDate::from_ymd_opt(year, 2, 29).is_some()))
+    };
+    let wanted = shape(year)?;
+    (2001..=2028).find(|candidate| shape(*candidate) == Some(wanted))
+}
+
+/// A field's value set in the crate's syntax: `*` when complete, else the values as a list
+/// (weekdays by name, so the crate's 1 = Sunday numbering never matters).
+fn crate_field(bits: u64, min: u32, max: u32, names: Option<&[&str]>) -> String {
+    let values: Vec<u32> = (min..=max).filter(|value| has_bit(bits, *value)).collect();
+    if values.len() == (max - min + 1) as usize {
+        return "*".to_string();
+    }
+    let text = |value: u32| match names.and_then(|names| names.get(value as usize)) {
+        Some(name) => name.to_ascii_uppercase(),
+        None => value.to_string(),
+    };
+    values.into_iter().map(text).collect::<Vec<_>>().join(",")
 }
 
 /// The instant at which a skipped wall-clock time is made up: the end of the gap, moved to
@@ -640,19 +687,6 @@ fn truncate_to_minute(t: NaiveDateTime) -> Option<NaiveDateTime> {
 
 fn has_bit(mask: u64, value: u32) -> bool {
     value < 64 && (mask >> value) & 1 == 1
-}
-
-/// Smallest set bit at position `from` or above.
-fn next_bit(mask: u64, from: u32) -> Option<u32> {
-    if from >= 64 {
-        return None;
-    }
-    let shifted = mask >> from;
-    if shifted == 0 {
-        None
-    } else {
-        Some(from + shifted.trailing_zeros())
-    }
 }
 
 /// Splits a leading `CRON_TZ=<zone> ` / `TZ=<zone> ` prefix off the expression.
@@ -1595,6 +1629,90 @@ mod tests {
         assert_eq!(
             next("0 12 30 12 *", "2011-12-29T20:00:00Z", tz),
             Some(utc("2011-12-30T10:00:00Z"))
+        );
+    }
+
+    // ---------------------------------------------------------------- outside 1970-2100
+
+    // The cron crate only searches 1970-2100; these years are searched on a stand-in year.
+
+    #[test]
+    fn stand_in_years_have_the_same_calendar() {
+        let mut checked = 0;
+        for year in (1000..1970).chain(2101..3200).chain([-262_000, 262_000]) {
+            let stand_in = stand_in_year(year).unwrap();
+            assert!((2001..=2028).contains(&stand_in), "{year} -> {stand_in}");
+            for ordinal in 1..=366 {
+                let real = NaiveDate::from_yo_opt(year, ordinal);
+                let other = NaiveDate::from_yo_opt(stand_in, ordinal);
+                assert_eq!(
+                    real.map(|d| (d.month(), d.day(), d.weekday())),
+                    other.map(|d| (d.month(), d.day(), d.weekday())),
+                    "{year} day {ordinal} vs {stand_in}"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 700_000, "only {checked} days");
+        for year in [1970, 2026, 2100] {
+            assert_eq!(stand_in_year(year), Some(year));
+        }
+    }
+
+    #[test]
+    fn years_past_2100_and_before_1970() {
+        // 2200-01-06 is the first Monday of 2200.
+        assert_eq!(
+            series("0 9 * * MON", "2200-01-01T00:00:00Z", Tz::UTC, 2),
+            utcs(&["2200-01-06T09:00:00Z", "2200-01-13T09:00:00Z"])
+        );
+        // Day OR in 2300: the 13th (a Monday) and every Friday.
+        assert_eq!(
+            series("0 0 13 * FRI", "2300-01-01T00:00:00Z", Tz::UTC, 4),
+            utcs(&[
+                "2300-01-05T00:00:00Z",
+                "2300-01-12T00:00:00Z",
+                "2300-01-13T00:00:00Z",
+                "2300-01-19T00:00:00Z"
+            ])
+        );
+        // 1900 was not a leap year.
+        assert_eq!(
+            series("0 0 29 2 *", "1890-01-01T00:00:00Z", Tz::UTC, 3),
+            utcs(&[
+                "1892-02-29T00:00:00Z",
+                "1896-02-29T00:00:00Z",
+                "1904-02-29T00:00:00Z"
+            ])
+        );
+        // A year-end crossing from a stand-in year into the next.
+        assert_eq!(
+            series("0 0 1 1 *", "2150-06-01T00:00:00Z", Tz::UTC, 2),
+            utcs(&["2151-01-01T00:00:00Z", "2152-01-01T00:00:00Z"])
+        );
+    }
+
+    #[test]
+    fn dst_policy_applies_before_1970() {
+        let tz = Tz::America__New_York;
+        // 1960-04-24 02:00 EST -> 03:00 EDT (07:00Z): 02:30 fires at the change.
+        assert_eq!(
+            series("30 2 * * *", "1960-04-23T12:00:00Z", tz, 2),
+            utcs(&["1960-04-24T07:00:00Z", "1960-04-25T06:30:00Z"])
+        );
+        // 1960-10-30 02:00 EDT -> 01:00 EST (06:00Z): 01:30 fires once, an hourly schedule in
+        // both passes.
+        assert_eq!(
+            series("30 1 * * *", "1960-10-29T12:00:00Z", tz, 2),
+            utcs(&["1960-10-30T05:30:00Z", "1960-10-31T06:30:00Z"])
+        );
+        assert_eq!(
+            series("0 * * * *", "1960-10-30T04:30:00Z", tz, 3),
+            utcs(&[
+                "1960-10-30T05:00:00Z",
+                "1960-10-30T06:00:00Z",
+                "1960-10-30T07:00:00Z"
+            ])
         );
     }
 
