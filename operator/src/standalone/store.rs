@@ -132,7 +132,17 @@ pub enum StoreError {
         /// What was refused.
         refused: String,
     },
-    /// The database failed (I/O, corruption, already open by another store).
+    /// The disk under the data directory is full (or the process may not write more): the
+    /// write was not stored. Writes work again once there is room, without a restart.
+    #[error(
+        "the store's disk is full ({0}): the write was not stored; free space in the data \
+         directory and writes resume"
+    )]
+    DiskFull(String),
+    /// Reading or writing the database file failed; the store reopens it on the next use.
+    #[error("object database I/O: {0}")]
+    Io(String),
+    /// The database failed (corruption, already open by another store, ...).
     #[error("object database: {0}")]
     Database(String),
     /// A stored or typed object could not be (de)serialized.
@@ -144,10 +154,46 @@ macro_rules! database_errors {
     ($($t:ty),* $(,)?) => {
         $(impl From<$t> for StoreError {
             fn from(e: $t) -> Self {
-                StoreError::Database(e.to_string())
+                StoreError::from_redb(redb::Error::from(e))
             }
         })*
     };
+}
+
+impl StoreError {
+    /// Sorts a redb failure: out of space, other I/O (after which redb refuses every use of
+    /// that handle until it is reopened), or anything else.
+    fn from_redb(error: redb::Error) -> Self {
+        match error {
+            redb::Error::Io(io) if out_of_space(&io) => StoreError::DiskFull(io.to_string()),
+            redb::Error::Io(io) => StoreError::Io(io.to_string()),
+            redb::Error::PreviousIo => StoreError::Io(
+                "the database file could not be written; it is being reopened".into(),
+            ),
+            other => StoreError::Database(other.to_string()),
+        }
+    }
+
+    /// Whether this failure left redb's handle unusable (it must be reopened).
+    fn poisons_handle(&self) -> bool {
+        matches!(self, StoreError::DiskFull(_) | StoreError::Io(_))
+    }
+}
+
+/// What writers of lost transactions are told, from the failure that lost them.
+fn lost_cause(error: &StoreError) -> (bool, String) {
+    match error {
+        StoreError::DiskFull(cause) => (true, cause.clone()),
+        other => (false, format!("the write was not made durable: {other}")),
+    }
+}
+
+/// ENOSPC, a quota (EDQUOT) or a file size limit (EFBIG, as `RLIMIT_FSIZE` gives).
+fn out_of_space(error: &std::io::Error) -> bool {
+    error.kind() == std::io::ErrorKind::StorageFull
+        || error.kind() == std::io::ErrorKind::QuotaExceeded
+        || error.kind() == std::io::ErrorKind::FileTooLarge
+        || matches!(error.raw_os_error(), Some(27 | 28 | 122))
 }
 
 database_errors!(
@@ -241,6 +287,8 @@ pub struct StoreMetrics {
     pub transactions: prometheus_client::metrics::counter::Counter,
     /// Durable (`fsync`ed) commits; fewer than transactions when writers shared them.
     pub durable_commits: prometheus_client::metrics::counter::Counter,
+    /// Times the database was reopened after an I/O failure (a full disk, typically).
+    pub reopens: prometheus_client::metrics::counter::Counter,
 }
 
 impl StoreMetrics {
@@ -260,6 +308,11 @@ impl StoreMetrics {
             "store_durable_commits",
             "Durable (fsynced) commits, each covering every transaction before it",
             self.durable_commits.clone(),
+        );
+        registry.register(
+            "store_reopens",
+            "Times the database was reopened after an I/O failure such as a full disk",
+            self.reopens.clone(),
         );
     }
 }
@@ -863,7 +916,11 @@ impl Tx<'_> {
 }
 
 struct Inner {
-    db: Database,
+    /// The redb handle; `None` after an I/O failure until it is reopened. Transactions hold
+    /// it shared while they begin (writes: while they run); a reopen holds it alone.
+    db: RwLock<Option<Database>>,
+    /// An I/O failure poisoned the handle: the next use reopens it.
+    broken: std::sync::atomic::AtomicBool,
     path: PathBuf,
     events: broadcast::Sender<Change>,
     observers: RwLock<Vec<Observer>>,
@@ -900,8 +957,11 @@ struct GroupCommit {
     synced: u64,
     /// A writer is running the durable commit; the others wait for it.
     syncing: bool,
-    /// A durable commit failed: the database's state on disk is unknown from here on.
-    failed: Option<String>,
+    /// Transactions up to this one were committed but never made durable, and were dropped
+    /// when an I/O failure made the database reopen; their writers get `lost_because`.
+    lost_through: u64,
+    /// Why they were lost: whether the disk was full, and the error.
+    lost_because: Option<(bool, String)>,
     /// Changes of transactions not yet durable, to announce once they are.
     pending: VecDeque<(u64, Announced)>,
 }
@@ -956,20 +1016,12 @@ impl ObjectStore {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Database(format!("cannot create {}: {e}", dir.display())))?;
         let path = dir.join(DB_FILE);
-        let db = Database::builder()
-            .set_cache_size(REDB_CACHE_BYTES)
-            .create(&path)?;
-        // Create the tables up front so that reads never meet a missing table.
-        let txn = db.begin_write()?;
-        {
-            txn.open_table(OBJECTS)?;
-            txn.open_table(META)?;
-        }
-        txn.commit()?;
+        let db = open_database(&path)?;
         let (events, _) = broadcast::channel(WATCH_CAPACITY);
         Ok(Self {
             inner: Arc::new(Inner {
-                db,
+                db: RwLock::new(Some(db)),
+                broken: std::sync::atomic::AtomicBool::new(false),
                 path,
                 events,
                 observers: RwLock::new(Vec::new()),
@@ -1041,7 +1093,7 @@ impl ObjectStore {
         name: &str,
     ) -> Result<Option<Value>, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(OBJECTS)?;
         match table.get(key.encoded().as_str())? {
             Some(bytes) => Ok(Some(serde_json::from_slice(bytes.value())?)),
@@ -1060,7 +1112,7 @@ impl ObjectStore {
             }
             None => format!("{kind}/"),
         };
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(OBJECTS)?;
         let mut found = Vec::new();
         for entry in table.range(prefix.as_str()..)? {
@@ -1288,7 +1340,7 @@ impl ObjectStore {
 
     /// The last resourceVersion handed out (0 for a new store).
     pub fn current_version(&self) -> Result<u64, StoreError> {
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(META)?;
         Ok(table.get(VERSION_KEY)?.map(|v| v.value()).unwrap_or(0))
     }
@@ -1369,7 +1421,33 @@ impl ObjectStore {
         f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
     ) -> Result<(T, u64), StoreError> {
         let _order = lock(&self.inner.write_order);
-        let mut txn = self.inner.db.begin_write()?;
+        let db = self.database()?;
+        let outcome = Self::commit_on(&db, f);
+        drop(db);
+        match outcome {
+            Ok((out, None)) => Ok((out, 0)),
+            Ok((out, Some(changes))) => {
+                self.inner.metrics.transactions.inc();
+                let mut group = lock(&self.inner.group);
+                group.committed += 1;
+                let seq = group.committed;
+                group.pending.push_back((seq, changes));
+                Ok((out, seq))
+            }
+            Err(e) => {
+                self.poisoned_by(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// The transaction of [`ObjectStore::commit`] on `db`: the changes it committed, `None`
+    /// if it changed nothing.
+    fn commit_on<T>(
+        db: &Database,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
+    ) -> Result<(T, Option<Announced>), StoreError> {
+        let mut txn = db.begin_write()?;
         txn.set_durability(Durability::None)?;
         let (out, changes) = {
             let mut meta = txn.open_table(META)?;
@@ -1387,15 +1465,71 @@ impl ObjectStore {
         };
         if changes.is_empty() {
             txn.abort()?;
-            return Ok((out, 0));
+            return Ok((out, None));
         }
         txn.commit()?;
-        self.inner.metrics.transactions.inc();
-        let mut group = lock(&self.inner.group);
-        group.committed += 1;
-        let seq = group.committed;
-        group.pending.push_back((seq, changes));
-        Ok((out, seq))
+        Ok((out, Some(changes)))
+    }
+
+    /// A read transaction on the current handle (reopened first if an I/O failure broke it).
+    fn begin_read(&self) -> Result<redb::ReadTransaction, StoreError> {
+        let db = self.database()?;
+        let txn = db.begin_read().map_err(StoreError::from);
+        drop(db);
+        txn.inspect_err(|e| self.poisoned_by(e))
+    }
+
+    /// The usable handle, shared. After an I/O failure the handle is reopened here first, so
+    /// the store recovers by itself once the disk has room again.
+    fn database(&self) -> Result<DatabaseRef<'_>, StoreError> {
+        if self.inner.broken.load(Ordering::Acquire) {
+            self.reopen()?;
+        }
+        let guard = self.inner.db.read().unwrap_or_else(PoisonError::into_inner);
+        if guard.is_none() {
+            return Err(StoreError::Io(
+                "the database is being reopened after an I/O failure".into(),
+            ));
+        }
+        Ok(DatabaseRef(guard))
+    }
+
+    /// Notes that `error` left redb's handle unusable: the commits not yet durable are lost
+    /// with it (their writers are told), and the next use reopens the database.
+    fn poisoned_by(&self, error: &StoreError) {
+        if !error.poisons_handle() {
+            return;
+        }
+        {
+            let mut group = lock(&self.inner.group);
+            group.lost_through = group.committed;
+            group.lost_because = Some(lost_cause(error));
+            group.pending.clear();
+        }
+        self.inner.broken.store(true, Ordering::Release);
+        self.inner.synced_blocking.notify_all();
+        let synced = *self.inner.synced_async.borrow();
+        self.inner.synced_async.send_replace(synced);
+    }
+
+    /// Closes the broken handle and opens the file again; redb then returns to its last
+    /// durable commit. Fails (and is tried again on the next use) while the disk is still
+    /// full or a read transaction still holds the old handle.
+    fn reopen(&self) -> Result<(), StoreError> {
+        let mut slot = self
+            .inner
+            .db
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !self.inner.broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        drop(slot.take());
+        let db = open_database(&self.inner.path)?;
+        *slot = Some(db);
+        self.inner.broken.store(false, Ordering::Release);
+        self.inner.metrics.reopens.inc();
+        Ok(())
     }
 
     /// Whether transaction `seq` is durable; `None` if not yet and someone is syncing,
@@ -1405,8 +1539,12 @@ impl ObjectStore {
         if group.synced >= seq {
             return Ok(Some(true));
         }
-        if let Some(problem) = &group.failed {
-            return Err(StoreError::Database(problem.clone()));
+        if seq <= group.lost_through {
+            return Err(match &group.lost_because {
+                Some((true, cause)) => StoreError::DiskFull(cause.clone()),
+                Some((false, cause)) => StoreError::Io(cause.clone()),
+                None => StoreError::Io("the write was lost".into()),
+            });
         }
         if group.syncing {
             return Ok(None);
@@ -1472,12 +1610,8 @@ impl ObjectStore {
                     }
                     ready
                 }
-                Err(e) => {
-                    group.failed = Some(format!(
-                        "a durable commit failed ({e}); restart to recover the store"
-                    ));
-                    Vec::new()
-                }
+                // Told to their writers by `poisoned_by`, or through `lost_through` below.
+                Err(_) => Vec::new(),
             }
         };
         {
@@ -1504,8 +1638,18 @@ impl ObjectStore {
         }
         {
             let mut group = lock(&self.inner.group);
-            if outcome.is_ok() {
-                group.synced = group.synced.max(target);
+            match &outcome {
+                Ok(_) => group.synced = group.synced.max(target),
+                Err(e) if !e.poisons_handle() => {
+                    // Not an I/O failure, so the handle still works, but these commits are
+                    // not durable: fail their writers rather than leave them waiting.
+                    group.lost_through = group.lost_through.max(target);
+                    group.lost_because = Some(lost_cause(e));
+                    while group.pending.front().is_some_and(|(seq, _)| *seq <= target) {
+                        group.pending.pop_front();
+                    }
+                }
+                Err(_) => {}
             }
             group.syncing = false;
         }
@@ -1516,13 +1660,55 @@ impl ObjectStore {
     /// Commits durably; returns the last transaction it covers. That is read once the write
     /// lock is held, so writers that got the lock first are covered too.
     fn commit_durably(&self) -> Result<u64, StoreError> {
-        let mut txn = self.inner.db.begin_write()?;
-        let target = lock(&self.inner.group).committed;
-        txn.set_durability(Durability::Immediate)?;
-        txn.open_table(META)?.insert(SYNCED_KEY, target)?;
-        txn.commit()?;
-        self.inner.metrics.durable_commits.inc();
-        Ok(target)
+        let db = self.database()?;
+        let outcome = (|| {
+            let mut txn = db.begin_write()?;
+            let target = lock(&self.inner.group).committed;
+            txn.set_durability(Durability::Immediate)?;
+            txn.open_table(META)?.insert(SYNCED_KEY, target)?;
+            txn.commit()?;
+            Ok(target)
+        })();
+        drop(db);
+        match outcome {
+            Ok(target) => {
+                self.inner.metrics.durable_commits.inc();
+                Ok(target)
+            }
+            Err(e) => {
+                self.poisoned_by(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Opens (or creates) the database file and its tables.
+fn open_database(path: &Path) -> Result<Database, StoreError> {
+    let db = Database::builder()
+        .set_cache_size(REDB_CACHE_BYTES)
+        .create(path)?;
+    // Create the tables up front so that reads never meet a missing table.
+    let txn = db.begin_write()?;
+    {
+        txn.open_table(OBJECTS)?;
+        txn.open_table(META)?;
+    }
+    txn.commit()?;
+    Ok(db)
+}
+
+/// The current redb handle, held shared (see [`Inner::db`]).
+struct DatabaseRef<'a>(std::sync::RwLockReadGuard<'a, Option<Database>>);
+
+impl std::ops::Deref for DatabaseRef<'_> {
+    type Target = Database;
+
+    fn deref(&self) -> &Database {
+        match self.0.as_ref() {
+            Some(db) => db,
+            None => unreachable!("a DatabaseRef is only made of a present handle"),
+        }
     }
 }
 
