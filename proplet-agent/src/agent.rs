@@ -33,10 +33,6 @@ use crate::system::{cpu_seconds, SystemProbe};
 use crate::telemetry::AgentMetrics;
 use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, WasmRuntime};
 
-/// Largest binary accepted from registry chunks.
-const MAX_CHUNKED_BINARY: usize = 100 * 1024 * 1024;
-/// Largest binary accepted over HTTP(S).
-const MAX_HTTP_BINARY: u64 = 100 * 1024 * 1024;
 /// Whole-request limit for HTTP(S) fetches.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the spool waits for a PUBACK before sending the entry again.
@@ -51,7 +47,7 @@ struct Latent {
 /// Chunks being collected for one image, and the tasks waiting for it.
 struct Fetch {
     assembler: ChunkAssembler,
-    waiters: Vec<oneshot::Sender<Vec<u8>>>,
+    waiters: Vec<oneshot::Sender<Result<Vec<u8>, String>>>,
 }
 
 /// Starts whose result is awaited that the turnaround timing keeps track of at most.
@@ -163,8 +159,8 @@ impl Agent {
             .with_context(|| {
                 format!("opening the result spool in {}", config.state_dir.display())
             })?;
-        let http =
-            HttpFetcher::new(HTTP_TIMEOUT, MAX_HTTP_BINARY).context("building the HTTP client")?;
+        let http = HttpFetcher::new(HTTP_TIMEOUT, config.max_module_size as u64)
+            .context("building the HTTP client")?;
         let (session, _) = watch::channel(None);
         Ok(Arc::new(Self {
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks)),
@@ -542,8 +538,20 @@ impl Agent {
         request: StartRequest,
         stop: &StopFlag,
     ) -> Result<Option<String>, String> {
+        let limit = self.config.max_module_size;
         let bytes = match (&request.file, &request.image_url) {
-            (Some(file), _) if !file.is_empty() => file.clone(),
+            (Some(file), _) if !file.is_empty() => {
+                if file.len() > limit {
+                    return Err(RunError::TooLarge {
+                        what: "the inline module".into(),
+                        size: file.len() as u64,
+                        at_least: false,
+                        limit,
+                    }
+                    .to_string());
+                }
+                file.clone()
+            }
             (_, Some(url)) if url.starts_with("http://") || url.starts_with("https://") => {
                 self.http.fetch(url).await.map_err(|e| e.to_string())?
             }
@@ -792,7 +800,7 @@ impl Agent {
             fetches
                 .entry(image.to_owned())
                 .or_insert_with(|| Fetch {
-                    assembler: ChunkAssembler::new(image, MAX_CHUNKED_BINARY),
+                    assembler: ChunkAssembler::new(image, self.config.max_module_size),
                     waiters: Vec::new(),
                 })
                 .waiters
@@ -814,7 +822,7 @@ impl Agent {
             return Err(format!("cannot request {image}: {e}"));
         }
         match tokio::time::timeout(self.config.chunk_timeout, rx).await {
-            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Ok(outcome)) => outcome,
             _ => {
                 self.lock_fetches().remove(image);
                 Err(format!(
@@ -832,22 +840,47 @@ impl Agent {
             return;
         };
         let name = chunk.app_name.clone();
-        match fetch.assembler.push(chunk) {
-            Ok(ChunkProgress::Complete(bytes)) => {
-                if let Some(done) = fetches.remove(&name) {
-                    for waiter in done.waiters {
-                        let _ = waiter.send(bytes.clone());
-                    }
+        let limit = self.config.max_module_size;
+        // Chunks before the last are all of one size: their count announces the least size
+        // of the binary, so one that cannot fit is refused at its first chunk, not its last.
+        let announced = (chunk.chunk_idx + 1 < chunk.total_chunks)
+            .then(|| u64::from(chunk.total_chunks - 1) * chunk.data.len() as u64 + 1);
+        let outcome = match announced {
+            Some(least) if least > limit as u64 => Err(RunError::TooLarge {
+                what: format!("image {name} ({} chunks)", chunk.total_chunks),
+                size: least,
+                at_least: true,
+                limit,
+            }
+            .to_string()),
+            _ => match fetch.assembler.push(chunk) {
+                Ok(ChunkProgress::Complete(bytes)) => Ok(bytes),
+                Ok(ChunkProgress::Pending { received, total }) => {
+                    debug!(image = name, received, total, "chunk stored");
+                    return;
                 }
+                // propeller resends the first chunks for devices that asked late.
+                Err(error @ ChunkError::DuplicateIndex { .. }) => {
+                    debug!(image = name, %error, "chunk already held");
+                    return;
+                }
+                Err(ChunkError::TooLarge { size, max }) => Err(RunError::TooLarge {
+                    what: format!("image {name}"),
+                    size: size as u64,
+                    at_least: true,
+                    limit: max,
+                }
+                .to_string()),
+                Err(error) => {
+                    warn!(image = name, %error, "chunk rejected");
+                    return;
+                }
+            },
+        };
+        if let Some(done) = fetches.remove(&name) {
+            for waiter in done.waiters {
+                let _ = waiter.send(outcome.clone());
             }
-            Ok(ChunkProgress::Pending { received, total }) => {
-                debug!(image = name, received, total, "chunk stored");
-            }
-            // propeller resends the first chunks for devices that asked late.
-            Err(error @ ChunkError::DuplicateIndex { .. }) => {
-                debug!(image = name, %error, "chunk already held")
-            }
-            Err(error) => warn!(image = name, %error, "chunk rejected"),
         }
     }
 

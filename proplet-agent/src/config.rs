@@ -133,6 +133,10 @@ pub struct Flags {
     /// How long to wait for registry chunks (`60s`).
     #[arg(long, env = "PROPLET_CHUNK_TIMEOUT")]
     pub chunk_timeout: Option<String>,
+    /// Largest task binary accepted, bytes (suffixes Ki, Mi, Gi; default 64Mi), whether inline,
+    /// over HTTP(S) or in registry chunks.
+    #[arg(long, env = "PROPLET_MAX_MODULE_SIZE")]
+    pub max_module_size: Option<String>,
     /// Serve components that export `wasi:http/incoming-handler` (`false`).
     #[arg(long, env = "PROPLET_HTTP_ENABLED")]
     pub http_enabled: Option<String>,
@@ -208,6 +212,9 @@ pub struct Config {
     pub spool_max_results: usize,
     /// Chunk wait.
     pub chunk_timeout: Duration,
+    /// Largest task binary accepted: a larger one fails its task before it is compiled, and
+    /// before it is downloaded whole when its size is announced.
+    pub max_module_size: usize,
     /// Where the health and metrics endpoint listens, when enabled.
     pub telemetry: Option<std::net::SocketAddr>,
     /// Directories tasks may be granted.
@@ -217,6 +224,11 @@ pub struct Config {
     /// Hosts guests may reach over `wasi:http` (empty: any).
     pub http_allow_hosts: Vec<String>,
 }
+
+/// Default of `PROPLET_MAX_MODULE_SIZE`. Real task modules are a few MiB (an interpreter
+/// such as CPython is about 30 MiB); compiling a module takes several times its size in
+/// memory, which a 64 MiB module already costs a Raspberry Pi dearly.
+pub const DEFAULT_MAX_MODULE_SIZE: usize = 64 * 1024 * 1024;
 
 /// Environment aliases accepted for upstream compatibility: (alias, canonical).
 pub const ALIASES: [(&str, &str); 3] = [
@@ -426,6 +438,18 @@ impl Config {
             "PROPLET_CHUNK_TIMEOUT",
             Duration::from_secs(60),
         )?;
+        let max_module_size = number(
+            &flags.max_module_size,
+            "max_module_size",
+            "PROPLET_MAX_MODULE_SIZE",
+            DEFAULT_MAX_MODULE_SIZE as u64,
+        )?;
+        if max_module_size < 8 {
+            return Err(invalid(
+                "PROPLET_MAX_MODULE_SIZE",
+                "must be at least 8 bytes (a Wasm header)",
+            ));
+        }
         let telemetry_enabled = match pick(&flags.metrics_enabled, "metrics_enabled") {
             None => false,
             Some(text) => parse_bool(&text).ok_or_else(|| {
@@ -480,6 +504,7 @@ impl Config {
             task_fuel,
             spool_max_results: spool_max_results as usize,
             chunk_timeout,
+            max_module_size: usize::try_from(max_module_size).unwrap_or(usize::MAX),
             telemetry: telemetry_enabled
                 .then(|| std::net::SocketAddr::from(([0, 0, 0, 0], telemetry_port))),
             preopen_dirs: pick(&flags.dirs, "dirs")

@@ -44,11 +44,15 @@ pub enum FetchError {
         /// What the server sent.
         content_type: String,
     },
-    /// The body exceeds the size cap.
-    #[error("{url} is larger than the {limit}-byte limit")]
+    /// The body exceeds the size cap; it is not read further.
+    #[error("{url} is {}{size} bytes, above the proplet's module size limit of {limit} bytes (PROPLET_MAX_MODULE_SIZE)", if *at_least { "at least " } else { "" })]
     TooLarge {
         /// The URL.
         url: String,
+        /// The announced size, or what arrived before the download stopped.
+        size: u64,
+        /// Whether `size` is a lower bound (no Content-Length, the body cut short).
+        at_least: bool,
         /// The cap.
         limit: u64,
     },
@@ -141,22 +145,25 @@ impl HttpFetcher {
                 });
             }
         }
-        let too_large = || FetchError::TooLarge {
+        let too_large = |size: u64, at_least: bool| FetchError::TooLarge {
             url: target.to_owned(),
+            size,
+            at_least,
             limit: self.max_bytes,
         };
-        if response
-            .content_length()
-            .is_some_and(|n| n > self.max_bytes)
-        {
-            return Err(too_large());
+        let announced = response.content_length();
+        if let Some(size) = announced.filter(|n| *n > self.max_bytes) {
+            return Err(too_large(size, false));
         }
-        let mut body = Vec::new();
+        // Reserve what the server announced (within the cap), so the body is not copied
+        // while it grows.
+        let mut body = Vec::with_capacity(announced.unwrap_or(0) as usize);
         let mut stream = response.bytes_stream();
         while let Some(piece) = stream.next().await {
             let piece = piece.map_err(transport)?;
-            if body.len() as u64 + piece.len() as u64 > self.max_bytes {
-                return Err(too_large());
+            let size = body.len() as u64 + piece.len() as u64;
+            if size > self.max_bytes {
+                return Err(too_large(size, true));
             }
             body.extend_from_slice(&piece);
         }

@@ -27,6 +27,11 @@ use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
+/// Call stack of a guest: deep or unbounded recursion past it ends the task with
+/// [`RunError::StackOverflow`]. Wasmtime's default, stated here so the error can name it; it
+/// stays well below the 2 MiB stacks of the threads that run guests.
+pub const WASM_STACK_BYTES: usize = 512 * 1024;
+
 /// How often running tasks are checked for stop requests and deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
@@ -113,6 +118,23 @@ pub enum RunError {
         /// Captured stderr.
         stderr: String,
     },
+    /// The binary is larger than the proplet accepts; it is refused before compilation.
+    #[error("{what} is {}{size} bytes, above the proplet's module size limit of {limit} bytes (PROPLET_MAX_MODULE_SIZE)", if *at_least { "at least " } else { "" })]
+    TooLarge {
+        /// Which binary (inline module, URL, image).
+        what: String,
+        /// Its size, or the least it can be.
+        size: u64,
+        /// Whether `size` is a lower bound (the rest was never received).
+        at_least: bool,
+        /// The limit.
+        limit: usize,
+    },
+    /// The guest overflowed its call stack (unbounded recursion).
+    #[error(
+        "stack overflow: the guest exceeded its {0}-byte call stack (deep or unbounded recursion)"
+    )]
+    StackOverflow(usize),
     /// A preopen was asked for outside the allow-list.
     #[error("directory {0} is not in the proplet's preopen allow-list")]
     PreopenDenied(String),
@@ -292,6 +314,7 @@ impl WasmRuntime {
         let mut config = Config::new();
         config.epoch_interruption(true);
         config.consume_fuel(limits.fuel.is_some());
+        config.max_wasm_stack(WASM_STACK_BYTES);
         let engine = Engine::new(&config).map_err(|e| RunError::Compile(e.to_string()))?;
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let ticking = engine.clone();
@@ -644,6 +667,9 @@ impl WasmRuntime {
             if *trap == Trap::OutOfFuel {
                 return RunError::OutOfFuel(self.limits.fuel.unwrap_or(0));
             }
+            if *trap == Trap::StackOverflow {
+                return RunError::StackOverflow(WASM_STACK_BYTES);
+            }
         }
         if text.contains("forcing trap when growing memory")
             || text.contains("memory minimum size")
@@ -655,11 +681,20 @@ impl WasmRuntime {
         {
             return RunError::Link(root_cause(&error));
         }
+        // One line: the trap and where, rather than the error chain with its backtrace.
+        let cause = match error.downcast_ref::<Trap>() {
+            Some(trap) => {
+                let text = trap.to_string();
+                let text = text.strip_prefix("wasm trap: ").unwrap_or(&text);
+                format!("{text}{}", trap_site(&error))
+            }
+            None => root_cause(&error),
+        };
         // A guest that panics writes why to stderr before it traps: keep the end of it.
         let said = String::from_utf8_lossy(&stderr.contents()).into_owned();
         let said = said.trim();
         if said.is_empty() {
-            RunError::Trap(root_cause(&error))
+            RunError::Trap(cause)
         } else {
             let tail: String = said
                 .chars()
@@ -669,7 +704,7 @@ impl WasmRuntime {
                 .into_iter()
                 .rev()
                 .collect();
-            RunError::Trap(format!("{}; stderr: {tail}", root_cause(&error)))
+            RunError::Trap(format!("{cause}; stderr: {tail}"))
         }
     }
 }
@@ -695,6 +730,24 @@ fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
 pub(crate) fn root_cause(error: &wasmtime::Error) -> String {
     let chain: Vec<String> = error.chain().map(|c| c.to_string()).collect();
     chain.join(": ")
+}
+
+/// Where a trap happened, one line: ` in <function> at offset 0x…` of the innermost frame.
+fn trap_site(error: &wasmtime::Error) -> String {
+    let Some(frame) = error
+        .downcast_ref::<wasmtime::WasmBacktrace>()
+        .and_then(|b| b.frames().first())
+    else {
+        return String::new();
+    };
+    let function = match frame.func_name() {
+        Some(name) => format!("`{name}`"),
+        None => format!("function #{}", frame.func_index()),
+    };
+    match frame.module_offset() {
+        Some(offset) => format!(" in {function} at module offset {offset:#x}"),
+        None => format!(" in {function}"),
+    }
 }
 
 /// Components have layer byte `0x0d` after the magic (`\0asm 0d 00 01 00`); core modules

@@ -346,6 +346,50 @@ async fn binaries_arrive_in_registry_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_above_the_module_limit_fails_at_its_first_chunk() {
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let mut config = agent_config(b.addr(), "proplet-1", "key-1", state.path());
+    config.max_module_size = 1000;
+    // Long enough that a failure by timeout could not pass for the size error.
+    config.chunk_timeout = Duration::from_secs(600);
+    let _agent = spawn_agent(config);
+    b.discovered("proplet-1").await;
+
+    let mut task = add_task("t-big", Some("proplet-1"));
+    task.file = None;
+    task.image_url = Some("docker.io/acme/big:1.0".into());
+    b.start(&task).await;
+    let request = b
+        .wait_for("registry request", |e| match e.kind {
+            EventKind::RegistryRequest(r) => Some(r),
+            _ => None,
+        })
+        .await;
+    // 5,000 bytes in 500-byte chunks: the first one announces at least 4,501 bytes.
+    let binary = vec![0u8; 5000];
+    let first = split_into_chunks(&request.app_name, &binary, 500)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .next()
+        .unwrap_or_else(|| panic!("no chunk"));
+    if let Err(e) = b
+        .broker
+        .publisher()
+        .registry_chunk(&channel(), &first)
+        .await
+    {
+        panic!("{e}");
+    }
+    let (_, result) = b.result("t-big").await;
+    let error = result.error.clone().unwrap_or_default();
+    assert!(
+        error.contains("image docker.io/acme/big:1.0 (10 chunks) is at least 4501 bytes")
+            && error.contains("module size limit of 1000 bytes (PROPLET_MAX_MODULE_SIZE)"),
+        "{result:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn result_survives_a_broker_restart_exactly_once() {
     let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;

@@ -49,8 +49,11 @@ pub async fn start(
     }
     let applied = api::apply_documents(api_state, &docs)
         .await
-        .map_err(|problems| {
-            anyhow::anyhow!("the quickstart does not apply:\n{}", problems.join("\n"))
+        .map_err(|refused| {
+            anyhow::anyhow!(
+                "the quickstart does not apply:\n{}",
+                refused.problems.join("\n")
+            )
         })?;
     let names: Vec<String> = applied
         .iter()

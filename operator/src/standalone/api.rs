@@ -81,6 +81,8 @@ impl From<StoreError> for ApiError {
             StoreError::Invalid(_) | StoreError::Terminating { .. } => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
+            StoreError::DiskFull(_) => StatusCode::INSUFFICIENT_STORAGE,
+            StoreError::Io(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, e.to_string())
@@ -202,25 +204,46 @@ async fn apply(
     }
     let outcome = apply_documents(&state, &docs)
         .await
-        .map_err(|problems| ApiError(StatusCode::UNPROCESSABLE_ENTITY, problems.join("\n")))?;
+        .map_err(|refused| ApiError(refused.status, refused.problems.join("\n")))?;
     Ok(Json(Value::Array(outcome)))
+}
+
+/// Why a manifest was not applied, with the HTTP status that says so.
+#[derive(Debug)]
+pub struct Refused {
+    /// 422 for documents admission or the store refused, 507 when the disk is full, 503
+    /// when the store could not be written for another I/O reason.
+    pub status: StatusCode,
+    /// One line per problem.
+    pub problems: Vec<String>,
 }
 
 /// Admits every document, then stores them all in one transaction: nothing is stored when
 /// one is refused. Returns what happened to each (`kind`, `namespace`, `name`, `action`).
-pub async fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>> {
-    let admitted = admit_all(state, docs)?;
+pub async fn apply_documents(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Refused> {
+    let admitted = admit_all(state, docs).map_err(|problems| Refused {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        problems,
+    })?;
     let described: Vec<String> = admitted
         .iter()
         .enumerate()
         .map(|(i, doc)| describe_doc(i, doc))
         .collect();
     let applied = state.store.apply_all_async(admitted).await.map_err(|e| {
+        let status = match *e.error {
+            StoreError::DiskFull(_) => StatusCode::INSUFFICIENT_STORAGE,
+            StoreError::Io(_) => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::UNPROCESSABLE_ENTITY,
+        };
         let what = described
             .get(e.index)
             .map(String::as_str)
             .unwrap_or("a document");
-        vec![format!("{what}: {}; nothing was applied", e.error)]
+        Refused {
+            status,
+            problems: vec![format!("{what}: {}; nothing was applied", e.error)],
+        }
     })?;
     Ok(applied
         .iter()

@@ -34,10 +34,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use chrono::{SecondsFormat, Utc};
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 use tokio::sync::{broadcast, watch};
+
+mod recovery;
+use recovery::{lost_cause, open_database};
 
 /// Objects by `Kind/namespace/name`, as JSON bytes.
 const OBJECTS: TableDefinition<&str, &[u8]> = TableDefinition::new("objects");
@@ -132,7 +135,17 @@ pub enum StoreError {
         /// What was refused.
         refused: String,
     },
-    /// The database failed (I/O, corruption, already open by another store).
+    /// The disk under the data directory is full (or the process may not write more): the
+    /// write was not stored. Writes work again once there is room, without a restart.
+    #[error(
+        "the store's disk is full ({0}): the write was not stored; free space in the data \
+         directory and writes resume"
+    )]
+    DiskFull(String),
+    /// Reading or writing the database file failed; the store reopens it on the next use.
+    #[error("object database I/O: {0}")]
+    Io(String),
+    /// The database failed (corruption, already open by another store, ...).
     #[error("object database: {0}")]
     Database(String),
     /// A stored or typed object could not be (de)serialized.
@@ -144,7 +157,7 @@ macro_rules! database_errors {
     ($($t:ty),* $(,)?) => {
         $(impl From<$t> for StoreError {
             fn from(e: $t) -> Self {
-                StoreError::Database(e.to_string())
+                StoreError::from_redb(redb::Error::from(e))
             }
         })*
     };
@@ -241,6 +254,8 @@ pub struct StoreMetrics {
     pub transactions: prometheus_client::metrics::counter::Counter,
     /// Durable (`fsync`ed) commits; fewer than transactions when writers shared them.
     pub durable_commits: prometheus_client::metrics::counter::Counter,
+    /// Times the database was reopened after an I/O failure (a full disk, typically).
+    pub reopens: prometheus_client::metrics::counter::Counter,
 }
 
 impl StoreMetrics {
@@ -260,6 +275,11 @@ impl StoreMetrics {
             "store_durable_commits",
             "Durable (fsynced) commits, each covering every transaction before it",
             self.durable_commits.clone(),
+        );
+        registry.register(
+            "store_reopens",
+            "Times the database was reopened after an I/O failure such as a full disk",
+            self.reopens.clone(),
         );
     }
 }
@@ -863,7 +883,11 @@ impl Tx<'_> {
 }
 
 struct Inner {
-    db: Database,
+    /// The redb handle; `None` after an I/O failure until it is reopened. Transactions hold
+    /// it shared while they begin (writes: while they run); a reopen holds it alone.
+    db: RwLock<Option<Database>>,
+    /// An I/O failure poisoned the handle: the next use reopens it.
+    broken: std::sync::atomic::AtomicBool,
     path: PathBuf,
     events: broadcast::Sender<Change>,
     observers: RwLock<Vec<Observer>>,
@@ -900,8 +924,11 @@ struct GroupCommit {
     synced: u64,
     /// A writer is running the durable commit; the others wait for it.
     syncing: bool,
-    /// A durable commit failed: the database's state on disk is unknown from here on.
-    failed: Option<String>,
+    /// Transactions up to this one were committed but never made durable, and were dropped
+    /// when an I/O failure made the database reopen; their writers get `lost_because`.
+    lost_through: u64,
+    /// Why they were lost: whether the disk was full, and the error.
+    lost_because: Option<(bool, String)>,
     /// Changes of transactions not yet durable, to announce once they are.
     pending: VecDeque<(u64, Announced)>,
 }
@@ -956,20 +983,12 @@ impl ObjectStore {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Database(format!("cannot create {}: {e}", dir.display())))?;
         let path = dir.join(DB_FILE);
-        let db = Database::builder()
-            .set_cache_size(REDB_CACHE_BYTES)
-            .create(&path)?;
-        // Create the tables up front so that reads never meet a missing table.
-        let txn = db.begin_write()?;
-        {
-            txn.open_table(OBJECTS)?;
-            txn.open_table(META)?;
-        }
-        txn.commit()?;
+        let db = open_database(&path)?;
         let (events, _) = broadcast::channel(WATCH_CAPACITY);
         Ok(Self {
             inner: Arc::new(Inner {
-                db,
+                db: RwLock::new(Some(db)),
+                broken: std::sync::atomic::AtomicBool::new(false),
                 path,
                 events,
                 observers: RwLock::new(Vec::new()),
@@ -1041,7 +1060,7 @@ impl ObjectStore {
         name: &str,
     ) -> Result<Option<Value>, StoreError> {
         let key = Key::new(kind, namespace, name)?;
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(OBJECTS)?;
         match table.get(key.encoded().as_str())? {
             Some(bytes) => Ok(Some(serde_json::from_slice(bytes.value())?)),
@@ -1060,7 +1079,7 @@ impl ObjectStore {
             }
             None => format!("{kind}/"),
         };
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(OBJECTS)?;
         let mut found = Vec::new();
         for entry in table.range(prefix.as_str()..)? {
@@ -1288,7 +1307,7 @@ impl ObjectStore {
 
     /// The last resourceVersion handed out (0 for a new store).
     pub fn current_version(&self) -> Result<u64, StoreError> {
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.begin_read()?;
         let table = txn.open_table(META)?;
         Ok(table.get(VERSION_KEY)?.map(|v| v.value()).unwrap_or(0))
     }
@@ -1369,7 +1388,33 @@ impl ObjectStore {
         f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
     ) -> Result<(T, u64), StoreError> {
         let _order = lock(&self.inner.write_order);
-        let mut txn = self.inner.db.begin_write()?;
+        let db = self.database()?;
+        let outcome = Self::commit_on(&db, f);
+        drop(db);
+        match outcome {
+            Ok((out, None)) => Ok((out, 0)),
+            Ok((out, Some(changes))) => {
+                self.inner.metrics.transactions.inc();
+                let mut group = lock(&self.inner.group);
+                group.committed += 1;
+                let seq = group.committed;
+                group.pending.push_back((seq, changes));
+                Ok((out, seq))
+            }
+            Err(e) => {
+                self.poisoned_by(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// The transaction of [`ObjectStore::commit`] on `db`: the changes it committed, `None`
+    /// if it changed nothing.
+    fn commit_on<T>(
+        db: &Database,
+        f: impl FnOnce(&mut Tx<'_>) -> Result<T, StoreError>,
+    ) -> Result<(T, Option<Announced>), StoreError> {
+        let mut txn = db.begin_write()?;
         txn.set_durability(Durability::None)?;
         let (out, changes) = {
             let mut meta = txn.open_table(META)?;
@@ -1387,15 +1432,10 @@ impl ObjectStore {
         };
         if changes.is_empty() {
             txn.abort()?;
-            return Ok((out, 0));
+            return Ok((out, None));
         }
         txn.commit()?;
-        self.inner.metrics.transactions.inc();
-        let mut group = lock(&self.inner.group);
-        group.committed += 1;
-        let seq = group.committed;
-        group.pending.push_back((seq, changes));
-        Ok((out, seq))
+        Ok((out, Some(changes)))
     }
 
     /// Whether transaction `seq` is durable; `None` if not yet and someone is syncing,
@@ -1405,8 +1445,12 @@ impl ObjectStore {
         if group.synced >= seq {
             return Ok(Some(true));
         }
-        if let Some(problem) = &group.failed {
-            return Err(StoreError::Database(problem.clone()));
+        if seq <= group.lost_through {
+            return Err(match &group.lost_because {
+                Some((true, cause)) => StoreError::DiskFull(cause.clone()),
+                Some((false, cause)) => StoreError::Io(cause.clone()),
+                None => StoreError::Io("the write was lost".into()),
+            });
         }
         if group.syncing {
             return Ok(None);
@@ -1472,12 +1516,8 @@ impl ObjectStore {
                     }
                     ready
                 }
-                Err(e) => {
-                    group.failed = Some(format!(
-                        "a durable commit failed ({e}); restart to recover the store"
-                    ));
-                    Vec::new()
-                }
+                // Told to their writers by `poisoned_by`, or through `lost_through` below.
+                Err(_) => Vec::new(),
             }
         };
         {
@@ -1504,8 +1544,18 @@ impl ObjectStore {
         }
         {
             let mut group = lock(&self.inner.group);
-            if outcome.is_ok() {
-                group.synced = group.synced.max(target);
+            match &outcome {
+                Ok(_) => group.synced = group.synced.max(target),
+                Err(e) if !e.poisons_handle() => {
+                    // Not an I/O failure, so the handle still works, but these commits are
+                    // not durable: fail their writers rather than leave them waiting.
+                    group.lost_through = group.lost_through.max(target);
+                    group.lost_because = Some(lost_cause(e));
+                    while group.pending.front().is_some_and(|(seq, _)| *seq <= target) {
+                        group.pending.pop_front();
+                    }
+                }
+                Err(_) => {}
             }
             group.syncing = false;
         }
@@ -1516,13 +1566,26 @@ impl ObjectStore {
     /// Commits durably; returns the last transaction it covers. That is read once the write
     /// lock is held, so writers that got the lock first are covered too.
     fn commit_durably(&self) -> Result<u64, StoreError> {
-        let mut txn = self.inner.db.begin_write()?;
-        let target = lock(&self.inner.group).committed;
-        txn.set_durability(Durability::Immediate)?;
-        txn.open_table(META)?.insert(SYNCED_KEY, target)?;
-        txn.commit()?;
-        self.inner.metrics.durable_commits.inc();
-        Ok(target)
+        let db = self.database()?;
+        let outcome = (|| {
+            let mut txn = db.begin_write()?;
+            let target = lock(&self.inner.group).committed;
+            txn.set_durability(Durability::Immediate)?;
+            txn.open_table(META)?.insert(SYNCED_KEY, target)?;
+            txn.commit()?;
+            Ok(target)
+        })();
+        drop(db);
+        match outcome {
+            Ok(target) => {
+                self.inner.metrics.durable_commits.inc();
+                Ok(target)
+            }
+            Err(e) => {
+                self.poisoned_by(&e);
+                Err(e)
+            }
+        }
     }
 }
 
