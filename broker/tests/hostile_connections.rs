@@ -152,17 +152,21 @@ fn client_hello() -> Vec<u8> {
         .unwrap_or_else(|e| panic!("{e}"))
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
-    let name = rustls::pki_types::ServerName::try_from("localhost")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut client = rustls::ClientConnection::new(Arc::new(config), name)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let name =
+        rustls::pki_types::ServerName::try_from("localhost").unwrap_or_else(|e| panic!("{e}"));
+    let mut client =
+        rustls::ClientConnection::new(Arc::new(config), name).unwrap_or_else(|e| panic!("{e}"));
     let mut hello = Vec::new();
     while client.wants_write() {
         client
             .write_tls(&mut hello)
             .unwrap_or_else(|e| panic!("{e}"));
     }
-    assert!(hello.len() > 100, "a ClientHello, got {} bytes", hello.len());
+    assert!(
+        hello.len() > 100,
+        "a ClientHello, got {} bytes",
+        hello.len()
+    );
     hello
 }
 
@@ -181,7 +185,12 @@ async fn a_socket_that_sends_nothing_is_closed_by_the_connect_deadline() {
 async fn half_a_connect_is_closed_by_the_connect_deadline() {
     let l = Listeners::start(100).await;
     let connect = mqtt_connect("dev-a", "key-a", 60);
-    stall(l.tcp(), &connect[..connect.len() / 2], "tcp, half a CONNECT").await;
+    stall(
+        l.tcp(),
+        &connect[..connect.len() / 2],
+        "tcp, half a CONNECT",
+    )
+    .await;
     l.refused_reaches("connect_timeout", 1).await;
     // No session was ever opened for it.
     assert_eq!(l.broker.broker.metrics().connected_clients(), 0);
@@ -191,8 +200,16 @@ async fn half_a_connect_is_closed_by_the_connect_deadline() {
 async fn a_connect_then_silence_is_closed_by_its_keep_alive() {
     let l = Listeners::start(100).await;
     // Keep-alive 1 s: rumqttd allows 1.5 times that.
-    let elapsed = stall(l.tcp(), &mqtt_connect("dev-a", "key-a", 1), "tcp, CONNECT then silence").await;
-    assert!(elapsed >= Duration::from_secs(1), "closed after {elapsed:?}, before its keep-alive");
+    let elapsed = stall(
+        l.tcp(),
+        &mqtt_connect("dev-a", "key-a", 1),
+        "tcp, CONNECT then silence",
+    )
+    .await;
+    assert!(
+        elapsed >= Duration::from_secs(1),
+        "closed after {elapsed:?}, before its keep-alive"
+    );
     let metrics = l.broker.broker.metrics().clone();
     eventually(|| metrics.keep_alive_expiries(), 1, "keep-alive expiries").await;
     l.refused_reaches("connect_timeout", 0).await;
@@ -201,7 +218,12 @@ async fn a_connect_then_silence_is_closed_by_its_keep_alive() {
 #[tokio::test]
 async fn a_connect_with_a_wrong_key_then_silence_is_closed_at_once() {
     let l = Listeners::start(100).await;
-    stall(l.tcp(), &mqtt_connect("dev-a", "wrong", 60), "tcp, refused CONNECT then silence").await;
+    stall(
+        l.tcp(),
+        &mqtt_connect("dev-a", "wrong", 60),
+        "tcp, refused CONNECT then silence",
+    )
+    .await;
     assert_eq!(
         l.broker
             .broker
@@ -245,7 +267,10 @@ async fn the_cap_holds_against_stalled_sockets_and_devices_get_in_after_their_de
             _ => (l.ws(), HALF_UPGRADE),
         };
         let mut socket = open(addr).await;
-        socket.write_all(first).await.unwrap_or_else(|e| panic!("{e}"));
+        socket
+            .write_all(first)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         stalled.push(socket);
     }
     // The cap is taken as sockets are accepted; give the accept loops a moment.
@@ -262,9 +287,11 @@ async fn the_cap_holds_against_stalled_sockets_and_devices_get_in_after_their_de
         "{CAP} stalled sockets all closed {:?} after the cap refused one",
         started.elapsed()
     );
-    let (_client, mut eventloop) =
-        AsyncClient::new(options(l.tcp(), "dev-b", "dev-b", "key-b"), 8);
-    assert_eq!(connack(&mut eventloop).await, Some(ConnectReturnCode::Success));
+    let (_client, mut eventloop) = AsyncClient::new(options(l.tcp(), "dev-b", "dev-b", "key-b"), 8);
+    assert_eq!(
+        connack(&mut eventloop).await,
+        Some(ConnectReturnCode::Success)
+    );
     let m = l.broker.broker.metrics();
     // Half the stalled sockets were plain TCP (nothing, or a few bytes of a CONNECT).
     l.refused_reaches("connect_timeout", 4).await;

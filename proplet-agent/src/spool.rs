@@ -698,7 +698,12 @@ mod tests {
                     Piece::Garbage(bytes) => out.extend_from_slice(bytes),
                     Piece::Torn { seq, keep } => {
                         let mut record = Vec::new();
-                        encode_record(&mut record, KIND_ENTRY, *seq, br#"{"topic":"t","payload":"p"}"#);
+                        encode_record(
+                            &mut record,
+                            KIND_ENTRY,
+                            *seq,
+                            br#"{"topic":"t","payload":"p"}"#,
+                        );
                         record.truncate(*keep);
                         out.extend_from_slice(&record);
                     }

@@ -363,8 +363,10 @@ fn every_key_of_a_start_request_rejects_wrong_types_by_name() {
     let Value::Object(map) = base else {
         panic!("the base request is an object");
     };
-    let Ok(start) = decode(&TopicKind::Start, Value::Object(map.clone()).to_string().as_bytes())
-    else {
+    let Ok(start) = decode(
+        &TopicKind::Start,
+        Value::Object(map.clone()).to_string().as_bytes(),
+    ) else {
         panic!("the base start request decodes");
     };
     assert!(matches!(start, Inbound::Start(_)));
@@ -374,11 +376,18 @@ fn every_key_of_a_start_request_rejects_wrong_types_by_name() {
         for value in &wrong {
             let mut changed: Map<String, Value> = map.clone();
             changed.insert(key.clone(), value.clone());
-            match decode(&TopicKind::Start, Value::Object(changed).to_string().as_bytes()) {
+            match decode(
+                &TopicKind::Start,
+                Value::Object(changed).to_string().as_bytes(),
+            ) {
                 Ok(_) => {}
                 Err(e) => {
                     refusals += 1;
-                    assert_eq!(e.key().map(top_level), Some(key.as_str()), "{key}={value}: {e}");
+                    assert_eq!(
+                        e.key().map(top_level),
+                        Some(key.as_str()),
+                        "{key}={value}: {e}"
+                    );
                 }
             }
         }
