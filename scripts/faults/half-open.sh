@@ -13,8 +13,14 @@
 # get in within 15 s, a stalled socket was left open, or propeller died.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-scripts/build-release.sh
-BIN=target/release
+# FAULTS_PROFILE=debug runs the debug binaries instead (a quick look; figures are not release).
+if [ "${FAULTS_PROFILE:-release}" = debug ]; then
+  cargo build -q -p propeller-operator --bin propeller -p propeller-e2e --bin propeller-loadgen
+  BIN=target/debug
+else
+  scripts/build-release.sh
+  BIN=target/release
+fi
 STALLED=${1:-10000}
 DEVICES=${2:-20}
 # Every stalled socket costs propeller and the load generator one descriptor each.
