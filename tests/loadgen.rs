@@ -14,6 +14,10 @@
 //! * `push-module`: pushes an `add` Wasm module padded to a given size to an OCI registry as
 //!   a CNCF Wasm artifact, and writes the same bytes to a file (for the HTTP comparison).
 //!   Prints the manifest digest.
+//! * `half-open`: many sockets of mixed kinds that open and then stall (nothing sent, half a
+//!   CONNECT, a refused CONNECT, a TLS ClientHello, half a websocket upgrade) while real
+//!   devices keep connecting and publishing; prints when the broker closed each kind and the
+//!   devices' CONNACK latency (`loadgen_half_open.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,6 +28,9 @@ use clap::{Parser, Subcommand};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::json;
 use tokio::sync::{Barrier, Semaphore};
+
+#[path = "loadgen_half_open.rs"]
+mod half_open;
 
 /// MQTT load generator for the benchmarks.
 #[derive(Parser, Debug)]
@@ -40,6 +47,8 @@ enum Load {
     Heartbeats(HeartbeatArgs),
     /// One Wasm artifact pushed to a registry.
     PushModule(PushArgs),
+    /// Stalled sockets of mixed kinds while real devices connect.
+    HalfOpen(half_open::HalfOpenArgs),
 }
 
 /// A padded `add` module for the image benchmarks.
@@ -167,6 +176,7 @@ async fn main() -> anyhow::Result<()> {
         Load::FanIn(args) => fan_in(args).await,
         Load::Heartbeats(args) => heartbeats(args).await,
         Load::PushModule(args) => push_module(args).await,
+        Load::HalfOpen(args) => half_open::half_open(args).await,
     }
 }
 

@@ -72,6 +72,9 @@ const KIND_CONSUMED: u8 = 2;
 const HEADER: usize = 17;
 /// Larger bodies are read as corruption: results are bounded far below this by MQTT.
 const MAX_BODY: usize = 256 * 1024 * 1024;
+/// Higher sequence numbers are read as corruption: an agent spooling a million results a
+/// second would need 290,000 years to reach it, and the next number must still fit a `u64`.
+const MAX_SEQ: u64 = i64::MAX as u64;
 
 /// An entry record's body; borrowed when written, owned when read back.
 #[derive(Serialize, Deserialize)]
@@ -199,8 +202,13 @@ impl Spool {
         let body = encode_body(topic, payload)?;
         let mut journal = self.lock_journal();
         let seq = journal.next_seq;
+        if seq > MAX_SEQ {
+            return Err(io::Error::other(format!(
+                "spool sequence numbers exhausted (next would be {seq})"
+            )));
+        }
         let size = journal.write_record(KIND_ENTRY, seq, &body)?;
-        journal.next_seq += 1;
+        journal.next_seq = seq + 1;
         let entry = Entry {
             topic: topic.to_owned(),
             payload: payload.to_owned(),
@@ -341,6 +349,9 @@ fn replay(bytes: &[u8]) -> Replayed {
     let mut last_seq = 0;
     let mut at = 0;
     while let Some((kind, seq, body, size)) = decode_record(&bytes[at..]) {
+        if seq > MAX_SEQ {
+            break;
+        }
         match kind {
             KIND_ENTRY => {
                 let Ok(parsed) = serde_json::from_slice::<Body>(body) else {
@@ -630,6 +641,119 @@ mod tests {
                 .collect();
             let expected: Vec<_> = (0..50).map(|i| format!("{t}-{i}")).collect();
             assert_eq!(mine, expected);
+        }
+    }
+
+    mod hostile {
+        //! Journals and old-format files written by someone else: torn, garbage, records with
+        //! valid CRCs but nonsense inside. Opening must never panic and never lose what
+        //! comes after it.
+
+        use super::*;
+        use proptest::collection::vec as pvec;
+        use proptest::prelude::*;
+
+        /// One piece of a hostile journal.
+        #[derive(Debug, Clone)]
+        enum Piece {
+            /// A record with a correct CRC: any kind, any sequence number, any body.
+            Record { kind: u8, seq: u64, body: Vec<u8> },
+            /// An entry whose body is a well-formed result.
+            Entry { seq: u64, payload: String },
+            /// Bytes with no structure.
+            Garbage(Vec<u8>),
+            /// A good record cut short.
+            Torn { seq: u64, keep: usize },
+        }
+
+        fn seq() -> impl Strategy<Value = u64> {
+            prop_oneof![
+                4 => 0u64..8,
+                1 => Just(u64::MAX),
+                1 => Just(u64::MAX - 1),
+                1 => any::<u64>(),
+            ]
+        }
+
+        fn piece() -> impl Strategy<Value = Piece> {
+            prop_oneof![
+                3 => (prop_oneof![Just(KIND_ENTRY), Just(KIND_CONSUMED), any::<u8>()], seq(),
+                      pvec(any::<u8>(), 0..40))
+                    .prop_map(|(kind, seq, body)| Piece::Record { kind, seq, body }),
+                3 => (seq(), "\\PC{0,12}").prop_map(|(seq, payload)| Piece::Entry { seq, payload }),
+                1 => pvec(any::<u8>(), 0..40).prop_map(Piece::Garbage),
+                1 => (seq(), 0usize..40).prop_map(|(seq, keep)| Piece::Torn { seq, keep }),
+            ]
+        }
+
+        fn bytes_of(pieces: &[Piece]) -> Vec<u8> {
+            let mut out = Vec::new();
+            for piece in pieces {
+                match piece {
+                    Piece::Record { kind, seq, body } => encode_record(&mut out, *kind, *seq, body),
+                    Piece::Entry { seq, payload } => {
+                        let body = encode_body("t", payload).unwrap_or_default();
+                        encode_record(&mut out, KIND_ENTRY, *seq, &body);
+                    }
+                    Piece::Garbage(bytes) => out.extend_from_slice(bytes),
+                    Piece::Torn { seq, keep } => {
+                        let mut record = Vec::new();
+                        encode_record(
+                            &mut record,
+                            KIND_ENTRY,
+                            *seq,
+                            br#"{"topic":"t","payload":"p"}"#,
+                        );
+                        record.truncate(*keep);
+                        out.extend_from_slice(&record);
+                    }
+                }
+            }
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// Whatever the journal holds, the spool opens (or says why not), and a result
+            /// pushed afterwards is delivered after everything replayed, also after reopening.
+            #[test]
+            fn any_journal_opens_and_keeps_what_comes_next(
+                pieces in pvec(piece(), 0..10),
+                old_file in prop::option::of(pvec(any::<u8>(), 0..40)),
+            ) {
+                let dir = tempdir();
+                fs::write(dir.path().join(JOURNAL), bytes_of(&pieces))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                if let Some(bytes) = &old_file {
+                    fs::write(dir.path().join("00000000000000000001.json"), bytes)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                let counted = pending_in(dir.path()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let s = match Spool::open(dir.path(), 1_000) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        prop_assert!(!e.to_string().is_empty());
+                        return Ok(());
+                    }
+                };
+                // The old-format file adds at most one entry.
+                prop_assert!(s.len() >= counted && s.len() <= counted + 1);
+                let before = s.len();
+                match s.push("t", "after") {
+                    Ok(_) => {}
+                    Err(e) => {
+                        prop_assert!(!e.to_string().is_empty());
+                        return Ok(());
+                    }
+                }
+                drop(s);
+                let reopened = Spool::open(dir.path(), 1_000)
+                    .map_err(|e| TestCaseError::fail(format!("reopening: {e}")))?;
+                prop_assert_eq!(reopened.len(), before + 1);
+                let seen = drain(&reopened);
+                prop_assert_eq!(seen.last().map(String::as_str), Some("after"));
+            }
         }
     }
 }

@@ -21,6 +21,8 @@ mod time;
 mod topics;
 
 #[cfg(test)]
+mod hostile_tests;
+#[cfg(test)]
 mod tests;
 
 pub use control::{

@@ -1270,7 +1270,7 @@ fn rfc3339_timestamps_round_trip() {
 
 // ---------------------------------------------------------------- property tests
 
-mod props {
+pub(super) mod props {
     use super::*;
     use proptest::collection::{btree_map, vec as pvec};
     use proptest::option;
@@ -1341,7 +1341,7 @@ mod props {
     }
 
     /// Arbitrary JSON whose object keys are mostly protocol keys, to reach deep decode paths.
-    fn json_value() -> impl Strategy<Value = Value> {
+    pub(in crate::protocol) fn json_value() -> impl Strategy<Value = Value> {
         json_with_floats(any::<f64>().boxed())
     }
 
@@ -1570,7 +1570,7 @@ mod props {
             )
     }
 
-    fn inbound() -> impl Strategy<Value = Inbound> {
+    pub(in crate::protocol) fn inbound() -> impl Strategy<Value = Inbound> {
         let opt_f = || option::of(small_f64());
         let opt_u = || option::of(any::<u64>());
         prop_oneof![

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rumqttd::Server;
+use rumqttd::{ConnectionEnd, Server};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
@@ -152,13 +152,19 @@ pub(crate) async fn serve(listener: TcpListener, intake: Intake, front: Front) {
             let _permit = permit;
             match front {
                 // Each runs to the end of the connection, holding the permit until then.
-                Front::Plain => intake.core.serve_connection(stream).await,
+                Front::Plain => {
+                    let end = intake.core.serve_connection(stream).await;
+                    count_end(&intake.metrics, end);
+                }
                 Front::WebSocket => pipe_websocket(stream, &intake, peer).await,
                 Front::Tls(acceptor) => {
                     match tokio::time::timeout(intake.handshake_timeout, acceptor.accept(stream))
                         .await
                     {
-                        Ok(Ok(tls_stream)) => intake.core.serve_connection(tls_stream).await,
+                        Ok(Ok(tls_stream)) => {
+                            let end = intake.core.serve_connection(tls_stream).await;
+                            count_end(&intake.metrics, end);
+                        }
                         Ok(Err(error)) => {
                             intake.metrics.refused_connection("tls_handshake_failed");
                             debug!(%peer, %error, "TLS handshake failed");
@@ -259,7 +265,19 @@ async fn pipe_websocket(stream: TcpStream, intake: &Intake, peer: SocketAddr) {
             _ = downstream => {}
         }
     };
-    tokio::join!(intake.core.serve_connection(core_end), bridge);
+    let (end, ()) = tokio::join!(intake.core.serve_connection(core_end), bridge);
+    count_end(&intake.metrics, end);
+}
+
+/// Counts connections that a deadline closed, or that never became an MQTT session. Refused
+/// logins are counted by the guard, which knows why (`auth_failures`).
+fn count_end(metrics: &BrokerMetrics, end: ConnectionEnd) {
+    match end {
+        ConnectionEnd::ConnectTimeout => metrics.refused_connection("connect_timeout"),
+        ConnectionEnd::ClosedBeforeConnect => metrics.refused_connection("closed_before_connect"),
+        ConnectionEnd::KeepAliveTimeout => metrics.keep_alive_expired(),
+        ConnectionEnd::ConnectRefused | ConnectionEnd::LinkFailed | ConnectionEnd::Ended => {}
+    }
 }
 
 /// Bytes buffered per direction between a websocket and rumqttd.

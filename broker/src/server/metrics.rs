@@ -80,6 +80,7 @@ pub struct BrokerMetrics {
     decode_errors: Family<KindLabels, Counter>,
     denied_subscriptions: Counter,
     refused_connections: Family<ReasonLabels, Counter>,
+    keep_alive_expiries: Counter,
 }
 
 impl BrokerMetrics {
@@ -123,8 +124,14 @@ impl BrokerMetrics {
         );
         r.register(
             "refused_connections",
-            "Sockets closed before MQTT: connection cap or handshake timeout",
+            "Sockets closed before an MQTT session: connection cap, TLS or websocket handshake \
+             failed or timed out, no CONNECT in time, closed before CONNECT",
             self.refused_connections.clone(),
+        );
+        r.register(
+            "keep_alive_expiries",
+            "Sessions closed because the client went silent past its keep-alive",
+            self.keep_alive_expiries.clone(),
         );
     }
 
@@ -166,6 +173,10 @@ impl BrokerMetrics {
 
     pub(crate) fn denied_subscription(&self) {
         self.denied_subscriptions.inc();
+    }
+
+    pub(crate) fn keep_alive_expired(&self) {
+        self.keep_alive_expiries.inc();
     }
 
     pub(crate) fn refused_connection(&self, reason: &'static str) {
@@ -215,5 +226,19 @@ impl BrokerMetrics {
     /// Subscription filters refused to devices.
     pub fn denied_subscriptions(&self) -> u64 {
         self.denied_subscriptions.get()
+    }
+
+    /// Sockets closed before an MQTT session for `reason` (`max_connections`,
+    /// `tls_handshake_timeout`, `tls_handshake_failed`, `websocket_handshake_timeout`,
+    /// `websocket_handshake_failed`, `connect_timeout`, `closed_before_connect`).
+    pub fn refused_connections(&self, reason: &'static str) -> u64 {
+        self.refused_connections
+            .get_or_create(&ReasonLabels { reason })
+            .get()
+    }
+
+    /// Sessions closed because their client went silent past its keep-alive.
+    pub fn keep_alive_expiries(&self) -> u64 {
+        self.keep_alive_expiries.get()
     }
 }

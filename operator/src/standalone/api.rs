@@ -7,6 +7,8 @@
 
 use std::sync::Arc;
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -192,10 +194,18 @@ async fn metrics(
 async fn apply(
     State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
-    body: String,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let docs = parse_manifest(&body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
+    // Refusals of the body itself (too large, unreadable) in the API's JSON form too.
+    let body = body.map_err(|rejection| ApiError(rejection.status(), rejection.body_text()))?;
+    let body = std::str::from_utf8(&body).map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("the manifest is not UTF-8 text: {e}"),
+        )
+    })?;
+    let docs = parse_manifest(body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
     if docs.is_empty() {
         return Err(ApiError(
             StatusCode::BAD_REQUEST,

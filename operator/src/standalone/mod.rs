@@ -9,3 +9,6 @@ pub mod events;
 pub mod pull_secrets;
 pub mod store;
 pub mod watch;
+
+#[cfg(test)]
+mod api_hostile_tests;

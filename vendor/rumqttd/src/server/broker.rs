@@ -370,7 +370,7 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
     /// Runs one client connection over a stream the embedder accepted itself, until the
     /// connection ends. (Propeller patch: lets an embedder own its listeners without relaying
     /// every connection through a loopback socket to [`Server::start`].)
-    pub async fn serve_connection<S>(&self, stream: S)
+    pub async fn serve_connection<S>(&self, stream: S) -> ConnectionEnd
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -510,6 +510,26 @@ impl Callback for WSCallback {
 /// waiting for mqtt connect packet. Also this honours connection wait time as per config to prevent
 /// denial of service attacks (rogue clients which only establish network connections without
 /// sending a mqtt connection packet to make the server reach its concurrent connection limit).
+/// How a connection handed to [`Server::serve_connection`] ended. (Propeller patch: lets the
+/// embedder count connections closed by the CONNECT deadline or by keep-alive expiry, which
+/// rumqttd otherwise only logs.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionEnd {
+    /// No complete CONNECT arrived within the connection timeout.
+    ConnectTimeout,
+    /// The peer closed or broke the socket before a complete CONNECT.
+    ClosedBeforeConnect,
+    /// The first packet was refused: not a CONNECT, unparsable, bad credentials, zero
+    /// keep-alive or an invalid client id.
+    ConnectRefused,
+    /// The router did not take the connection.
+    LinkFailed,
+    /// The session ran and the client went silent past its keep-alive.
+    KeepAliveTimeout,
+    /// The session ran and ended any other way (disconnect, close, takeover, error).
+    Ended,
+}
+
 async fn remote<P: Protocol>(
     config: Arc<ConnectionSettings>,
     tenant_id: Option<String>,
@@ -517,7 +537,7 @@ async fn remote<P: Protocol>(
     stream: Box<dyn N>,
     protocol: P,
     will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
-) {
+) -> ConnectionEnd {
     let mut network = Network::new(
         stream,
         config.max_payload_size,
@@ -531,7 +551,14 @@ async fn remote<P: Protocol>(
         Ok(p) => p,
         Err(e) => {
             error!(error=?e, "Error while handling MQTT connect packet");
-            return;
+            // Propeller patch: say why.
+            return match e {
+                remote::Error::Timeout(_) => ConnectionEnd::ConnectTimeout,
+                remote::Error::Io(_) | remote::Error::Network(network::Error::Io(_)) => {
+                    ConnectionEnd::ClosedBeforeConnect
+                }
+                _ => ConnectionEnd::ConnectRefused,
+            };
         }
     };
 
@@ -585,7 +612,7 @@ async fn remote<P: Protocol>(
         Ok(l) => l,
         Err(e) => {
             error!(error=?e, "Remote link error");
-            return;
+            return ConnectionEnd::LinkFailed;
         }
     };
 
@@ -594,7 +621,15 @@ async fn remote<P: Protocol>(
     let will_delay_interval = link.will_delay_interval;
     let mut send_disconnect = true;
 
-    match link.start().await {
+    let started = link.start().await;
+    // Propeller patch: a keep-alive expiry is reported to the embedder.
+    let end = match &started {
+        Err(remote::Error::Network(network::Error::KeepAlive(_))) => {
+            ConnectionEnd::KeepAliveTimeout
+        }
+        _ => ConnectionEnd::Ended,
+    };
+    match started {
         // Connection got closed. This shouldn't usually happen.
         Ok(_) => error!("connection-stop"),
         // No need to send a disconnect message when disconnection
@@ -650,4 +685,5 @@ async fn remote<P: Protocol>(
         // but might affect logs?
         router_tx.send((connection_id, message)).ok();
     }
+    end
 }
