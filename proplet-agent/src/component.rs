@@ -60,6 +60,25 @@ impl WasiHttpHooks for HttpHooks {
         drop(fut);
         Box::new(crate::outgoing_http::send(self.0.clone(), request, options))
     }
+
+    /// A certificate the roots do not vouch for is a certificate error, not a protocol one,
+    /// so the guest can tell "trust this CA" from "this is not TLS".
+    fn p2_error_from_tls(
+        &mut self,
+        err: &std::io::Error,
+    ) -> wasmtime_wasi_http::p2::bindings::http::types::ErrorCode {
+        use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+        let rejected = err
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>())
+            .is_some_and(|e| matches!(e, rustls::Error::InvalidCertificate(_)));
+        tracing::debug!(error = %err, "guest HTTPS handshake failed");
+        if rejected {
+            ErrorCode::TlsCertificateError
+        } else {
+            ErrorCode::TlsProtocolError
+        }
+    }
 }
 
 /// What a component's store holds.
