@@ -159,6 +159,10 @@ fn serve(stream: impl Read + Write, scheme: &str) {
         text.len()
     );
     let _ = stream.flush();
+    // Close only after the client has: closing with unread input resets the connection,
+    // and a reset may discard the answer before the client reads it.
+    let mut rest = [0u8; 1024];
+    while matches!(reader.read(&mut rest), Ok(n) if n > 0) {}
 }
 
 /// `content-type` → `Content-Type`, as httpbin shows header names.
