@@ -765,6 +765,130 @@ fn upstream_component_samples_run_end_to_end() {
     }
 }
 
+/// Upstream's `http_client` sample (GET http://httpbin.org/get, GET https://httpbin.org/get,
+/// POST https://httpbin.org/post), applied unchanged, against a stand-in for httpbin.org on
+/// loopback: the agent's host overrides send the requests there with the guest's Host and
+/// TLS name, and its extra CA lets the guest trust the stand-in's certificate. Without a
+/// reachable override, or without the CA, the task fails at once with the reason.
+#[test]
+fn upstream_http_client_sample_reaches_httpbin_through_overrides() {
+    let httpbin = support::httpbin::FakeHttpbin::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = dir.path().join("httpbin-ca.pem");
+    std::fs::write(&ca, &httpbin.ca_pem).expect("write the CA");
+    let ca = ca.to_str().expect("utf-8 path");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let reachable = format!(
+        "httpbin.org:80:{},httpbin.org:443:{}",
+        httpbin.http, httpbin.https
+    );
+    let refused = format!("httpbin.org:80:127.0.0.1:{closed},httpbin.org:443:127.0.0.1:{closed}");
+    let agents: [(&str, Vec<(&str, &str)>); 3] = [
+        (
+            "k8s-proplet-full",
+            vec![
+                ("PROPLET_HTTP_RESOLVE", &reachable),
+                ("PROPLET_HTTP_CA_FILE", ca),
+            ],
+        ),
+        (
+            "refused-proplet",
+            vec![
+                ("PROPLET_HTTP_RESOLVE", &refused),
+                ("PROPLET_HTTP_CA_FILE", ca),
+            ],
+        ),
+        (
+            "untrusting-proplet",
+            vec![("PROPLET_HTTP_RESOLVE", &reachable)],
+        ),
+    ];
+    let manifest: String = agents
+        .iter()
+        .map(|(name, _)| support::device_manifest(name, &port) + "---\n")
+        .collect();
+    apply_text(&api, dir.path(), "proplets.yaml", &manifest);
+    let _agents: Vec<support::Running> = agents
+        .iter()
+        .map(|(name, env)| support::device_agent_with(name, &port, &dir.path().join(name), env))
+        .collect();
+    for (name, _) in &agents {
+        wait_for_phase(&api, dir.path(), name, "Running");
+    }
+    let sample = std::fs::read_to_string(
+        support::repo_root()
+            .join("tests/fixtures/upstream-samples/propeller_v1_task_http_client.yaml"),
+    )
+    .expect("sample");
+    apply_text(&api, dir.path(), "http-client.yaml", &sample);
+    for (task, proplet) in [
+        ("http-client-refused", "refused-proplet"),
+        ("http-client-untrusting", "untrusting-proplet"),
+    ] {
+        let copy = sample
+            .replace("name: http-client-example", &format!("name: {task}"))
+            .replace("\"k8s-proplet-full\"", &format!("\"{proplet}\""));
+        assert_eq!(copy.matches(task).count(), 2, "the sample changed");
+        assert!(copy.contains(proplet), "the sample changed");
+        apply_text(&api, dir.path(), &format!("{task}.yaml"), &copy);
+    }
+    // Each agent compiles the 300 KB component first; a debug build on a busy machine is slow.
+    let tasks = finished_tasks_within(
+        &api,
+        dir.path(),
+        &[
+            "http-client-example",
+            "http-client-refused",
+            "http-client-untrusting",
+        ],
+        std::time::Duration::from_secs(120),
+    );
+    let status = |name: &str| tasks[name]["status"].clone();
+    let done = status("http-client-example");
+    assert_eq!(done["phase"], "completed", "{done:#}");
+    let result = done["results"].as_str().unwrap_or_default();
+    for part in [
+        "=== GET http://httpbin.org/get ===\nStatus: 200 OK\n{",
+        "\"url\": \"http://httpbin.org/get\"",
+        "=== GET https://httpbin.org/get ===\nStatus: 200 OK\n{",
+        "\"url\": \"https://httpbin.org/get\"",
+        "=== POST https://httpbin.org/post ===\nStatus: 200 OK\n{",
+        "\"url\": \"https://httpbin.org/post\"",
+        "\"data\": \"hello from proplet wasm client\"",
+        "\"Content-Type\": \"text/plain\"",
+        "\"Host\": \"httpbin.org\"",
+    ] {
+        assert!(result.contains(part), "{part} missing from:\n{result}");
+    }
+    // Nothing listens where the override points: the guest's first request is refused and
+    // the task fails with the guest's own message.
+    let refused = status("http-client-refused");
+    assert_eq!(refused["phase"], "failed", "{refused:#}");
+    let error = refused["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("plain HTTP GET failed") && error.contains("GET httpbin HTTPS failed"),
+        "{error}"
+    );
+    // Without the CA the stand-in's certificate is not trusted.
+    let untrusting = status("http-client-untrusting");
+    assert_eq!(untrusting["phase"], "failed", "{untrusting:#}");
+    let error = untrusting["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("GET httpbin HTTPS failed: ErrorCode::TlsCertificateError"),
+        "{error}"
+    );
+    // Both HTTPS requests asked the stand-in for httpbin.org by name.
+    let names = httpbin.server_names.lock().expect("names").clone();
+    assert!(
+        names.len() >= 2 && names.iter().all(|n| n == "httpbin.org"),
+        "{names:?}"
+    );
+}
+
 /// A task manifest running `add` from the OCI reference `image` with `inputs`, plus extra
 /// spec lines.
 fn oci_task(name: &str, image: &str, inputs: &str, extra: &str) -> String {

@@ -151,6 +151,8 @@ impl Agent {
             outgoing_http: OutgoingHttp {
                 allow_hosts: config.http_allow_hosts.clone(),
                 timeout: HTTP_TIMEOUT,
+                overrides: config.http_resolve.clone(),
+                extra_roots: config.http_ca_roots.clone(),
             },
             ..Limits::default()
         })

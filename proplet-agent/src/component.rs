@@ -16,7 +16,6 @@
 //! Outgoing `wasi:http` requests follow [`OutgoingHttp`].
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{
@@ -35,41 +34,9 @@ use crate::wasm::{
 /// The export that makes a component an HTTP server.
 pub(crate) const HTTP_HANDLER: &str = "wasi:http/incoming-handler";
 
-/// Rules for the HTTP requests a guest sends through `wasi:http/outgoing-handler`: the same
-/// bounds as the agent's own binary fetches.
-#[derive(Debug, Clone)]
-pub struct OutgoingHttp {
-    /// Hosts a guest may reach (exact names, or `*.example.com` for subdomains); empty: any.
-    pub allow_hosts: Vec<String>,
-    /// Limit on connecting, on the first response byte and between body bytes.
-    pub timeout: Duration,
-}
+pub use crate::outgoing_http::OutgoingHttp;
 
-impl Default for OutgoingHttp {
-    fn default() -> Self {
-        Self {
-            allow_hosts: Vec::new(),
-            timeout: Duration::from_secs(30),
-        }
-    }
-}
-
-impl OutgoingHttp {
-    /// Whether a request to `host` is allowed.
-    pub fn allows(&self, host: &str) -> bool {
-        let host = host.to_ascii_lowercase();
-        self.allow_hosts.is_empty()
-            || self.allow_hosts.iter().any(|rule| {
-                let rule = rule.to_ascii_lowercase();
-                match rule.strip_prefix("*.") {
-                    Some(domain) => host.ends_with(&format!(".{domain}")),
-                    None => host == rule,
-                }
-            })
-    }
-}
-
-/// The hooks that apply [`OutgoingHttp`] to every request.
+/// The hooks that send every guest request under [`OutgoingHttp`].
 pub(crate) struct HttpHooks(Arc<OutgoingHttp>);
 
 impl WasiHttpHooks for HttpHooks {
@@ -83,40 +50,34 @@ impl WasiHttpHooks for HttpHooks {
                 Output = Result<
                     (
                         http::Response<wasmtime_wasi_http::WasiBody>,
-                        Box<
-                            dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>>
-                                + Send,
-                        >,
+                        crate::outgoing_http::Driver,
                     ),
                     wasmtime_wasi_http::Error,
                 >,
             > + Send,
     > {
-        let policy = self.0.clone();
-        let host = request.uri().host().unwrap_or_default().to_owned();
-        if !policy.allows(&host) {
-            return Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) });
-        }
-        // The guest may ask for shorter limits, never longer ones.
-        let cap =
-            |asked: Option<Duration>| Some(asked.map_or(policy.timeout, |a| a.min(policy.timeout)));
-        let options = options.unwrap_or_default();
-        let options = wasmtime_wasi_http::RequestOptions {
-            connect_timeout: cap(options.connect_timeout),
-            first_byte_timeout: cap(options.first_byte_timeout),
-            between_bytes_timeout: cap(options.between_bytes_timeout),
-        };
         // Response-processing errors need no reporting beyond what the guest sees.
         drop(fut);
-        Box::new(async move {
-            use http_body_util::BodyExt;
-            let (response, io) =
-                wasmtime_wasi_http::default_send_request(request, Some(options)).await?;
-            Ok((
-                response.map(BodyExt::boxed_unsync),
-                Box::new(io) as Box<dyn std::future::Future<Output = _> + Send>,
-            ))
-        })
+        Box::new(crate::outgoing_http::send(self.0.clone(), request, options))
+    }
+
+    /// A certificate the roots do not vouch for is a certificate error, not a protocol one,
+    /// so the guest can tell "trust this CA" from "this is not TLS".
+    fn p2_error_from_tls(
+        &mut self,
+        err: &std::io::Error,
+    ) -> wasmtime_wasi_http::p2::bindings::http::types::ErrorCode {
+        use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+        let rejected = err
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>())
+            .is_some_and(|e| matches!(e, rustls::Error::InvalidCertificate(_)));
+        tracing::debug!(error = %err, "guest HTTPS handshake failed");
+        if rejected {
+            ErrorCode::TlsCertificateError
+        } else {
+            ErrorCode::TlsProtocolError
+        }
     }
 }
 

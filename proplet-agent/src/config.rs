@@ -150,6 +150,14 @@ pub struct Flags {
     /// (unset: any).
     #[arg(long, env = "PROPLET_HTTP_ALLOW_HOSTS")]
     pub http_allow_hosts: Option<String>,
+    /// Where guests' outgoing `wasi:http` connects instead, comma-separated
+    /// `HOST:PORT:ADDRESS[:PORT]` (like curl's --connect-to); Host and TLS name are kept.
+    #[arg(long, env = "PROPLET_HTTP_RESOLVE")]
+    pub http_resolve: Option<String>,
+    /// PEM file of CA certificates trusted for guests' outgoing HTTPS, besides the Mozilla
+    /// roots.
+    #[arg(long, env = "PROPLET_HTTP_CA_FILE")]
+    pub http_ca_file: Option<String>,
 }
 
 /// TLS material for the broker connection.
@@ -223,6 +231,10 @@ pub struct Config {
     pub http_serving: crate::http_server::HttpServing,
     /// Hosts guests may reach over `wasi:http` (empty: any).
     pub http_allow_hosts: Vec<String>,
+    /// Host overrides for guests' `wasi:http`.
+    pub http_resolve: Vec<crate::outgoing_http::HostOverride>,
+    /// Extra roots for guests' HTTPS, read from `PROPLET_HTTP_CA_FILE`.
+    pub http_ca_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
 }
 
 /// Default of `PROPLET_MAX_MODULE_SIZE`. Real task modules are a few MiB (an interpreter
@@ -471,6 +483,16 @@ impl Config {
         let tags = comma_list(pick(&flags.tags, "tags"));
         let http_serving = http_serving(&flags, &pick)?;
         let http_allow_hosts = comma_list(pick(&flags.http_allow_hosts, "http_allow_hosts"));
+        let http_resolve = match pick(&flags.http_resolve, "http_resolve") {
+            None => Vec::new(),
+            Some(text) => crate::outgoing_http::parse_overrides(&text)
+                .map_err(|m| invalid("PROPLET_HTTP_RESOLVE", &m))?,
+        };
+        let http_ca_roots = match pick(&flags.http_ca_file, "http_ca_file") {
+            None => Vec::new(),
+            Some(path) => crate::outgoing_http::load_roots(Path::new(path.trim()))
+                .map_err(|e| invalid("PROPLET_HTTP_CA_FILE", &e.to_string()))?,
+        };
         let state_dir = flags
             .state_dir
             .clone()
@@ -518,6 +540,8 @@ impl Config {
                 .unwrap_or_default(),
             http_serving,
             http_allow_hosts,
+            http_resolve,
+            http_ca_roots,
         })
     }
 }
@@ -830,6 +854,39 @@ mod tests {
             Ok(("localhost".into(), 1883, false))
         );
         assert!(parse_address("tcp://:1").is_err());
+    }
+
+    #[test]
+    fn outgoing_http_settings_are_checked_at_start_up() {
+        let mut f = base();
+        f.http_resolve = Some("httpbin.org:443:127.0.0.1:40123,httpbin.org:80".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            e.starts_with("PROPLET_HTTP_RESOLVE: \"httpbin.org:80\": missing address"),
+            "{e}"
+        );
+
+        let mut f = base();
+        f.http_ca_file = Some("/nonexistent/ca.pem".into());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            e.starts_with("PROPLET_HTTP_CA_FILE: /nonexistent/ca.pem"),
+            "{e}"
+        );
+
+        let mut f = base();
+        f.http_resolve = Some("httpbin.org:443:127.0.0.1:40123".into());
+        let c = match resolve(f) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(c.http_resolve.len(), 1);
+        assert_eq!(c.http_resolve[0].to_port, 40123);
+        let defaults = match resolve(base()) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(defaults.http_resolve.is_empty() && defaults.http_ca_roots.is_empty());
     }
 
     #[test]

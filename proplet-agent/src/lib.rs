@@ -7,6 +7,7 @@ pub mod config;
 pub mod fetch;
 pub mod hal;
 pub mod http_server;
+pub mod outgoing_http;
 pub mod spool;
 pub mod system;
 pub mod telemetry;

@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 pub mod envtest;
+pub mod httpbin;
 pub mod registry;
 pub use envtest::pdeathsig;
 
