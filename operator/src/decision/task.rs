@@ -269,12 +269,16 @@ fn stop_for(task: &Task, target: &PropletView) -> StopCommand {
     }
 }
 
-fn start_for(task: &Task, target: &PropletView, image_digest: Option<&str>) -> StartCommand {
+/// The start of the run `status` records, numbered with its run count so an agent that
+/// already finished that run answers a repeat with its result instead of running again.
+fn start_for(task: &Task, target: &PropletView, status: &TaskStatus) -> StartCommand {
+    let mut request = start_request_pinned(task, Some(target), status.image_digest.as_deref());
+    request.run = status.run_count.and_then(|n| u64::try_from(n).ok());
     StartCommand {
         proplet: target.candidate.name.clone(),
         domain: target.domain.clone(),
         channel: target.channel.clone(),
-        request: start_request_pinned(task, Some(target), image_digest),
+        request,
     }
 }
 
@@ -496,6 +500,20 @@ pub fn plan(
         }
     }
 
+    // Results are awaited only while a run is out; one arriving otherwise belongs to a run
+    // already finished (an agent answering a repeated start sends its result again) and is
+    // dropped, or it would be taken for the next run's.
+    let awaiting = matches!(desired.phase, TaskPhase::Scheduled | TaskPhase::Running);
+    if !awaiting && !observed.results.is_empty() {
+        plan.consumed_results = observed.results.len();
+        plan.notes.push(Note::normal(
+            "ResultIgnored",
+            format!(
+                "{} result(s) for a run that already finished ignored",
+                observed.results.len()
+            ),
+        ));
+    }
     match desired.phase {
         TaskPhase::Pending => plan_pending(task, observed, settings, now, &mut desired, &mut plan),
         TaskPhase::Scheduled => plan_scheduled(task, observed, now, &mut desired, &mut plan),
@@ -728,8 +746,7 @@ fn dispatch(
             }
             Some(target) => {
                 if !observed.dispatched {
-                    plan.starts
-                        .push(start_for(task, target, desired.image_digest.as_deref()));
+                    plan.starts.push(start_for(task, target, desired));
                 }
             }
             None => missing.push(name),
@@ -913,6 +930,37 @@ fn plan_running(
         plan.notes.push(Note::warning("TimedOut", message));
     } else {
         plan.requeue_at = Some(deadline);
+        resend_after_restart(task, observed, desired, plan);
+    }
+}
+
+/// A run recorded as `running` that this process never started was started by a process
+/// that is gone, and its result may have died with it (received, not yet written). The start
+/// goes again, numbered with the same run: our agent answers a run it finished with the
+/// result it kept and ignores a start of a run in progress, so nothing runs twice. Broadcast
+/// runs ask again only the proplets that have not answered.
+fn resend_after_restart(
+    task: &Task,
+    observed: &TaskObservations,
+    desired: &TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    if observed.dispatched || runs_as_job(observed, desired) {
+        return;
+    }
+    let answered = match &desired.results {
+        Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
+        _ => None,
+    };
+    for name in targets_of(desired) {
+        if answered.is_some_and(|per| per.contains_key(&name)) {
+            continue;
+        }
+        if let Some(target) =
+            view(observed, &name).filter(|t| t.candidate.proplet_type != PropletType::K8s)
+        {
+            plan.starts.push(start_for(task, target, desired));
+        }
     }
 }
 
