@@ -254,6 +254,8 @@ pub fn start_request(task: &Task, target: Option<&PropletView>) -> StartRequest 
         priority: Some(i64::from(spec.priority)),
         metadata,
         parent_results: None,
+        // Set by `start_for` when a dispatch sends it.
+        run: None,
     }
 }
 
@@ -2069,12 +2071,10 @@ mod tests {
     fn rerun_request_on_a_running_task_is_recorded_and_ignored() {
         let mut v = finalized(task_value(), running_status("edge", at(9, 50, 0)));
         v["metadata"]["annotations"] = json!({ RERUN_ANNOTATION: "7" });
-        let plan = plan(
-            &task_from(v),
-            &observing(vec![proplet("edge", "edge-client")]),
-            &settings(),
-            now(),
-        );
+        // Started by this process (a restarted one would send the run's start again).
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.dispatched = true;
+        let plan = plan(&task_from(v), &observed, &settings(), now());
 
         let status = written(&plan);
         assert_eq!(status.phase, TaskPhase::Running);
@@ -2233,5 +2233,86 @@ mod tests {
             written(&failed).error.as_deref(),
             Some("Job failed: BackoffLimitExceeded")
         );
+    }
+
+    // 12. Run counters on starts, and what a restart leaves to send again.
+
+    #[test]
+    fn starts_carry_the_number_of_the_run_they_start() {
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let first = plan(&new_task(), &observed, &settings(), now());
+        assert_eq!(first.starts[0].request.run, Some(1));
+        // A start sent again for a run still `scheduled` keeps its number.
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        let again = plan(&task, &observed, &settings(), now());
+        assert_eq!(again.starts[0].request.run, Some(1));
+        // A rerun is a new run, with a higher number.
+        let rerun = plan(
+            &completed_with_annotation("1", None),
+            &observed,
+            &settings(),
+            now(),
+        );
+        assert_eq!(rerun.starts[0].request.run, Some(2));
+    }
+
+    #[test]
+    fn a_running_run_this_process_never_started_is_sent_again_with_its_number() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan_after_restart = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan_after_restart.starts.len(), 1);
+        let start = &plan_after_restart.starts[0];
+        assert_eq!(start.proplet, "edge");
+        assert_eq!(start.request.run, Some(1), "the same run, not another");
+        assert_eq!(plan_after_restart.status, None, "the run stays as it is");
+        assert_eq!(plan_after_restart.requeue_at, Some(at(10, 50, 0)));
+
+        observed.dispatched = true;
+        let plan_same_process = plan(&task, &observed, &settings(), now());
+        assert!(plan_same_process.starts.is_empty());
+    }
+
+    #[test]
+    fn a_broadcast_run_is_sent_again_only_where_no_answer_arrived() {
+        let task = broadcast_running(json!({"a": {"results": "1"}}));
+        let plan = plan(&task, &two_proplets(), &settings(), now());
+        let to: Vec<&str> = plan.starts.iter().map(|s| s.proplet.as_str()).collect();
+        assert_eq!(to, ["b"]);
+    }
+
+    #[test]
+    fn a_running_daemon_or_timed_out_run_is_not_sent_again() {
+        let mut v = finalized(task_value(), running_status("edge", at(8, 0, 0)));
+        v["spec"]["daemon"] = json!(true);
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        assert!(plan(&task_from(v), &observed, &settings(), now())
+            .starts
+            .is_empty());
+        let late = task_with_status(running_status("edge", at(8, 0, 0)));
+        let timed_out = plan(&late, &observed, &settings(), now());
+        assert!(timed_out.starts.is_empty());
+        assert_eq!(written(&timed_out).phase, TaskPhase::Failed);
+    }
+
+    #[test]
+    fn a_result_arriving_after_the_run_finished_is_dropped_not_kept_for_the_next() {
+        let task = task_with_status(json!({
+            "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "finishedAt": at(9, 30, 0), "results": "42", "runCount": 1, "observedGeneration": 1
+        }));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![result("edge-client", json!("42"), None)];
+        let plan = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan.consumed_results, 1);
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Completed);
+        assert_eq!(status.finished_at, Some(at(9, 30, 0)), "finished once");
+        assert_eq!(status.run_count, Some(1));
+        assert!(plan.starts.is_empty());
+        assert_eq!(reasons(&plan), vec![(false, "ResultIgnored")]);
     }
 }
