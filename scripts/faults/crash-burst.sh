@@ -14,12 +14,16 @@
 # 2. one agent killed (-9) mid-burst and left dead. The tasks carry timeoutSeconds: 20, so a
 #    task out on the dead agent fails at its time limit; every other task completes; nothing
 #    is left pending or running, and nothing runs twice.
+#
+# FAULTS_BIN_DIR=target/debug runs already-built binaries there instead of building release
+# ones (slower processes, same counts).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-scripts/build-release.sh
+BIN="${FAULTS_BIN_DIR:-target/release}"
+[ -n "${FAULTS_BIN_DIR:-}" ] || scripts/build-release.sh
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-python3 - target/release "$WORK" <<'PY'
+python3 - "$BIN" "$WORK" <<'PY'
 import os, random, re, signal, subprocess, sys, time
 sys.path.insert(0, "scripts")
 from bench_api import Api, pick, proplet_manifest
