@@ -127,3 +127,109 @@ fn proplet_help_documents_the_variables_and_bad_values_are_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("PROPLET_LIVELINESS_INTERVAL"), "{stderr}");
 }
+
+/// Every stderr line of `process` up to and including the first containing `needle`.
+fn lines_until(process: &Running, needle: &str) -> Vec<String> {
+    let deadline = std::time::Instant::now() + support::WAIT;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match process.stderr.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains(needle);
+                seen.push(line);
+                if done {
+                    return seen;
+                }
+            }
+            Err(_) => panic!(
+                "no line containing {needle:?} within {:?}; saw:\n{}",
+                support::WAIT,
+                seen.join("\n")
+            ),
+        }
+    }
+}
+
+#[test]
+fn a_start_repeated_after_its_run_finished_is_answered_with_its_result_not_run_again() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (broker, port) = support::start_broker(
+        dir.path(),
+        "[[client]]\nid = \"pi-1\"\nkey = \"pi-key\"\n\n[[client]]\nid = \"ops\"\nkey = \"ops-key\"\nrole = \"service\"\n\n[[client]]\nid = \"ops-watch\"\nkey = \"ops-key\"\nrole = \"service\"\n",
+    );
+    let agent = || {
+        let mut cmd = binary("proplet");
+        cmd.env_clear()
+            .env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{port}"))
+            .env("PROPLET_DOMAIN_ID", "d1")
+            .env("PROPLET_CHANNEL_ID", "c1")
+            .env("PROPLET_CLIENT_ID", "pi-1")
+            .env("PROPLET_CLIENT_KEY", "pi-key")
+            .env("PROPLET_LIVELINESS_INTERVAL", "1s")
+            .env("PROPLET_STATE_DIR", dir.path().join("state"));
+        Running::spawn(cmd)
+    };
+    let mut first = agent();
+    broker.stderr_line("discovered");
+    let prefix = "m/d1/c/c1";
+    let mut sub = Command::new("mosquitto_sub");
+    sub.args(["-h", "127.0.0.1", "-p", &port, "-i", "ops-watch"])
+        .args(["-u", "ops-watch", "-P", "ops-key", "-q", "1"])
+        .args(["-t", &format!("{prefix}/control/proplet/results")]);
+    let results = Running::spawn(sub);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let start_topic = format!("{prefix}/control/manager/start");
+    let start = |run: u64| {
+        let message = format!(
+            r#"{{"id":"task-1","name":"add","file":"{ADD_B64}","inputs":["10","32"],"proplet_id":"pi-1","run":{run}}}"#
+        );
+        assert!(mosquitto_pub(
+            &port,
+            "ops",
+            "ops-key",
+            &start_topic,
+            &message
+        ));
+    };
+    let result = || -> serde_json::Value {
+        let line = results.stdout_line("task-1");
+        serde_json::from_str(&line).expect("result is JSON")
+    };
+
+    // Run 1, then the same start again: one execution, the result twice.
+    start(1);
+    let mut log = lines_until(&first, "task succeeded");
+    let original = result();
+    assert_eq!(original["results"], "42");
+    start(1);
+    log.extend(lines_until(&first, "its result is published again"));
+    assert_eq!(result(), original);
+    log.extend(first.stderr_so_far());
+    first.terminate();
+
+    // The memory survives a restart of the agent.
+    let second = agent();
+    broker.stderr_line("discovered");
+    start(1);
+    log.extend(lines_until(&second, "its result is published again"));
+    assert_eq!(result(), original);
+    // The next run is a run: it executes.
+    start(2);
+    log.extend(lines_until(&second, "task succeeded"));
+    assert_eq!(result()["results"], "42");
+    log.extend(second.stderr_so_far());
+
+    let accepted: Vec<&String> = log.iter().filter(|l| l.contains("task accepted")).collect();
+    assert_eq!(
+        accepted.len(),
+        2,
+        "runs 1 and 2 once each:\n{}",
+        log.join("\n")
+    );
+    assert!(accepted[0].contains("run=1") && accepted[1].contains("run=2"));
+    assert_eq!(
+        log.iter().filter(|l| l.contains("published again")).count(),
+        2
+    );
+}

@@ -27,6 +27,7 @@ use tracing::{debug, info, warn};
 use crate::component::OutgoingHttp;
 use crate::config::Config;
 use crate::fetch::HttpFetcher;
+use crate::finished::{Finished, FinishedRuns, Seen};
 use crate::http_server::Server as HttpServer;
 use crate::spool::Spool;
 use crate::system::{cpu_seconds, SystemProbe};
@@ -50,6 +51,9 @@ struct Fetch {
     waiters: Vec<oneshot::Sender<Result<Vec<u8>, String>>>,
 }
 
+/// Tasks whose last finished run (and its result) is remembered, to answer a repeated start.
+const FINISHED_RUNS_KEPT: usize = 4096;
+
 /// Starts whose result is awaited that the turnaround timing keeps track of at most.
 const MAX_TRACKED_ARRIVALS: usize = 10_000;
 
@@ -67,6 +71,8 @@ pub struct Agent {
     client: AsyncClient,
     runtime: Arc<WasmRuntime>,
     spool: Arc<Spool>,
+    /// Runs finished here with their results; updated under the `running` lock.
+    finished: FinishedRuns,
     probe: Arc<SystemProbe>,
     running: Mutex<HashMap<String, StopFlag>>,
     latent: Mutex<HashMap<String, Arc<Latent>>>,
@@ -161,6 +167,13 @@ impl Agent {
             .with_context(|| {
                 format!("opening the result spool in {}", config.state_dir.display())
             })?;
+        let finished =
+            FinishedRuns::open(&config.state_dir, FINISHED_RUNS_KEPT).with_context(|| {
+                format!(
+                    "opening the finished-runs memory in {}",
+                    config.state_dir.display()
+                )
+            })?;
         let http = HttpFetcher::new(HTTP_TIMEOUT, config.max_module_size as u64)
             .context("building the HTTP client")?;
         let (session, _) = watch::channel(None);
@@ -170,6 +183,7 @@ impl Agent {
             client,
             runtime: Arc::new(runtime),
             spool: Arc::new(spool),
+            finished,
             probe: Arc::new(SystemProbe::new(&config)),
             running: Mutex::new(HashMap::new()),
             latent: Mutex::new(HashMap::new()),
@@ -492,17 +506,45 @@ impl Agent {
             self.report(&id, Err(problem)).await;
             return;
         }
+        let run = request.run;
         let stop = StopFlag::default();
-        {
+        let repeat = {
             let mut running = self.lock_running();
-            if running.contains_key(&id) {
-                info!(
-                    task_id = id,
-                    "duplicate start ignored: the task is already running"
-                );
-                return;
+            // Looked up under the `running` lock, which a run holds while it records itself
+            // as finished and leaves `running`: a repeated start sees it in one or the other.
+            let seen = run.map_or(Seen::New, |run| self.finished.seen(&id, run));
+            match seen {
+                Seen::Finished(done) => Some(done),
+                Seen::Superseded { latest } => {
+                    info!(
+                        task_id = id,
+                        run, latest, "start of an older run ignored: a later run finished here"
+                    );
+                    return;
+                }
+                Seen::New if running.contains_key(&id) => {
+                    info!(
+                        task_id = id,
+                        "duplicate start ignored: the task is already running"
+                    );
+                    return;
+                }
+                Seen::New => {
+                    running.insert(id.clone(), stop.clone());
+                    None
+                }
             }
-            running.insert(id.clone(), stop.clone());
+        };
+        if let Some(done) = repeat {
+            info!(
+                task_id = id,
+                run = done.run,
+                "start of a run that already finished here: its result is published again"
+            );
+            self.metrics.repeated_starts.inc();
+            self.spool_message(done.topic, done.payload.into_bytes())
+                .await;
+            return;
         }
         {
             let mut arrivals = self.arrivals.lock().unwrap_or_else(|e| e.into_inner());
@@ -512,26 +554,45 @@ impl Agent {
             }
             arrivals.insert(id.clone(), arrived);
         }
-        info!(task_id = id, name = request.name, "task accepted");
+        info!(task_id = id, run, name = request.name, "task accepted");
         self.metrics.tasks_started.inc();
         self.metrics.tasks_running.inc();
         let latent = request.latent;
         let outcome = self.execute(request, &stop).await;
-        self.lock_running().remove(&id);
         self.metrics.tasks_running.dec();
-        match outcome {
-            Ok(None) => info!(
-                task_id = id,
-                "latent task compiled and ready for invocations"
-            ),
-            Ok(Some(output)) => self.report(&id, Ok(output)).await,
+        let outcome = match outcome {
+            Ok(None) => {
+                self.lock_running().remove(&id);
+                info!(
+                    task_id = id,
+                    "latent task compiled and ready for invocations"
+                );
+                return;
+            }
+            Ok(Some(output)) => Ok(output),
             Err(error) => {
                 if latent {
                     warn!(task_id = id, %error, "latent task not deployed");
                 }
-                self.report(&id, Err(error)).await
+                Err(error)
             }
+        };
+        let (topic, payload) = self.result_message(&id, outcome);
+        {
+            let mut running = self.lock_running();
+            if let Some(run) = run {
+                let done = Finished {
+                    run,
+                    topic: topic.clone(),
+                    payload: payload.clone(),
+                };
+                if let Err(e) = self.finished.record(&id, done) {
+                    warn!(task_id = id, %e, "cannot persist the finished run; a repeated start after a restart would run it again");
+                }
+            }
+            running.remove(&id);
         }
+        self.spool_message(topic, payload.into_bytes()).await;
     }
 
     /// Fetches, compiles and runs a task. `Ok(None)` for a deployed latent task.
@@ -888,6 +949,12 @@ impl Agent {
 
     /// Spools the result of task `id` for delivery.
     async fn report(&self, id: &str, outcome: Result<String, String>) {
+        let (topic, payload) = self.result_message(id, outcome);
+        self.spool_message(topic, payload.into_bytes()).await;
+    }
+
+    /// The result message of task `id` (topic and JSON text), counted and logged.
+    fn result_message(&self, id: &str, outcome: Result<String, String>) -> (String, String) {
         match &outcome {
             Ok(_) => {
                 self.metrics.tasks_succeeded.inc();
@@ -905,8 +972,8 @@ impl Agent {
             results: ResultValue::Text(results),
             error,
         };
-        self.spool_message(self.channel.results(), result.encode())
-            .await;
+        let payload = String::from_utf8_lossy(&result.encode()).into_owned();
+        (self.channel.results(), payload)
     }
 
     async fn spool_message(&self, topic: String, payload: Vec<u8>) {

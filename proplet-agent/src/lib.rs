@@ -5,6 +5,7 @@ pub mod agent;
 pub mod component;
 pub mod config;
 pub mod fetch;
+pub mod finished;
 pub mod hal;
 pub mod http_server;
 pub mod outgoing_http;

@@ -20,6 +20,9 @@ pub struct AgentMetrics {
     pub task_turnaround: Histogram,
     /// Tasks accepted for execution.
     pub tasks_started: Counter,
+    /// Starts of a run that already finished here, answered with its result instead of a
+    /// second run.
+    pub repeated_starts: Counter,
     /// Tasks that produced a result.
     pub tasks_succeeded: Counter,
     /// Tasks (or start requests) that produced an error result.
@@ -40,6 +43,7 @@ impl Default for AgentMetrics {
             // 50 µs to about 1.6 s.
             task_turnaround: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             tasks_started: Counter::default(),
+            repeated_starts: Counter::default(),
             tasks_succeeded: Counter::default(),
             tasks_failed: Counter::default(),
             tasks_running: Gauge::default(),
@@ -62,6 +66,11 @@ impl AgentMetrics {
             "tasks_started",
             "Tasks accepted",
             self.tasks_started.clone(),
+        );
+        r.register(
+            "repeated_starts",
+            "Starts of a run already finished here, answered with its result",
+            self.repeated_starts.clone(),
         );
         r.register(
             "tasks_succeeded",

@@ -193,6 +193,11 @@ pub struct StartRequest {
     pub metadata: Option<Map<String, Value>>,
     /// `parent_results`: results of dependency tasks, by task.
     pub parent_results: Option<Map<String, Value>>,
+    /// `run` (ours, optional): which run of the task this start is, counting from 1. A start
+    /// sent again for the same run (an operator restarted between publishing it and recording
+    /// it) must not run the task again: our agent answers it with the result it already has.
+    /// Upstream agents ignore the key; a start without it is always run.
+    pub run: Option<u64>,
 }
 
 impl StartRequest {
@@ -233,6 +238,7 @@ impl StartRequest {
             priority: f.opt_i64("priority")?,
             metadata: opt_map(&f, "metadata")?,
             parent_results: opt_map(&f, "parent_results")?,
+            run: f.opt_u64("run")?,
         })
     }
 
@@ -295,6 +301,7 @@ impl StartRequest {
                 "parent_results",
                 self.parent_results.clone().map(Value::Object),
             )
+            .put_opt("run", self.run)
             .build()
     }
 

@@ -1160,6 +1160,7 @@ fn every_message_type_round_trips() {
         priority: Some(-5),
         metadata: Some(Map::from_iter([(s("k"), json!({"n": [1, 2]}))])),
         parent_results: Some(Map::from_iter([(s("t0"), json!("42"))])),
+        run: Some(3),
     };
     let messages = vec![
         Inbound::Discovery(Discovery {
@@ -1489,11 +1490,23 @@ pub(super) mod props {
             option::of(any::<i64>()),
             option::of(json_map()),
             option::of(json_map()),
+            option::of(any::<u64>()),
         );
         (head, tail).prop_map(
             |(
                 (id, name, state, image_url, file, inputs, cli_args, flags, env),
-                (kbs, monitoring_profile, target, hal, mode, kind, priority, metadata, parents),
+                (
+                    kbs,
+                    monitoring_profile,
+                    target,
+                    hal,
+                    mode,
+                    kind,
+                    priority,
+                    metadata,
+                    parents,
+                    run,
+                ),
             )| {
                 let broadcast = flags.first().copied().unwrap_or_default();
                 StartRequest {
@@ -1518,6 +1531,7 @@ pub(super) mod props {
                     priority,
                     metadata,
                     parent_results: parents,
+                    run,
                 }
             },
         )
@@ -1846,4 +1860,33 @@ pub(super) mod props {
             }
         }
     }
+}
+
+#[test]
+fn the_run_counter_is_optional_both_ways() {
+    // An upstream manager's start has no `run`: it decodes, as a start to run regardless.
+    let upstream =
+        r#"{"id":"t","name":"main","file":"AGFzbQEAAAA=","inputs":["1"],"proplet_id":"p"}"#;
+    let Inbound::Start(without) = dec(TopicKind::Start, upstream) else {
+        panic!("not a start");
+    };
+    assert_eq!(without.run, None);
+    assert!(
+        !String::from_utf8_lossy(&without.encode()).contains("\"run\""),
+        "no counter, no key: our starts without one look like upstream's"
+    );
+    let counted = upstream.replace("\"proplet_id\"", "\"run\":7,\"proplet_id\"");
+    let Inbound::Start(with) = dec(TopicKind::Start, &counted) else {
+        panic!("not a start");
+    };
+    assert_eq!(with.run, Some(7));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&with.encode())
+            .ok()
+            .and_then(|v| v.get("run").cloned()),
+        Some(json!(7))
+    );
+    // A counter that is not a non-negative integer is refused with its key named.
+    let bad = upstream.replace("\"proplet_id\"", "\"run\":\"2\",\"proplet_id\"");
+    assert_eq!(dec_err(TopicKind::Start, &bad).key(), Some("run"));
 }

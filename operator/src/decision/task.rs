@@ -21,7 +21,7 @@ use super::recurrence::{gate, rerun_at, ScheduleGate};
 use super::scheduler::{
     filter_candidates, select_proplet, CandidateProplet, SelectorView, Strategy,
 };
-use crate::crd::proplet::PropletType;
+use crate::crd::proplet::{PropletPhase, PropletType};
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
 
 pub use super::task_observations::{
@@ -255,6 +255,8 @@ pub fn start_request(task: &Task, target: Option<&PropletView>) -> StartRequest 
         priority: Some(i64::from(spec.priority)),
         metadata,
         parent_results: None,
+        // Set by `start_for` when a dispatch sends it.
+        run: None,
     }
 }
 
@@ -270,12 +272,16 @@ fn stop_for(task: &Task, target: &PropletView) -> StopCommand {
     }
 }
 
-fn start_for(task: &Task, target: &PropletView, image_digest: Option<&str>) -> StartCommand {
+/// The start of the run `status` records, numbered with its run count so an agent that
+/// already finished that run answers a repeat with its result instead of running again.
+fn start_for(task: &Task, target: &PropletView, status: &TaskStatus) -> StartCommand {
+    let mut request = start_request_pinned(task, Some(target), status.image_digest.as_deref());
+    request.run = status.run_count.and_then(|n| u64::try_from(n).ok());
     StartCommand {
         proplet: target.candidate.name.clone(),
         domain: target.domain.clone(),
         channel: target.channel.clone(),
-        request: start_request_pinned(task, Some(target), image_digest),
+        request,
     }
 }
 
@@ -497,6 +503,20 @@ pub fn plan(
         }
     }
 
+    // Results are awaited only while a run is out; one arriving otherwise belongs to a run
+    // already finished (an agent answering a repeated start sends its result again) and is
+    // dropped, or it would be taken for the next run's.
+    let awaiting = matches!(desired.phase, TaskPhase::Scheduled | TaskPhase::Running);
+    if !awaiting && !observed.results.is_empty() {
+        plan.consumed_results = observed.results.len();
+        plan.notes.push(Note::normal(
+            "ResultIgnored",
+            format!(
+                "{} result(s) for a run that already finished ignored",
+                observed.results.len()
+            ),
+        ));
+    }
     match desired.phase {
         TaskPhase::Pending => plan_pending(task, observed, settings, now, &mut desired, &mut plan),
         TaskPhase::Scheduled => {
@@ -720,29 +740,45 @@ fn dispatch(
 ) {
     let gen = task.metadata.generation;
     let mut missing = Vec::new();
+    let mut offline = Vec::new();
     for name in targets_of(desired) {
         match view(observed, &name) {
             Some(target) if target.candidate.proplet_type == PropletType::K8s => {
                 // Creating the Job is idempotent (it has a fixed name), so it needs no ledger.
                 plan.create_job = true;
             }
+            // Its device died after the assignment: the start would wait for it forever.
+            Some(target)
+                if target.candidate.phase == PropletPhase::Offline && observed.dispatched_at.is_none() =>
+            {
+                offline.push(name)
+            }
             Some(target) => {
-                plan.starts
-                    .push(start_for(task, target, desired.image_digest.as_deref()))
+                plan.starts.push(start_for(task, target, desired));
             }
             None => missing.push(name),
         }
     }
-    if !missing.is_empty() {
-        // The assigned proplet disappeared between assignment and start: fail rather than
-        // choose another, so a start can never reach two proplets.
+    if !missing.is_empty() || !offline.is_empty() {
+        // The assigned proplet disappeared or went offline between assignment and start:
+        // fail rather than choose another, so a start can never reach two proplets.
+        let mut why = Vec::new();
+        if !missing.is_empty() {
+            why.push(format!(
+                "assigned proplet(s) {} no longer exist",
+                missing.join(", ")
+            ));
+        }
+        if !offline.is_empty() {
+            why.push(format!(
+                "assigned proplet(s) {} went offline before the start was sent",
+                offline.join(", ")
+            ));
+        }
         finish(
             desired,
             TaskPhase::Failed,
-            Some(format!(
-                "assigned proplet(s) {} no longer exist",
-                missing.join(", ")
-            )),
+            Some(why.join("; ")),
             gen,
             now,
         );
@@ -958,6 +994,37 @@ fn plan_running(
         plan.notes.push(Note::warning("TimedOut", message));
     } else {
         plan.requeue_at = Some(deadline);
+        resend_after_restart(task, observed, desired, plan);
+    }
+}
+
+/// A run recorded as `running` that this process never started was started by a process
+/// that is gone, and its result may have died with it (received, not yet written). The start
+/// goes again, numbered with the same run: our agent answers a run it finished with the
+/// result it kept and ignores a start of a run in progress, so nothing runs twice. Broadcast
+/// runs ask again only the proplets that have not answered.
+fn resend_after_restart(
+    task: &Task,
+    observed: &TaskObservations,
+    desired: &TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    if observed.dispatched_at.is_some() || runs_as_job(observed, desired) {
+        return;
+    }
+    let answered = match &desired.results {
+        Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
+        _ => None,
+    };
+    for name in targets_of(desired) {
+        if answered.is_some_and(|per| per.contains_key(&name)) {
+            continue;
+        }
+        if let Some(target) =
+            view(observed, &name).filter(|t| t.candidate.proplet_type != PropletType::K8s)
+        {
+            plan.starts.push(start_for(task, target, desired));
+        }
     }
 }
 
@@ -2083,12 +2150,10 @@ mod tests {
     fn rerun_request_on_a_running_task_is_recorded_and_ignored() {
         let mut v = finalized(task_value(), running_status("edge", at(9, 50, 0)));
         v["metadata"]["annotations"] = json!({ RERUN_ANNOTATION: "7" });
-        let plan = plan(
-            &task_from(v),
-            &observing(vec![proplet("edge", "edge-client")]),
-            &settings(),
-            now(),
-        );
+        // Started by this process (a restarted one would send the run's start again).
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.dispatched_at = Some(now());
+        let plan = plan(&task_from(v), &observed, &settings(), now());
 
         let status = written(&plan);
         assert_eq!(status.phase, TaskPhase::Running);
@@ -2248,5 +2313,117 @@ mod tests {
             written(&failed).error.as_deref(),
             Some("Job failed: BackoffLimitExceeded")
         );
+    }
+
+    // 12. Run counters on starts, and what a restart leaves to send again.
+
+    #[test]
+    fn starts_carry_the_number_of_the_run_they_start() {
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let first = plan(&new_task(), &observed, &settings(), now());
+        assert_eq!(first.starts[0].request.run, Some(1));
+        // A start sent again for a run still `scheduled` keeps its number.
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        let again = plan(&task, &observed, &settings(), now());
+        assert_eq!(again.starts[0].request.run, Some(1));
+        // A rerun is a new run, with a higher number.
+        let rerun = plan(
+            &completed_with_annotation("1", None),
+            &observed,
+            &settings(),
+            now(),
+        );
+        assert_eq!(rerun.starts[0].request.run, Some(2));
+    }
+
+    #[test]
+    fn a_running_run_this_process_never_started_is_sent_again_with_its_number() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan_after_restart = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan_after_restart.starts.len(), 1);
+        let start = &plan_after_restart.starts[0];
+        assert_eq!(start.proplet, "edge");
+        assert_eq!(start.request.run, Some(1), "the same run, not another");
+        assert_eq!(plan_after_restart.status, None, "the run stays as it is");
+        assert_eq!(plan_after_restart.requeue_at, Some(at(10, 50, 0)));
+
+        observed.dispatched_at = Some(now());
+        let plan_same_process = plan(&task, &observed, &settings(), now());
+        assert!(plan_same_process.starts.is_empty());
+    }
+
+    #[test]
+    fn a_broadcast_run_is_sent_again_only_where_no_answer_arrived() {
+        let task = broadcast_running(json!({"a": {"results": "1"}}));
+        let plan = plan(&task, &two_proplets(), &settings(), now());
+        let to: Vec<&str> = plan.starts.iter().map(|s| s.proplet.as_str()).collect();
+        assert_eq!(to, ["b"]);
+    }
+
+    #[test]
+    fn a_running_daemon_or_timed_out_run_is_not_sent_again() {
+        let mut v = finalized(task_value(), running_status("edge", at(8, 0, 0)));
+        v["spec"]["daemon"] = json!(true);
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        assert!(plan(&task_from(v), &observed, &settings(), now())
+            .starts
+            .is_empty());
+        let late = task_with_status(running_status("edge", at(8, 0, 0)));
+        let timed_out = plan(&late, &observed, &settings(), now());
+        assert!(timed_out.starts.is_empty());
+        assert_eq!(written(&timed_out).phase, TaskPhase::Failed);
+    }
+
+    #[test]
+    fn a_result_arriving_after_the_run_finished_is_dropped_not_kept_for_the_next() {
+        let task = task_with_status(json!({
+            "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "finishedAt": at(9, 30, 0), "results": "42", "runCount": 1, "observedGeneration": 1
+        }));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![result("edge-client", json!("42"), None)];
+        let plan = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan.consumed_results, 1);
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Completed);
+        assert_eq!(status.finished_at, Some(at(9, 30, 0)), "finished once");
+        assert_eq!(status.run_count, Some(1));
+        assert!(plan.starts.is_empty());
+        assert_eq!(reasons(&plan), vec![(false, "ResultIgnored")]);
+    }
+
+    #[test]
+    fn a_scheduled_run_whose_proplet_went_offline_before_its_start_fails() {
+        let task = task_with_status(json!({
+            "phase": "scheduled", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+            "runCount": 1, "observedGeneration": 1
+        }));
+        let mut value = proplet_value("edge", "edge-client");
+        value["status"]["phase"] = json!("Offline");
+        let mut observed = observing(vec![proplet_view(&proplet_from(value), 0)]);
+        let plan = plan(&task, &observed, &settings(), now());
+        assert!(plan.starts.is_empty());
+        let failed = written(&plan);
+        assert_eq!(failed.phase, TaskPhase::Failed);
+        assert!(
+            failed
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("went offline")),
+            "{failed:?}"
+        );
+        // Started by this process already: the start is out, the run's time limit decides.
+        observed.dispatched_at = Some(now());
+        let overdue = later(now(), settings().running_write_delay);
+        let plan = super::plan(&task, &observed, &settings(), overdue);
+        assert_eq!(written(&plan).phase, TaskPhase::Running);
+    }
+
+    fn plan_for(task: &Task, observed: &TaskObservations) -> TaskPlan {
+        plan(task, observed, &settings(), now())
     }
 }
