@@ -470,13 +470,13 @@ async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
     } else {
         tokio::time::sleep(Duration::from_secs(args.silence_after_secs)).await;
-    if args.silent > 0 {
-        quiet_tx.send_replace(false);
-        println!(
-            "{}",
-            json!({"event": "silenced", "count": args.silent, "unix_ms": unix_ms()})
-        );
-    }
+        if args.silent > 0 {
+            quiet_tx.send_replace(false);
+            println!(
+                "{}",
+                json!({"event": "silenced", "count": args.silent, "unix_ms": unix_ms()})
+            );
+        }
         tokio::time::sleep(Duration::from_secs(args.run_after_silence_secs)).await;
     }
     stop_tx.send_replace(true);

@@ -749,7 +749,8 @@ fn dispatch(
             }
             // Its device died after the assignment: the start would wait for it forever.
             Some(target)
-                if target.candidate.phase == PropletPhase::Offline && observed.dispatched_at.is_none() =>
+                if target.candidate.phase == PropletPhase::Offline
+                    && observed.dispatched_at.is_none() =>
             {
                 offline.push(name)
             }
@@ -775,13 +776,7 @@ fn dispatch(
                 offline.join(", ")
             ));
         }
-        finish(
-            desired,
-            TaskPhase::Failed,
-            Some(why.join("; ")),
-            gen,
-            now,
-        );
+        finish(desired, TaskPhase::Failed, Some(why.join("; ")), gen, now);
         plan.starts.clear();
         plan.create_job = false;
         return;
@@ -2421,9 +2416,5 @@ mod tests {
         let overdue = later(now(), settings().running_write_delay);
         let plan = super::plan(&task, &observed, &settings(), overdue);
         assert_eq!(written(&plan).phase, TaskPhase::Running);
-    }
-
-    fn plan_for(task: &Task, observed: &TaskObservations) -> TaskPlan {
-        plan(task, observed, &settings(), now())
     }
 }
