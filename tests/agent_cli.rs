@@ -227,7 +227,10 @@ fn a_start_repeated_after_its_run_finished_is_answered_with_its_result_not_run_a
         "runs 1 and 2 once each:\n{}",
         log.join("\n")
     );
-    assert!(accepted[0].contains("run=1") && accepted[1].contains("run=2"));
+    assert!(
+        accepted[0].contains("run=1") && accepted[1].contains("run=2"),
+        "{accepted:?}"
+    );
     assert_eq!(
         log.iter().filter(|l| l.contains("published again")).count(),
         2

@@ -22,9 +22,11 @@ fn main() -> ExitCode {
     };
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(config.log_level.to_ascii_lowercase()));
+    // Colours only on a terminal: logs piped to a file or a journal stay plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,

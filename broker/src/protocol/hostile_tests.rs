@@ -69,10 +69,8 @@ fn mutate(root: &mut Value, path: &[Step], with: Option<Value>) {
                 *slot = v;
             }
         }
-        (Step::Index(i), Value::Array(a), None) => {
-            if *i < a.len() {
-                a.remove(*i);
-            }
+        (Step::Index(i), Value::Array(a), None) if *i < a.len() => {
+            a.remove(*i);
         }
         _ => {}
     }
@@ -236,17 +234,15 @@ proptest! {
     ) {
         let _ = classify(&text);
         let topic = levels.join("/");
-        if let Some((channel, kind)) = classify(&topic) {
-            // A classified topic never has a wildcard or empty level in its ids.
-            if let Some(c) = channel {
-                for id in [c.domain, c.channel] {
-                    prop_assert!(TopicSegment::new(id, "id").is_ok(), "{topic}");
-                }
-                let rebuilt = Channel::new(c.domain, c.channel)
-                    .map(|ch| ch.topic(&kind))
-                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                prop_assert_eq!(&rebuilt, &topic);
+        // A classified topic never has a wildcard or empty level in its ids.
+        if let Some((Some(c), kind)) = classify(&topic) {
+            for id in [c.domain, c.channel] {
+                prop_assert!(TopicSegment::new(id, "id").is_ok(), "{topic}");
             }
+            let rebuilt = Channel::new(c.domain, c.channel)
+                .map(|ch| ch.topic(&kind))
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(&rebuilt, &topic);
         }
         if let Ok(channel) = Channel::new("d", "c") {
             let _ = channel.classify(&topic);
