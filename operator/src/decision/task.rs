@@ -21,7 +21,7 @@ use super::recurrence::{gate, rerun_at, ScheduleGate};
 use super::scheduler::{
     filter_candidates, select_proplet, CandidateProplet, SelectorView, Strategy,
 };
-use crate::crd::proplet::{PropletPhase, PropletType};
+use crate::crd::proplet::PropletType;
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
 
 pub use super::task_observations::{
@@ -740,19 +740,11 @@ fn dispatch(
 ) {
     let gen = task.metadata.generation;
     let mut missing = Vec::new();
-    let mut offline = Vec::new();
     for name in targets_of(desired) {
         match view(observed, &name) {
             Some(target) if target.candidate.proplet_type == PropletType::K8s => {
                 // Creating the Job is idempotent (it has a fixed name), so it needs no ledger.
                 plan.create_job = true;
-            }
-            // Its device died after the assignment: the start would wait for it forever.
-            Some(target)
-                if target.candidate.phase == PropletPhase::Offline
-                    && observed.dispatched_at.is_none() =>
-            {
-                offline.push(name)
             }
             Some(target) => {
                 plan.starts.push(start_for(task, target, desired));
@@ -760,23 +752,12 @@ fn dispatch(
             None => missing.push(name),
         }
     }
-    if !missing.is_empty() || !offline.is_empty() {
-        // The assigned proplet disappeared or went offline between assignment and start:
-        // fail rather than choose another, so a start can never reach two proplets.
-        let mut why = Vec::new();
-        if !missing.is_empty() {
-            why.push(format!(
-                "assigned proplet(s) {} no longer exist",
-                missing.join(", ")
-            ));
-        }
-        if !offline.is_empty() {
-            why.push(format!(
-                "assigned proplet(s) {} went offline before the start was sent",
-                offline.join(", ")
-            ));
-        }
-        finish(desired, TaskPhase::Failed, Some(why.join("; ")), gen, now);
+    if !missing.is_empty() {
+        // The assigned proplet disappeared between assignment and start: fail rather than
+        // choose another, so a start can never reach two proplets. (One that went offline
+        // keeps the run: the start waits until its device is heard from again.)
+        let why = format!("assigned proplet(s) {} no longer exist", missing.join(", "));
+        finish(desired, TaskPhase::Failed, Some(why), gen, now);
         plan.starts.clear();
         plan.create_job = false;
         return;
@@ -2389,32 +2370,5 @@ mod tests {
         assert_eq!(status.run_count, Some(1));
         assert!(plan.starts.is_empty());
         assert_eq!(reasons(&plan), vec![(false, "ResultIgnored")]);
-    }
-
-    #[test]
-    fn a_scheduled_run_whose_proplet_went_offline_before_its_start_fails() {
-        let task = task_with_status(json!({
-            "phase": "scheduled", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
-            "runCount": 1, "observedGeneration": 1
-        }));
-        let mut value = proplet_value("edge", "edge-client");
-        value["status"]["phase"] = json!("Offline");
-        let mut observed = observing(vec![proplet_view(&proplet_from(value), 0)]);
-        let plan = plan(&task, &observed, &settings(), now());
-        assert!(plan.starts.is_empty());
-        let failed = written(&plan);
-        assert_eq!(failed.phase, TaskPhase::Failed);
-        assert!(
-            failed
-                .error
-                .as_deref()
-                .is_some_and(|e| e.contains("went offline")),
-            "{failed:?}"
-        );
-        // Started by this process already: the start is out, the run's time limit decides.
-        observed.dispatched_at = Some(now());
-        let overdue = later(now(), settings().running_write_delay);
-        let plan = super::plan(&task, &observed, &settings(), overdue);
-        assert_eq!(written(&plan).phase, TaskPhase::Running);
     }
 }

@@ -471,7 +471,13 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     for note in &plan.notes {
         ctx.note(&reference, note).await;
     }
-    let finished = plan.status.as_ref().is_some_and(|s| s.phase.is_terminal());
+    // Also when the cached object is already terminal (its own watch event): a dependent
+    // triggered right after the write may have read the cache before it had the new phase.
+    let finished = plan
+        .status
+        .as_ref()
+        .or(task.status.as_ref())
+        .is_some_and(|s| s.phase.is_terminal());
     if finished {
         // Dependents may run now, and the proplet has one task less.
         let name = task.name_any();
