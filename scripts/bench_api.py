@@ -50,14 +50,14 @@ def parse_metrics(text):
     return out
 
 
-def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold):
+def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold, silence_after=70):
     """Runs `propeller-loadgen heartbeats`: `n` proplets `hb-<i>` beating every 10 s, the
-    first `silent` of them silent from 70 s after the last connection until everything
-    disconnects `threshold + 20` s later. Prints its events; returns them by name."""
+    first `silent` of them silent from `silence_after` s after the last connection until
+    everything disconnects `threshold + 20` s later. Prints its events; returns them by name."""
     gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port",
                             str(mqtt_port), "--proplets", str(n), "--prefix", "hb",
                             "--interval-secs", "10", "--silent", str(silent),
-                            "--silence-after-secs", "70",
+                            "--silence-after-secs", str(silence_after),
                             "--run-after-silence-secs", str(threshold + 20)],
                            stdout=subprocess.PIPE, text=True)
     events = {}

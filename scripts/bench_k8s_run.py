@@ -219,7 +219,10 @@ def heartbeats():
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     requests0 = request_counts()
-    events = heartbeat_load(bin_dir, mqtt, n, silent, threshold)
+    # The silence starts in the steady state, once the start-up ramp (every proplet's first
+    # Running, written at the API server's pace) is behind: about 100 writes/s here.
+    silence_after = 70 + n // 100
+    events = heartbeat_load(bin_dir, mqtt, n, silent, threshold, silence_after)
     requests1 = request_counts()
     stop.set()
     sampler.join()
@@ -268,6 +271,10 @@ def heartbeats():
         print(f"| each silent proplet: Offline seen on the watch after its own last heartbeat + "
               f"{threshold} s | median {pick(0.5):.2f} s, p99 {pick(0.99):.2f} s, max {lateness[-1]:.2f} s "
               f"({len(lateness)} proplets) | <= 2 s | {'yes' if lateness[-1] <= 2 else 'no'} |")
+    ramp = next((t for t, *_, w in samples if w - samples[0][5] >= n), None)
+    if ramp is not None:
+        print(f"start-up ramp: {n} Proplet status writes done {ramp - start:.0f} s after the first "
+              f"connection; the silence began {silenced - start:.0f} s after it")
     print(f"simulated proplets whose connection the broker closed: {events['done']['failed']} of {n}")
     print_requests("API requests during the load (verb resource/subresource code: count)",
                    requests0, requests1)

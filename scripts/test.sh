@@ -43,5 +43,7 @@ command -v cargo-nextest >/dev/null 2>&1 || cargo install --locked cargo-nextest
 # The agent's tests build a WASI 0.2 guest from source (tests/guests).
 rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
 
-cargo build --workspace --bins
+# The binaries with the tests' feature set (dev-dependencies included), so that nextest's
+# build reuses every crate instead of compiling the dependencies a second time.
+cargo build --workspace --bins --tests
 cargo nextest run --workspace --no-fail-fast "$@"

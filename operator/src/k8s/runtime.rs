@@ -396,7 +396,11 @@ async fn reconcile_proplet_inner(
                 }
             }
         }
-        if before != Some(status.phase) {
+        // A device's first Running is routine (a fleet of 10,000 coming up would cost as
+        // many Event writes); going Offline and coming back are worth a record.
+        let first_running = status.phase == PropletPhase::Running
+            && before.is_none_or(|phase| phase == PropletPhase::Initializing);
+        if before != Some(status.phase) && !first_running {
             ctx.note(
                 &proplet.object_ref(&()),
                 &Note {
