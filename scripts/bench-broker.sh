@@ -24,7 +24,7 @@ WORK="$(mktemp -d)"
 cleanup() { kill "${OURS_PID:-}" "${MOSQ_PID:-}" 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+source scripts/lib/harness.sh
 
 # Our broker: every client has its own credential (service role: may publish anywhere).
 {

@@ -31,27 +31,17 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+source scripts/lib/harness.sh
 
 # One control plane and one operator per measurement, so runs do not share state.
 run_one() {
   local what=$1 n=${2:-0}
   local dir="$WORK/$what-$n"
-  mkdir -p "$dir"
-  "$BIN/propeller-envtest" --dir "$dir" >"$dir/envtest.log" 2>&1 &
-  local envtest=$!
+  start_control_plane "$dir" "$BIN"
+  local envtest=$ENVTEST_PID apiserver=$APISERVER_PID
   PIDS+=("$envtest")
-  for _ in $(seq 1 120); do [ -f "$dir/admin.kubeconfig" ] && break; sleep 0.5; done
-  [ -f "$dir/admin.kubeconfig" ] || { cat "$dir/envtest.log"; exit 1; }
-  export KUBECONFIG="$dir/admin.kubeconfig"
-  kubectl config view --minify --flatten > "$dir/propeller.kubeconfig"
-  kubectl --kubeconfig "$dir/propeller.kubeconfig" config set-credentials propeller \
-    --token="$(kubectl -n propeller-system create token propeller --duration=24h)" >/dev/null
-  kubectl --kubeconfig "$dir/propeller.kubeconfig" config set-context --current \
-    --user=propeller --namespace=propeller-system >/dev/null
-  local mqtt metrics apiserver
+  local mqtt metrics
   mqtt=$(free_port); metrics=$(free_port)
-  apiserver=$(pgrep -P "$envtest" -f kube-apiserver)
   KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$BIN/propeller" run \
     --leader-elect --lease-namespace propeller-system --mqtt-listen "127.0.0.1:$mqtt" \
     --metrics-listen "127.0.0.1:$metrics" --liveliness-interval 10s --last-seen-threshold 30s \

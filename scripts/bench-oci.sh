@@ -22,7 +22,7 @@ WORK="$(mktemp -d)"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+source scripts/lib/harness.sh
 MQTT=$(free_port); API=$(free_port); REG=$(free_port); WEB=$(free_port)
 
 cat >"$WORK/registry.yml" <<YML

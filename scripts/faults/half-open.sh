@@ -34,7 +34,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+source scripts/lib/harness.sh
 MQTT=$(free_port); API=$(free_port)
 RUST_LOG=warn,rumqttd=off "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
   --api-listen "127.0.0.1:$API" >"$WORK/standalone.log" 2>&1 &
