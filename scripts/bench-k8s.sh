@@ -5,8 +5,10 @@
 #
 #   scripts/bench-k8s.sh [pipeline|heartbeats N|all]      (default: all, N = 5000 and 10000)
 #
-# pipeline:   4 `proplet` agents. One add(10, 32) at a time, 30 runs after 5 warm-ups:
-#             POST Task -> a watch event showing it completed (median, p99). Then 1,000 Tasks
+# pipeline:   first a baseline: 1,000 Task POSTs to the API server alone, before propeller
+#             starts (the ceiling for any burst here). Then 4 `proplet` agents. One
+#             add(10, 32) at a time, 30 runs after 5 warm-ups: POST Task -> a watch event
+#             showing it completed (median, p99). Then 1,000 Tasks
 #             POSTed at once from 8 connections: tasks/s from the first POST to the last
 #             completion seen on the watch.
 # heartbeats: N Proplets with their Secrets, N simulated proplets (`propeller-loadgen
@@ -42,6 +44,9 @@ run_one() {
   PIDS+=("$envtest")
   local mqtt metrics
   mqtt=$(free_port); metrics=$(free_port)
+  if [ "$what" = pipeline ]; then
+    python3 scripts/bench_k8s_run.py baseline 0 "$dir/admin.kubeconfig" 0 "$BIN" 0 "$apiserver" "$dir"
+  fi
   KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$BIN/propeller" run \
     --leader-elect --lease-namespace propeller-system --mqtt-listen "127.0.0.1:$mqtt" \
     --metrics-listen "127.0.0.1:$metrics" --liveliness-interval 10s --last-seen-threshold 30s \

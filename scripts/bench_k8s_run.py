@@ -1,6 +1,6 @@
 """One Kubernetes-mode measurement for scripts/bench-k8s.sh (see there for what each does).
 
-    bench_k8s_run.py pipeline|heartbeats N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
+    bench_k8s_run.py pipeline|heartbeats|baseline N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
 """
 import datetime
 import os
@@ -280,7 +280,23 @@ def heartbeats():
                    requests0, requests1)
 
 
+def baseline():
+    """The API server alone, before propeller starts: 1,000 Task POSTs from 8 connections
+    (the burst's own requests), then deleted. The ceiling any operator's burst rate sits under
+    on this machine."""
+    cpu0 = cpu_seconds(apiserver_pid)
+    t0 = time.time()
+    create_many([add_task(f"baseline-{i}", ADD) for i in range(1000)], tasks_path)
+    took = time.time() - t0
+    cpu = cpu_seconds(apiserver_pid) - cpu0
+    print(f"| baseline: 1,000 Task POSTs, no operator running (8 connections) | {took:.2f} s = "
+          f"{1000 / took:.0f} creates/s; kube-apiserver CPU {cpu:.2f} s = {cpu:.1f} ms per request | reported | - |")
+    kube.raw("DELETE", tasks_path())
+
+
 if what == "pipeline":
     pipeline()
+elif what == "baseline":
+    baseline()
 else:
     heartbeats()
