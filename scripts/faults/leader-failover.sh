@@ -14,7 +14,7 @@
 #   FAILOVER_RUNS=1 FAILOVER_TASKS=200 scripts/faults/leader-failover.sh
 #
 # Each run uses a fresh control plane and kills the leader after a different share of the
-# tasks finished (10%, 50%, 90%). FAULTS_BIN_DIR=target/debug uses already-built binaries
+# tasks finished (10%, 40%, 70%). FAULTS_BIN_DIR=target/debug uses already-built binaries
 # instead of release ones. Needs etcd and the envtest binaries, as the tests do.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +32,7 @@ cleanup() {
 trap cleanup EXIT
 
 failed=0
-points=(0.1 0.5 0.9)
+points=(0.1 0.4 0.7)
 for run in $(seq 1 "$RUNS"); do
   dir="$WORK/run-$run"
   start_control_plane "$dir" "$BIN"

@@ -178,7 +178,7 @@ try:
     poster = threading.Thread(target=lambda: list(ThreadPoolExecutor(8).map(post, range(TASKS))))
     poster.start()
     threshold = int(POINT * TASKS)
-    wait_for(f"{threshold} tasks finished", lambda: finished() >= threshold, 300, 0.5)
+    wait_for(f"{threshold} tasks finished", lambda: finished() >= threshold, 300, 0.2)
     done_at_kill = finished()
     a.process.send_signal(signal.SIGKILL)
     a.process.wait()
