@@ -297,7 +297,7 @@ async fn meters_are_exported_in_prometheus_text() {
     a.publish(&topic("control/proplet/alive"), heartbeat("dev-a"))
         .await;
     let _ = b.next_event().await;
-    let mut registry = prometheus_client::registry::Registry::default();
+    let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
     b.broker.metrics().register(&mut registry);
     let mut text = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {

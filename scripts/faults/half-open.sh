@@ -104,7 +104,8 @@ for line in gen.stdout.splitlines():
 if not alive():
     print("propeller DIED during the run")
     sys.exit(1)
-time.sleep(2)
+# jemalloc returns freed pages after its decay time (10 s): "after" is read past it.
+time.sleep(12)
 after = (rss_mib(pid), fds())
 samples = api.samples()
 def counted(name, **labels):
@@ -131,6 +132,10 @@ print(f"real devices: {devices}, sessions {summary['device_sessions']}, refused 
       f"p99 {summary['connack_us_p99']/1000:.2f} ms, max {summary['connack_us_max']/1000:.2f} ms")
 print(f"propeller RSS: before {before[0]:.1f} MiB, peak {peak[0]:.1f} MiB, after {after[0]:.1f} MiB")
 print(f"propeller open descriptors: before {before[1]}, peak {peak[1]}, after {after[1]}")
+deadline_closed = sum(k["closed_by_broker"] - k["closed_at_once_under_1s"] for k in summary["kinds"].values())
+if counted("propeller_broker_refused_connections_total") < deadline_closed:
+    failed.append(f"/metrics counted {counted('propeller_broker_refused_connections_total')} refused "
+                  f"connections, {deadline_closed} were closed by their deadline")
 if after[1] > before[1] + devices + 10:
     failed.append(f"descriptors not released: {before[1]} before, {after[1]} after")
 if failed:

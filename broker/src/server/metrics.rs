@@ -84,9 +84,10 @@ pub struct BrokerMetrics {
 }
 
 impl BrokerMetrics {
-    /// Adds every meter to `registry` under the `propeller_broker` prefix.
+    /// Adds every meter to `registry` under the `broker` prefix: the process's registry
+    /// carries `propeller`, so the names read `propeller_broker_*`.
     pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("propeller_broker");
+        let r = registry.sub_registry_with_prefix("broker");
         r.register(
             "connected_clients",
             "MQTT clients with an accepted session",
