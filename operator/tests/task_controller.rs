@@ -451,3 +451,59 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
     );
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
 }
+
+/// The liveness tick triggers only the Running proplets past their heartbeat deadline:
+/// reconciling the whole fleet on every tick queued each proplet's own deadline requeue
+/// behind thousands of reconciles.
+#[tokio::test]
+async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
+    use propeller_broker::protocol::Heartbeat;
+    use propeller_operator::k8s::runtime::trigger_overdue;
+    let now = chrono::Utc::now();
+    let seconds_ago = |s: i64| (now - chrono::Duration::seconds(s)).to_rfc3339();
+    let proplet = |name: &str, phase: &str, last_seen: String| -> Proplet {
+        let mut v = proplet_json();
+        v["metadata"]["name"] = json!(name);
+        v["metadata"]["uid"] = json!(format!("{name}-uid"));
+        v["spec"]["connectionConfig"]["clientId"] = json!(name);
+        v["status"] = json!({"phase": phase, "lastSeen": last_seen});
+        serde_json::from_value(v).unwrap()
+    };
+    let (client, api) = FakeApi::start(vec![]);
+    let proplets = vec![
+        proplet("silent", "Running", seconds_ago(31)),
+        proplet("fresh", "Running", seconds_ago(5)),
+        proplet("already-offline", "Offline", seconds_ago(300)),
+        // Its status is old, but a heartbeat arrived since (pending, not yet written).
+        proplet("beating", "Running", seconds_ago(40)),
+    ];
+    let h = common::Harness::start(client, proplets, vec![]).await;
+    let mut triggers = h.triggers;
+    h.shared.state.liveness.record(
+        &BrokerEvent {
+            client_id: "beating".into(),
+            domain: Some("d1".into()),
+            channel: Some("c1".into()),
+            kind: EventKind::Heartbeat(Heartbeat {
+                proplet_id: "beating".into(),
+                namespace: Some("iot".into()),
+                metadata: None,
+                metrics: None,
+            }),
+        },
+        now - chrono::Duration::seconds(2),
+    );
+
+    assert_eq!(trigger_overdue(&h.shared, now), 1);
+    assert_eq!(
+        triggers.proplets.try_recv().ok(),
+        Some(ObjectRef::new("silent").within("iot"))
+    );
+    assert!(triggers.proplets.try_recv().is_err());
+    // 25 s on, the fresh one is past its deadline too; the beating one is not yet.
+    assert_eq!(
+        trigger_overdue(&h.shared, now + chrono::Duration::seconds(26)),
+        2
+    );
+    assert!(api.take().is_empty(), "the tick must not call the API");
+}

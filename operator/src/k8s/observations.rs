@@ -132,6 +132,13 @@ impl ObservationStore {
         self.lock().get(client_id).cloned().unwrap_or_default()
     }
 
+    /// The latest heartbeat recorded and not yet written, if any.
+    pub fn last_heartbeat(&self, client_id: &str) -> Option<DateTime<Utc>> {
+        self.lock()
+            .get(client_id)
+            .and_then(|o| o.heartbeats.last().copied())
+    }
+
     /// Forgets what a successful status write included; anything recorded after `written`
     /// was taken stays pending.
     pub fn clear_written(&self, client_id: &str, written: &ExternalObservation) {
