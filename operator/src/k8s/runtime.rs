@@ -103,8 +103,6 @@ pub struct Shared {
     pub credentials: Arc<CredentialStore>,
     /// Emits Kubernetes Events.
     pub recorder: Recorder,
-    /// Event writes made off the reconcile path ([`Shared::note_in_background`]) at once.
-    background_notes: Arc<tokio::sync::Semaphore>,
     /// Asks the Task controller to reconcile a task.
     pub task_trigger: UnboundedSender<ObjectRef<Task>>,
     /// Asks the Proplet controller to reconcile a proplet.
@@ -193,7 +191,6 @@ impl Shared {
                     instance: reporter,
                 },
             ),
-            background_notes: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_NOTES)),
             client,
             settings,
             publisher,
@@ -243,32 +240,20 @@ impl Shared {
     }
 
     async fn note(&self, reference: &k8s_openapi::api::core::v1::ObjectReference, note: &Note) {
-        let event = event_of(note);
+        let event = Event {
+            type_: if note.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: note.reason.to_owned(),
+            note: Some(note.message.chars().take(1000).collect()),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
         if let Err(e) = self.recorder.publish(&event, reference).await {
             debug!(%e, reason = note.reason, "could not record an event");
         }
-    }
-
-    /// Records an Event without holding up the reconcile: a proplet's reconcile slot is
-    /// what keeps the fleet's liveness current, and 1,000 devices going Offline at once
-    /// otherwise queued their deadlines behind 1,000 Event writes. At most
-    /// [`BACKGROUND_NOTES`] are written at once; the rest wait their turn in memory.
-    fn note_in_background(
-        &self,
-        reference: k8s_openapi::api::core::v1::ObjectReference,
-        note: Note,
-    ) {
-        let recorder = self.recorder.clone();
-        let slots = self.background_notes.clone();
-        tokio::spawn(async move {
-            let Ok(_slot) = slots.acquire_owned().await else {
-                return;
-            };
-            let event = event_of(&note);
-            if let Err(e) = recorder.publish(&event, &reference).await {
-                debug!(%e, reason = note.reason, "could not record an event");
-            }
-        });
     }
 
     /// Rebuilds the broker's credential table and the client index from the cached
@@ -416,14 +401,15 @@ async fn reconcile_proplet_inner(
         let first_running = status.phase == PropletPhase::Running
             && before.is_none_or(|phase| phase == PropletPhase::Initializing);
         if before != Some(status.phase) && !first_running {
-            ctx.note_in_background(
-                proplet.object_ref(&()),
-                Note {
+            ctx.note(
+                &proplet.object_ref(&()),
+                &Note {
                     warning: status.phase == PropletPhase::Offline,
                     reason: "PhaseChanged",
                     message: format!("proplet is now {}", status.phase),
                 },
-            );
+            )
+            .await;
         }
     }
     let wait = plan
@@ -432,24 +418,6 @@ async fn reconcile_proplet_inner(
         .map_or(RESYNC, |d| d.min(RESYNC) + Duration::from_millis(100));
     Ok(Action::requeue(wait))
 }
-
-/// The Kubernetes Event of a [`Note`].
-fn event_of(note: &Note) -> Event {
-    Event {
-        type_: if note.warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: note.reason.to_owned(),
-        note: Some(note.message.chars().take(1000).collect()),
-        action: "Reconcile".to_owned(),
-        secondary: None,
-    }
-}
-
-/// Proplet Events written at once off the reconcile path.
-const BACKGROUND_NOTES: usize = 4;
 
 /// How often the credential table is rebuilt when Proplets or Secrets changed: a new
 /// device can log in this long after its Proplet is stored, and a burst of new Proplets
