@@ -23,7 +23,7 @@ start_control_plane() {
     --token="$(kubectl -n propeller-system create token propeller --duration=24h)" >/dev/null
   kubectl --kubeconfig "$dir/propeller.kubeconfig" config set-context --current \
     --user=propeller --namespace=propeller-system >/dev/null
-  APISERVER_PID=$(pgrep -P "$ENVTEST_PID" -f kube-apiserver)
+  APISERVER_PID=$(pgrep -P "$ENVTEST_PID" -f kube-apiserver || true)
 }
 
 # Prints a free TCP port on 127.0.0.1.
