@@ -119,3 +119,24 @@ def proplet_manifest(name, mqtt_port, key):
             f"spec:\n  type: external\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n"
             f"    domainId: d\n    channelId: c\n    clientId: {name}\n"
             f"    clientKeySecretRef: {{name: {name}-key, key: key}}\n")
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start_agent(bin_dir, name, mqtt_port, state_dir, rust_log="info", log_path=None):
+    """A real `proplet` on channel d/c logging in as `name` with key `<name>-secret`; its
+    output goes to `log_path` (appended), or nowhere."""
+    env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt_port}", PROPLET_DOMAIN_ID="d",
+               PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=name, PROPLET_CLIENT_KEY=f"{name}-secret",
+               PROPLET_STATE_DIR=state_dir, RUST_LOG=rust_log)
+    out = open(log_path, "a") if log_path else subprocess.DEVNULL
+    return subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env, stdout=out,
+                            stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)

@@ -5,14 +5,13 @@
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import cpu_seconds, heartbeat_load, rss_mib  # noqa: E402
+from bench_api import cpu_seconds, heartbeat_load, rss_mib, start_agent  # noqa: E402
 from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
 
 what, n, kubeconfig, mqtt, bin_dir, propeller_pid, apiserver_pid, work = sys.argv[1:9]
@@ -62,13 +61,7 @@ def pipeline():
     names = [f"w{i}" for i in range(4)]
     create_many([secret(x, f"{x}-secret") for x in names], secrets_path)
     create_many([proplet(x, mqtt) for x in names], proplets_path)
-    agents = []
-    for x in names:
-        env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{mqtt}", PROPLET_DOMAIN_ID="d",
-                   PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=x, PROPLET_CLIENT_KEY=f"{x}-secret",
-                   PROPLET_STATE_DIR=os.path.join(work, x), RUST_LOG="warn")
-        agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    agents = [start_agent(bin_dir, x, mqtt, os.path.join(work, x), "warn") for x in names]
     try:
         wait_running(names)
         # 1. One at a time: POST, then the watch event that shows it completed.

@@ -26,7 +26,7 @@ trap 'rm -rf "$WORK"' EXIT
 python3 - "$BIN" "$WORK" <<'PY'
 import os, random, re, signal, subprocess, sys, time
 sys.path.insert(0, "scripts")
-from bench_api import Api, pick, proplet_manifest
+from bench_api import Api, free_port, pick, proplet_manifest, start_agent
 
 BIN, WORK = sys.argv[1:3]
 RUNS = int(os.environ.get("CRASH_RUNS", "10"))
@@ -38,15 +38,6 @@ TERMINAL = ("completed", "failed", "skipped", "interrupted")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ACCEPTED = re.compile(r'task accepted.*task_id="?([\w-]+)"?.*\brun=(\d+)')
 REPEATED = re.compile(r'published again.*task_id="?([\w-]+)"?')
-
-
-def free_port():
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def inputs(n):
@@ -94,12 +85,8 @@ class Cluster:
 
     def start_agent(self, i):
         name = f"w{i}"
-        env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{self.mqtt}", PROPLET_DOMAIN_ID="d",
-                   PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=name, PROPLET_CLIENT_KEY=f"{name}-secret",
-                   PROPLET_STATE_DIR=os.path.join(self.root, name), RUST_LOG="info")
-        log = open(os.path.join(self.root, f"{name}.log"), "a")
-        self.agents[name] = subprocess.Popen([os.path.join(BIN, "proplet")], env=env,
-                                             stdout=log, stderr=log)
+        self.agents[name] = start_agent(BIN, name, self.mqtt, os.path.join(self.root, name),
+                                        log_path=os.path.join(self.root, f"{name}.log"))
 
     def up(self):
         self.start_propeller()

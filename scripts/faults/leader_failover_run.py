@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_api import free_port, start_agent  # noqa: E402
 from bench_kube import GROUP, Kube, proplet, secret  # noqa: E402
 
 BIN, DIR, POINT, TASKS, RUN = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -27,14 +28,6 @@ ACCEPTED = re.compile(r'task accepted.*task_id="?([\w-]+)"?.*\brun=(\d+)')
 NS = "default"
 admin = os.path.join(DIR, "admin.kubeconfig")
 kube = Kube(admin)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def inputs(n):
@@ -153,13 +146,8 @@ names = [f"w{i}" for i in range(AGENTS)]
 for x in names:
     kube.call("POST", f"/api/v1/namespaces/{NS}/secrets", secret(x, f"{x}-secret"))
     kube.call("POST", f"{GROUP}/namespaces/{NS}/proplets", proplet(x, forwarder.port))
-agents = []
-for x in names:
-    env = dict(os.environ, PROPLET_MQTT_ADDRESS=f"tcp://127.0.0.1:{forwarder.port}", PROPLET_DOMAIN_ID="d",
-               PROPLET_CHANNEL_ID="c", PROPLET_CLIENT_ID=x, PROPLET_CLIENT_KEY=f"{x}-secret",
-               PROPLET_STATE_DIR=os.path.join(DIR, x), RUST_LOG="info")
-    agents.append(subprocess.Popen([os.path.join(BIN, "proplet")], env=env,
-                                   stdout=open(os.path.join(DIR, f"{x}.log"), "a"), stderr=subprocess.STDOUT))
+agents = [start_agent(BIN, x, forwarder.port, os.path.join(DIR, x), log_path=os.path.join(DIR, f"{x}.log"))
+          for x in names]
 try:
     def all_running():
         items = kube.call("GET", f"{GROUP}/namespaces/{NS}/proplets")["items"]
