@@ -429,7 +429,7 @@ fn a_propeller_job_completes_in_each_execution_mode() {
 
 #[test]
 fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
-    // spin(n) counts down from n: long enough to restart the server while it runs.
+    // spin(n) turns a loop 8·n times: long enough to restart the server while it runs.
     let file = spin_module();
     let dir = tempfile::tempdir().expect("temp dir");
     let (mut server, api, port) = start_standalone(dir.path(), &[]);
@@ -443,8 +443,16 @@ fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
         ),
     );
     let started = std::time::Instant::now();
-    while get_json(&api, dir.path(), &["get", "task", "spin"])["status"]["phase"] != "running" {
-        assert!(started.elapsed() < support::WAIT, "spin never ran");
+    loop {
+        let task = get_json(&api, dir.path(), &["get", "task", "spin"]);
+        if task["status"]["phase"] == "running" {
+            break;
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "spin never ran: {:#}",
+            task["status"]
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     server.terminate();
@@ -477,15 +485,17 @@ fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
     );
 }
 
-/// A module whose `spin(n)` counts down from `n`, as base64.
+/// A module whose `spin(n)` turns a loop 8·n times and returns `n`, as base64. A plain
+/// countdown from 2,000,000,000 finished in 0.56 s on a fast machine: before the 1 s
+/// `running` write, so the tests waiting for `running` never saw it.
 fn spin_module() -> String {
     use base64::Engine;
     let spin = wat::parse_str(
-        r#"(module (func (export "spin") (param i32) (result i32) (local i32)
-             local.get 0 local.set 1
+        r#"(module (func (export "spin") (param i32) (result i32) (local i64)
+             local.get 0 i64.extend_i32_u i64.const 8 i64.mul local.set 1
              (block (loop
-               local.get 1 i32.eqz br_if 1
-               local.get 1 i32.const 1 i32.sub local.set 1
+               local.get 1 i64.eqz br_if 1
+               local.get 1 i64.const 1 i64.sub local.set 1
                br 0))
              local.get 0))"#,
     )
@@ -508,8 +518,16 @@ fn a_task_whose_agent_dies_fails_at_its_time_limit() {
         ),
     );
     let started = std::time::Instant::now();
-    while get_json(&api, dir.path(), &["get", "task", "long"])["status"]["phase"] != "running" {
-        assert!(started.elapsed() < support::WAIT, "the task never ran");
+    loop {
+        let task = get_json(&api, dir.path(), &["get", "task", "long"]);
+        if task["status"]["phase"] == "running" {
+            break;
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "the task never ran: {:#}",
+            task["status"]
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let _ = agent.child.kill();
