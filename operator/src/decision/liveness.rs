@@ -342,17 +342,45 @@ pub fn write_due(
 }
 
 /// Whether the status changed in a way a user or the scheduler acts on (phase, `alive`,
-/// metadata, Deployment state, resources, generation, a condition's status or reason),
-/// rather than only the figures heartbeats refresh (`lastSeen`, `aliveHistory`, metrics,
-/// messages).
+/// metadata, Deployment state, generation, a condition's status or reason, resources
+/// becoming known or unknown), rather than only the figures heartbeats refresh
+/// (`lastSeen`, `aliveHistory`, metrics, messages, the free memory a device reports).
+///
+/// Free memory moves with every heartbeat that carries metrics: counted as significant,
+/// a real agent's every heartbeat was a status write.
 pub fn significant_change(written: &PropletStatus, desired: &PropletStatus) -> bool {
     written.phase != desired.phase
         || written.alive != desired.alive
         || written.metadata != desired.metadata
         || written.k8s_status != desired.k8s_status
-        || written.available_resources != desired.available_resources
+        || written.available_resources.is_some() != desired.available_resources.is_some()
         || written.observed_generation != desired.observed_generation
         || condition_transitions(&written.conditions, &desired.conditions)
+}
+
+/// Whether a heartbeat from an external proplet can leave its reconcile to the time that
+/// reconcile already chose (its Offline deadline): true when the status already shows it
+/// Running, the heartbeat brings no new description, and its routine refresh (`lastSeen`,
+/// figures) is not due before `now` (the last write was less than `routine_interval` ago).
+///
+/// Reconciling on every heartbeat made a fleet of 10,000 cost 1,000 reconciles a second,
+/// among which the deadlines of the proplets that fell silent had to wait their turn.
+pub fn heartbeat_can_wait(
+    status: Option<&PropletStatus>,
+    reported: Option<&crate::crd::proplet::PropletMetadata>,
+    last_write: Option<DateTime<Utc>>,
+    routine_interval: Duration,
+    now: DateTime<Utc>,
+) -> bool {
+    let interval = chrono::Duration::from_std(routine_interval).unwrap_or(chrono::Duration::MAX);
+    let refresh_waits = last_write
+        .and_then(|at| at.checked_add_signed(interval))
+        .is_some_and(|due| now < due);
+    refresh_waits
+        && status.is_some_and(|s| {
+            s.phase == PropletPhase::Running
+                && reported.is_none_or(|m| s.metadata.as_ref() == Some(m))
+        })
 }
 
 fn condition_transitions(written: &[Condition], desired: &[Condition]) -> bool {
@@ -550,6 +578,68 @@ mod tests {
         }
         assert_eq!(writes, 6, "one write per 10 s flush interval over 60 s");
         assert_eq!(written.alive_history.len(), ALIVE_HISTORY_LEN);
+    }
+
+    #[test]
+    fn free_memory_moving_with_each_heartbeat_waits_for_the_flush_interval() {
+        use crate::crd::common::PropletResources;
+        let flush = Duration::from_secs(10);
+        let free = |bytes: &str| {
+            Some(PropletResources {
+                memory: Some(bytes.to_owned()),
+                ..PropletResources::default()
+            })
+        };
+        let mut written = PropletStatus::default();
+        heartbeat(&mut written, 0, 0);
+        let mut desired = written.clone();
+        desired.available_resources = free("1000");
+        assert!(
+            write_due(&written, &desired, Some(t(0)), flush, t(1)),
+            "resources becoming known are written at once"
+        );
+        written = desired.clone();
+        heartbeat(&mut desired, 2, 2);
+        desired.available_resources = free("990");
+        assert!(!write_due(&written, &desired, Some(t(1)), flush, t(2)));
+        assert!(write_due(&written, &desired, Some(t(1)), flush, t(11)));
+    }
+
+    #[test]
+    fn only_a_running_proplet_with_nothing_new_to_say_lets_a_heartbeat_wait() {
+        use crate::crd::proplet::PropletMetadata;
+        let interval = Duration::from_secs(60);
+        let mut running = PropletStatus::default();
+        heartbeat(&mut running, 0, 0);
+        assert_eq!(running.phase, PropletPhase::Running);
+        let wait = |s: Option<&PropletStatus>, m: Option<&PropletMetadata>, now: i64| {
+            heartbeat_can_wait(s, m, Some(t(0)), interval, t(now))
+        };
+        assert!(wait(Some(&running), None, 10));
+        assert!(
+            !wait(Some(&running), None, 60),
+            "the routine refresh is due: reconcile now"
+        );
+        assert!(
+            !heartbeat_can_wait(Some(&running), None, None, interval, t(10)),
+            "nothing written by this operator yet"
+        );
+        let described = PropletMetadata {
+            hostname: Some("pi-1".into()),
+            ..PropletMetadata::default()
+        };
+        assert!(
+            !wait(Some(&running), Some(&described), 10),
+            "a new description is written now"
+        );
+        running.metadata = Some(described.clone());
+        assert!(wait(Some(&running), Some(&described), 10));
+        let mut offline = running.clone();
+        tick(&mut offline, 40);
+        assert_eq!(offline.phase, PropletPhase::Offline);
+        assert!(!wait(Some(&offline), None, 41), "back to Running now");
+        assert!(!wait(None, None, 10), "no status yet: Running now");
+        assert!(!wait(Some(&PropletStatus::default()), None, 10));
     }
 
     #[test]
