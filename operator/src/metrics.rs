@@ -35,6 +35,14 @@ pub struct ControllerMetrics {
     pub proplets: Family<PhaseLabels, Gauge>,
     /// Tasks by `status.phase`.
     pub tasks: Family<PhaseLabels, Gauge>,
+    offline_delays: Family<StageLabels, Histogram>,
+}
+
+/// A step in taking a silent proplet Offline.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `reconcile_started` or `status_written`.
+    pub stage: String,
 }
 
 fn duration_histogram() -> Histogram {
@@ -48,6 +56,9 @@ impl Default for ControllerMetrics {
             durations: Family::new_with_constructor(duration_histogram),
             proplets: Family::default(),
             tasks: Family::default(),
+            offline_delays: Family::new_with_constructor(|| {
+                Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+            }),
         }
     }
 }
@@ -67,6 +78,27 @@ impl ControllerMetrics {
         );
         registry.register("proplets", "Proplets by phase", self.proplets.clone());
         registry.register("tasks", "Tasks by phase", self.tasks.clone());
+        registry.register(
+            "proplet_offline_delay_seconds",
+            "How long after a silent proplet's deadline (last heartbeat + threshold) its \
+             Offline reconcile started, and its Offline status was written",
+            self.offline_delays.clone(),
+        );
+    }
+
+    /// Records how late, past its deadline, a silent proplet's Offline reconcile started
+    /// and its status was written: the operator's own share of Offline detection time.
+    pub fn observe_offline(&self, started_late: f64, written_late: f64) {
+        for (stage, late) in [
+            ("reconcile_started", started_late),
+            ("status_written", written_late),
+        ] {
+            self.offline_delays
+                .get_or_create(&StageLabels {
+                    stage: stage.to_owned(),
+                })
+                .observe(late.max(0.0));
+        }
     }
 
     /// Counts one reconcile of `controller`.

@@ -188,12 +188,12 @@ pub fn plan(
 }
 
 /// Applies a plan: server-side apply of the Deployment, then a merge patch of the status
-/// subresource.
+/// subresource. Returns the Proplet as the status write left it, when there was one.
 pub async fn apply(
     client: &kube::Client,
     proplet: &Proplet,
     plan: &PropletPlan,
-) -> Result<(), kube::Error> {
+) -> Result<Option<Proplet>, kube::Error> {
     let namespace = proplet.metadata.namespace.as_deref().unwrap_or("default");
     let name = proplet.metadata.name.as_deref().unwrap_or_default();
     if let Some(deployment) = &plan.deployment {
@@ -209,13 +209,14 @@ pub async fn apply(
     }
     if let Some(status) = &plan.status {
         let proplets: Api<Proplet> = Api::namespaced(client.clone(), namespace);
-        proplets
+        let written = proplets
             .patch_status(
                 name,
                 &PatchParams::default(),
                 &Patch::Merge(json!({ "status": status })),
             )
             .await?;
+        return Ok(Some(written));
     }
-    Ok(())
+    Ok(None)
 }

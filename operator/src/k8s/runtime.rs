@@ -22,15 +22,15 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
-use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
+use propeller_broker::server::{BrokerEvent, CredentialStore, EventKind, Publisher};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
-use crate::crd::proplet::{Proplet, PropletPhase};
+use crate::crd::proplet::{Proplet, PropletPhase, PropletType};
 use crate::crd::task::{Task, TaskPhase};
-use crate::decision::liveness::DeploymentObservation;
+use crate::decision::liveness::{heartbeat_can_wait, DeploymentObservation};
 use crate::decision::task::{
     active_tasks, awaits_job, observe_caches, plan as plan_task, Note, TaskSettings,
 };
@@ -43,7 +43,7 @@ use super::patch::finalizers_patch;
 use super::proplet::{
     apply as apply_proplet, plan as plan_proplet, PropletObservations, PropletSettings,
 };
-use super::task::apply as apply_task;
+use super::task::{apply as apply_task, TaskWrites};
 use crate::executor::TaskApplyError;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
@@ -113,7 +113,28 @@ pub struct Shared {
     pub metrics: Arc<ControllerMetrics>,
     /// Registry resolution and chunk serving (`None`: OCI images are not served).
     pub images: Option<Arc<Images>>,
+    /// What each Proplet's last status write returned, until the cache shows it.
+    proplet_echo: std::sync::Mutex<HashMap<String, WrittenStatus>>,
+    /// What the last apply wrote to each Task, until the cache shows it.
+    task_echo: std::sync::Mutex<HashMap<String, TaskWrites>>,
+    /// Bounds the Events published off the reconcile path (each is an API call, and
+    /// kube's client opens a connection per concurrent call).
+    background_events: Arc<tokio::sync::Semaphore>,
 }
+
+/// A Proplet status write the cache may not show yet.
+struct WrittenStatus {
+    /// The version the write was planned from: a cached object still at this version has
+    /// not seen the write.
+    based_on: Option<String>,
+    /// The version the write produced.
+    version: Option<String>,
+    /// The status as written.
+    status: Option<crate::crd::proplet::PropletStatus>,
+}
+
+/// Events published at once off the reconcile path.
+const BACKGROUND_EVENTS: usize = 4;
 
 fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
 where
@@ -207,6 +228,9 @@ impl Shared {
             round_trigger: round_tx,
             metrics,
             images: None,
+            proplet_echo: std::sync::Mutex::new(HashMap::new()),
+            task_echo: std::sync::Mutex::new(HashMap::new()),
+            background_events: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_EVENTS)),
         };
         let triggers = Triggers {
             tasks: task_rx,
@@ -254,6 +278,76 @@ impl Shared {
         if let Err(e) = self.recorder.publish(&event, reference).await {
             debug!(%e, reason = note.reason, "could not record an event");
         }
+    }
+
+    /// Records `note` without holding up the caller: the Event is published by a task of its
+    /// own, at most [`BACKGROUND_EVENTS`] at once. A proplet's phase change is written first
+    /// and its Event follows, so 1,000 proplets going Offline together are not each held
+    /// for two API calls.
+    fn note_in_background(
+        self: &Arc<Self>,
+        reference: k8s_openapi::api::core::v1::ObjectReference,
+        note: Note,
+    ) {
+        let ctx = self.clone();
+        tokio::spawn(async move {
+            let Ok(_slot) = ctx.background_events.clone().acquire_owned().await else {
+                return;
+            };
+            ctx.note(&reference, &note).await;
+        });
+    }
+
+    /// The cached `proplet`, or, when the cache has not yet seen this driver's last status
+    /// write to it, the cached object with that write's status and version. Without this,
+    /// a reconcile right after a write planned from the old status and wrote (and noted)
+    /// the same change again.
+    fn newest(&self, key: &str, proplet: Proplet) -> Proplet {
+        let mut echo = lock(&self.proplet_echo);
+        match echo.get(key) {
+            Some(w) if w.based_on == proplet.metadata.resource_version => {
+                let mut newer = proplet;
+                newer.metadata.resource_version = w.version.clone();
+                newer.status = w.status.clone();
+                newer
+            }
+            Some(_) => {
+                echo.remove(key);
+                proplet
+            }
+            None => proplet,
+        }
+    }
+
+    /// The cached `task`, or what this driver last wrote to it when the cache still shows a
+    /// version those writes replaced.
+    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        let key = format!(
+            "{}/{}",
+            task.namespace().unwrap_or_default(),
+            task.name_any()
+        );
+        let mut echo = lock(&self.task_echo);
+        let Some(writes) = echo.get(&key) else {
+            return task;
+        };
+        let cached = task.metadata.resource_version.as_deref();
+        if cached.is_some_and(|v| writes.superseded.iter().any(|s| s == v))
+            && writes.latest.metadata.uid == task.metadata.uid
+        {
+            return Arc::new(writes.latest.clone());
+        }
+        echo.remove(&key);
+        task
+    }
+
+    fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
+        let key = format!(
+            "{}/{}",
+            task.namespace().unwrap_or_default(),
+            task.name_any()
+        );
+        lock(&self.task_echo).insert(key, writes);
     }
 
     /// Rebuilds the broker's credential table and the client index from the cached
@@ -309,7 +403,7 @@ pub async fn reconcile_proplet(
 
 async fn reconcile_proplet_inner(
     proplet: &Proplet,
-    ctx: &Shared,
+    ctx: &Arc<Shared>,
 ) -> Result<Action, ReconcileError> {
     let ns = proplet.namespace().unwrap_or_else(|| "default".into());
     let name = proplet.name_any();
@@ -322,6 +416,7 @@ async fn reconcile_proplet_inner(
         // The credential tick drops its login (the gate sees the deletion).
         ctx.state.liveness.forget(&client_id);
         lock(&ctx.state.proplet_writes).remove(&key);
+        lock(&ctx.proplet_echo).remove(&key);
         if has_finalizer {
             finalizers.retain(|f| f != PROPLET_FINALIZER);
             api.patch(
@@ -350,6 +445,7 @@ async fn reconcile_proplet_inner(
             )
             .await?;
     }
+    let proplet = ctx.newest(&key, proplet);
     let now = Utc::now();
     let deployment_ref =
         ObjectRef::<Deployment>::new(&crate::decision::names::proplet_deployment_name(&name))
@@ -377,13 +473,34 @@ async fn reconcile_proplet_inner(
         )
         .await;
     }
-    apply_proplet(&ctx.client, &proplet, &plan).await?;
+    let written = apply_proplet(&ctx.client, &proplet, &plan).await?;
+    if let Some(written) = written {
+        lock(&ctx.proplet_echo).insert(
+            key.clone(),
+            WrittenStatus {
+                based_on: proplet.metadata.resource_version.clone(),
+                version: written.metadata.resource_version,
+                status: written.status,
+            },
+        );
+    }
     if let Some(status) = &plan.status {
         ctx.state
             .liveness
             .clear_written(&client_id, &observed.external);
         lock(&ctx.state.proplet_writes).insert(key, now);
         let before = proplet.status.as_ref().map(|s| s.phase);
+        let fell_silent = status.phase == PropletPhase::Offline
+            && before == Some(PropletPhase::Running)
+            && observed.external.offline_at.is_none();
+        if let (true, Some(seen)) = (fell_silent, status.last_seen) {
+            let threshold = chrono::Duration::from_std(ctx.settings.proplet.last_seen_threshold)
+                .unwrap_or(chrono::Duration::MAX);
+            if let Some(deadline) = seen.checked_add_signed(threshold) {
+                let late = |at: chrono::DateTime<Utc>| (at - deadline).as_seconds_f64();
+                ctx.metrics.observe_offline(late(now), late(Utc::now()));
+            }
+        }
         if status.phase == PropletPhase::Running && before != Some(PropletPhase::Running) {
             // Tasks waiting for a proplet get their chance now.
             for task in ctx.tasks.state() {
@@ -401,15 +518,14 @@ async fn reconcile_proplet_inner(
         let first_running = status.phase == PropletPhase::Running
             && before.is_none_or(|phase| phase == PropletPhase::Initializing);
         if before != Some(status.phase) && !first_running {
-            ctx.note(
-                &proplet.object_ref(&()),
-                &Note {
+            ctx.note_in_background(
+                proplet.object_ref(&()),
+                Note {
                     warning: status.phase == PropletPhase::Offline,
                     reason: "PhaseChanged",
                     message: format!("proplet is now {}", status.phase),
                 },
-            )
-            .await;
+            );
         }
     }
     let wait = plan
@@ -439,6 +555,7 @@ const DEVICE_WAIT: Duration = Duration::from_secs(1);
 /// Reconciles one Task (what the controller calls).
 pub async fn reconcile_task(task: Arc<Task>, ctx: Arc<Shared>) -> Result<Action, ReconcileError> {
     let started = Instant::now();
+    let task = ctx.newest_task(task);
     let result = reconcile_task_inner(&task, &ctx).await;
     ctx.metrics
         .observe("task", started.elapsed(), result.is_ok());
@@ -459,7 +576,11 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     }
     let now = Utc::now();
     let plan = plan_task(task, &observed, &ctx.settings.task, now);
-    let dispatch = apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
+    let (dispatch, writes) =
+        apply_task(&ctx.client, task, &plan, &ctx.state.effects(&ctx.publisher)).await?;
+    if let Some(writes) = writes {
+        ctx.remember_task_writes(task, writes);
+    }
     if plan.resolve_image {
         match &ctx.images {
             Some(images) => images.resolve(task),
@@ -567,10 +688,14 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
             return;
         }
     }
-    match ctx.state.record(event, Utc::now()) {
+    let now = Utc::now();
+    match ctx.state.record(event, now) {
         Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
             Some(p) => {
-                let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
+                let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
+                if !(heartbeat && heartbeat_waits(ctx, &p, &client_id, now)) {
+                    let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
+                }
             }
             None => debug!(client = %client_id, "liveness from a client with no Proplet"),
         },
@@ -589,6 +714,57 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
         }
         Concerns::Nothing => {}
     }
+}
+
+/// Whether an external proplet's heartbeat can wait for the reconcile its last one
+/// scheduled (see [`heartbeat_can_wait`]); `k8s` proplets take their phase from their
+/// Deployment and are reconciled on every heartbeat, as before.
+fn heartbeat_waits(
+    ctx: &Shared,
+    proplet: &Proplet,
+    client_id: &str,
+    now: chrono::DateTime<Utc>,
+) -> bool {
+    if proplet.spec.type_ != PropletType::External || proplet.metadata.deletion_timestamp.is_some()
+    {
+        return false;
+    }
+    let key = format!(
+        "{}/{}",
+        proplet.namespace().unwrap_or_else(|| "default".into()),
+        proplet.name_any()
+    );
+    let last_write = lock(&ctx.state.proplet_writes).get(&key).copied();
+    let fleet = ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
+    heartbeat_can_wait(
+        proplet.status.as_ref(),
+        ctx.state.liveness.report(client_id).metadata.as_ref(),
+        last_write,
+        ctx.settings.proplet.routine_interval(fleet),
+        now,
+    )
+}
+
+/// Forgets remembered writes the cache has caught up with, or whose object is gone (a
+/// reconcile forgets its own entry, but a deleted object is not reconciled again).
+pub fn prune_echoes(ctx: &Shared) {
+    lock(&ctx.task_echo).retain(|key, writes| {
+        let Some((ns, name)) = key.split_once('/') else {
+            return false;
+        };
+        ctx.tasks
+            .get(&ObjectRef::new(name).within(ns))
+            .and_then(|t| t.metadata.resource_version.clone())
+            .is_some_and(|v| writes.superseded.contains(&v))
+    });
+    lock(&ctx.proplet_echo).retain(|key, written| {
+        let Some((ns, name)) = key.split_once('/') else {
+            return false;
+        };
+        ctx.proplets
+            .get(&ObjectRef::new(name).within(ns))
+            .is_some_and(|p| p.metadata.resource_version == written.based_on)
+    });
 }
 
 /// Sets the per-phase gauges from the caches.
@@ -732,6 +908,7 @@ pub async fn run(
             loop {
                 tick.tick().await;
                 count_phases(&shared);
+                prune_echoes(&shared);
             }
         })
     };
@@ -767,9 +944,11 @@ pub async fn run(
         watcher::Config::default(),
     )
     .with_config(bounded())
+    // Only the Tasks a job created (they carry its label): every other Task's writes would
+    // be sent to this watch too, for nothing.
     .owns(
         scoped::<Task>(&client, ns.as_deref()),
-        watcher::Config::default(),
+        watcher::Config::default().labels(crate::decision::propeller_job::JOB_LABEL),
     )
     .graceful_shutdown_on(shutdown.clone())
     .run(
@@ -799,7 +978,7 @@ pub async fn run(
     .with_config(bounded())
     .owns(
         scoped::<Task>(&client, ns.as_deref()),
-        watcher::Config::default(),
+        watcher::Config::default().labels(crate::decision::federated::ROUND_LABEL),
     )
     .reconcile_on(tokio_stream_of(triggers.rounds))
     .graceful_shutdown_on(shutdown.clone())

@@ -1,6 +1,8 @@
 //! The Kubernetes backend of the shared Task executor: conditional merge patches of
 //! finalizers and status through kube-rs, and Jobs for `k8s` proplets.
 
+use std::sync::Mutex;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::Value;
@@ -15,12 +17,45 @@ use super::patch::{finalizers_patch, status_patch};
 /// Writes Tasks through the API server.
 pub struct KubeTasks {
     client: kube::Client,
+    written: Mutex<Option<TaskWrites>>,
+}
+
+/// What one apply wrote to a Task: the object the last write returned, and every version
+/// those writes replaced. A cache still showing one of those versions has not seen the
+/// writes yet; planning from it again wrote with a stale version and got a conflict (821
+/// conflicts in a burst of 1,000 tasks, each a wasted API call).
+#[derive(Debug, Clone)]
+pub struct TaskWrites {
+    /// Versions the writes replaced.
+    pub superseded: Vec<String>,
+    /// The Task as the last write left it.
+    pub latest: Task,
 }
 
 impl KubeTasks {
     /// A writer using `client`.
     pub fn new(client: kube::Client) -> Self {
-        Self { client }
+        Self {
+            client,
+            written: Mutex::new(None),
+        }
+    }
+
+    fn record(&self, based_on: Option<&str>, updated: Task) -> Option<String> {
+        let version = updated.metadata.resource_version.clone();
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let mut superseded = written.take().map(|w| w.superseded).unwrap_or_default();
+        superseded.extend(based_on.map(str::to_owned));
+        *written = Some(TaskWrites {
+            superseded,
+            latest: updated,
+        });
+        version
+    }
+
+    /// What the applies through this writer wrote, if anything.
+    pub fn into_writes(self) -> Option<TaskWrites> {
+        self.written.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
     fn api(&self, meta: &ObjectMeta) -> Api<Task> {
@@ -46,7 +81,7 @@ impl ObjectWriter for KubeTasks {
                 &Patch::Merge(finalizers_patch(finalizers, version)),
             )
             .await?;
-        Ok(updated.metadata.resource_version)
+        Ok(self.record(version, updated))
     }
 
     async fn write_status(
@@ -64,7 +99,7 @@ impl ObjectWriter for KubeTasks {
                 &Patch::Merge(status_patch(old, new, version)),
             )
             .await?;
-        Ok(updated.metadata.resource_version)
+        Ok(self.record(version, updated))
     }
 
     async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
@@ -72,12 +107,14 @@ impl ObjectWriter for KubeTasks {
     }
 }
 
-/// Applies a Task plan through the API server.
+/// Applies a Task plan through the API server; also returns what it wrote.
 pub async fn apply(
     client: &kube::Client,
     task: &Task,
     plan: &crate::decision::task::TaskPlan,
     fx: &TaskEffects<'_>,
-) -> Result<Dispatch, TaskApplyError> {
-    apply_task(&KubeTasks::new(client.clone()), task, plan, fx).await
+) -> Result<(Dispatch, Option<TaskWrites>), TaskApplyError> {
+    let writer = KubeTasks::new(client.clone());
+    let dispatch = apply_task(&writer, task, plan, fx).await?;
+    Ok((dispatch, writer.into_writes()))
 }
