@@ -57,8 +57,8 @@ run_one() {
     curl -sf "http://127.0.0.1:$metrics/readyz" >/dev/null 2>&1 && break
     sleep 0.2
   done
-  python3 scripts/bench_k8s_run.py "$what" "$n" "$dir/admin.kubeconfig" "$mqtt" "$BIN" \
-    "$propeller" "$apiserver" "$dir"
+  PROPELLER_METRICS="127.0.0.1:$metrics" python3 scripts/bench_k8s_run.py "$what" "$n" \
+    "$dir/admin.kubeconfig" "$mqtt" "$BIN" "$propeller" "$apiserver" "$dir"
   kill "$propeller" "$envtest" 2>/dev/null || true
   wait "$propeller" "$envtest" 2>/dev/null || true
   cp "$dir/propeller.log" "${TMPDIR:-/tmp}/bench-k8s-$what-$n-propeller.log" 2>/dev/null || true

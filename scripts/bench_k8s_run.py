@@ -3,7 +3,9 @@
     bench_k8s_run.py pipeline|heartbeats|baseline N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
 """
 import datetime
+import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -130,26 +132,35 @@ def pipeline():
 
 
 def request_counts():
-    """The API server's request counter by verb, resource, subresource and code (on a
-    connection of its own: the sampler thread uses the shared one)."""
+    """The API server's request counter by verb, resource, subresource and code, and its
+    request latency sums and counts by verb, resource and subresource (on a connection of
+    its own: the sampler thread uses the shared one)."""
     counts = {}
     for name, labels, value in Kube(kubeconfig).metrics():
-        if name != "apiserver_request_total":
+        if name not in ("apiserver_request_total", "apiserver_request_duration_seconds_sum",
+                        "apiserver_request_duration_seconds_count"):
             continue
         fields = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
-        key = (f'{fields.get("verb", "").strip(chr(34))} {fields.get("resource", "").strip(chr(34))}'
-               f'/{fields.get("subresource", "").strip(chr(34))} {fields.get("code", "").strip(chr(34))}')
+        field = lambda f: fields.get(f, "").strip(chr(34))
+        what = f'{field("verb")} {field("resource")}/{field("subresource")}'
+        key = {"apiserver_request_total": f'{what} {field("code")}',
+               "apiserver_request_duration_seconds_sum": ("sum", what),
+               "apiserver_request_duration_seconds_count": ("count", what)}[name]
         counts[key] = counts.get(key, 0) + value
     return counts
 
 
 def print_requests(title, before, after):
-    """The requests the API server served between two `request_counts()`, most first."""
+    """The requests the API server served between two `request_counts()`, most first, with
+    their mean latency inside the API server."""
     diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     print(f"{title}:")
-    for k, v in sorted(diff.items(), key=lambda kv: -kv[1]):
+    for k, v in sorted(((k, v) for k, v in diff.items() if isinstance(k, str)), key=lambda kv: -kv[1]):
         if v >= 10:
-            print(f"  {k}: {v:.0f}")
+            what = k.rsplit(" ", 1)[0]
+            n = diff.get(("count", what), 0)
+            mean = f", mean latency {diff.get(('sum', what), 0) / n * 1000:.1f} ms" if n else ""
+            print(f"  {k}: {v:.0f}{mean}")
 
 
 def status_writes():
@@ -161,6 +172,22 @@ def status_writes():
                 and ('verb="PATCH"' in labels or 'verb="PUT"' in labels)):
             total += value
     return total
+
+
+def watch_offline(config, path, rv, out):
+    """Puts (name, arrival time, lastSeen) on `out` for each proplet first seen Offline."""
+    seen = set()
+    for event in Kube(config, timeout=600).watch(path, rv):
+        now = time.time()
+        obj = event.get("object", {})
+        status = obj.get("status", {})
+        name = obj.get("metadata", {}).get("name")
+        if status.get("phase") == "Offline" and name not in seen:
+            seen.add(name)
+            last = status.get("lastSeen")
+            last = (datetime.datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp()
+                    if last else None)
+            out.put((name, now, last))
 
 
 def heartbeats():
@@ -176,29 +203,15 @@ def heartbeats():
     # When each proplet that will go silent is seen Offline: a watch on just them (the
     # others' heartbeat refreshes are budgeted, so the watch keeps up). The Offline status
     # carries the proplet's true lastSeen, so each one's own lateness is measured too.
+    # The watch runs in a process of its own: in a thread it waited for the interpreter lock
+    # while the sampler parsed the API server's metrics, and its arrival times were late.
     offline_seen = {}
     lateness = []
-    polling = threading.Event()
-    watcher_kube = Kube(kubeconfig, timeout=600)
     silent_path = f"{proplets_path(None)}?labelSelector=bench-silent%3Dyes"
-    watch_rv = watcher_kube.call("GET", silent_path)["metadata"]["resourceVersion"]
-
-    def poll_offline():
-        for event in watcher_kube.watch(silent_path, watch_rv):
-            if polling.is_set():
-                return
-            obj = event.get("object", {})
-            status = obj.get("status", {})
-            name = obj.get("metadata", {}).get("name")
-            if status.get("phase") == "Offline" and name not in offline_seen:
-                now = time.time()
-                offline_seen[name] = now
-                seen = status.get("lastSeen")
-                if seen:
-                    last = datetime.datetime.fromisoformat(seen.replace("Z", "+00:00")).timestamp()
-                    lateness.append(now - last - threshold)
-
-    poller = threading.Thread(target=poll_offline, daemon=True)
+    watch_rv = Kube(kubeconfig).call("GET", silent_path)["metadata"]["resourceVersion"]
+    seen_queue = multiprocessing.Queue()
+    poller = multiprocessing.Process(target=watch_offline, daemon=True,
+                                     args=(kubeconfig, silent_path, watch_rv, seen_queue))
     poller.start()
     samples = []
     stop = threading.Event()
@@ -223,8 +236,18 @@ def heartbeats():
         raise SystemExit("the load generator failed")
     start = events["connecting"]["unix_ms"] / 1000
     silenced = events["silenced"]["unix_ms"] / 1000
-    polling.set()
+    time.sleep(2)
+    poller.terminate()
     poller.join(5)
+    while True:
+        try:
+            name, now, last = seen_queue.get(timeout=0.5)
+        except queue.Empty:
+            break
+        if name not in offline_seen:
+            offline_seen[name] = now
+            if last is not None:
+                lateness.append(now - last - threshold)
     # The load generator disconnects everyone `threshold + 20` s after the silence: only
     # what was Offline before then counts.
     ended = events["done"]["unix_ms"] / 1000
@@ -269,8 +292,35 @@ def heartbeats():
         print(f"start-up ramp: {n} Proplet status writes done {ramp - start:.0f} s after the first "
               f"connection; the silence began {silenced - start:.0f} s after it")
     print(f"simulated proplets whose connection the broker closed: {events['done']['failed']} of {n}")
+    print_offline_delays()
     print_requests("API requests during the load (verb resource/subresource code: count)",
                    requests0, requests1)
+
+
+def print_offline_delays():
+    """propeller's own share of the Offline lateness, from its histogram
+    `propeller_proplet_offline_delay_seconds` (by stage: reconcile started, status written)."""
+    address = os.environ.get("PROPELLER_METRICS")
+    if not address:
+        return
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    buckets = {}
+    for line in text.splitlines():
+        if not line.startswith("propeller_proplet_offline_delay_seconds_bucket"):
+            continue
+        labels, value = line.rsplit(" ", 1)
+        stage = labels.split('stage="', 1)[1].split('"', 1)[0]
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        buckets.setdefault(stage, []).append((float(le), float(value)))
+    for stage, counts in sorted(buckets.items()):
+        total = counts[-1][1]
+        if not total:
+            continue
+        bound = lambda q: next(le for le, c in counts if c >= q * total)
+        print(f"propeller, {stage.replace('_', ' ')} after the deadline ({total:.0f} proplets): "
+              f"median <= {bound(0.5)} s, p99 <= {bound(0.99)} s; by bucket: "
+              + ", ".join(f"<={le:g}: {c:.0f}" for le, c in counts))
 
 
 def baseline():
