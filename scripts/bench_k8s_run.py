@@ -10,6 +10,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -303,7 +304,6 @@ def print_offline_delays():
     address = os.environ.get("PROPELLER_METRICS")
     if not address:
         return
-    import urllib.request
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     buckets = {}
     for line in text.splitlines():

@@ -124,6 +124,29 @@ fn client_commands_explain_what_is_wrong() {
 
 /// Polls `propeller get proplet NAME -o json` until its phase is `phase`; returns how long
 /// it took.
+/// Waits until the `kind` object `name` shows `phase`; on timeout, fails with its status.
+fn wait_for_object_phase(
+    api: &str,
+    dir: &std::path::Path,
+    kind: &str,
+    name: &str,
+    phase: &str,
+) -> serde_json::Value {
+    let started = std::time::Instant::now();
+    loop {
+        let object = get_json(api, dir, &["get", kind, name]);
+        if object["status"]["phase"] == phase {
+            return object;
+        }
+        assert!(
+            started.elapsed() < support::WAIT,
+            "{kind} {name} did not become {phase}: {:#}",
+            object["status"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn wait_for_phase(
     api: &str,
     dir: &std::path::Path,
@@ -345,19 +368,13 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     assert!(per_proplet.values().all(|r| r["results"] == "42"));
     assert_eq!(result("sample-propeller-job-job-task-1"), "30");
     assert_eq!(result("sample-propeller-job-job-task-2"), "70");
-    let started = std::time::Instant::now();
-    loop {
-        let job = get_json(&api, dir.path(), &["get", "pjob", "sample-propeller-job"]);
-        if job["status"]["phase"] == "Completed" {
-            break;
-        }
-        assert!(
-            started.elapsed() < support::WAIT,
-            "job: {:#}",
-            job["status"]
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    wait_for_object_phase(
+        &api,
+        dir.path(),
+        "pjob",
+        "sample-propeller-job",
+        "Completed",
+    );
 }
 
 fn apply_text(api: &str, dir: &std::path::Path, file: &str, text: &str) {
@@ -442,19 +459,7 @@ fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
             "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: spin\nspec:\n  name: spin\n  functionName: spin\n  file: {file}\n  inputs: [2000000000]\n"
         ),
     );
-    let started = std::time::Instant::now();
-    loop {
-        let task = get_json(&api, dir.path(), &["get", "task", "spin"]);
-        if task["status"]["phase"] == "running" {
-            break;
-        }
-        assert!(
-            started.elapsed() < support::WAIT,
-            "spin never ran: {:#}",
-            task["status"]
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_object_phase(&api, dir.path(), "task", "spin", "running");
     server.terminate();
     drop(server);
     // Same data and the same MQTT port, so the agent reconnects and delivers its result.
@@ -517,19 +522,7 @@ fn a_task_whose_agent_dies_fails_at_its_time_limit() {
             "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: long\nspec:\n  name: long\n  functionName: spin\n  file: {file}\n  inputs: [2000000000]\n  timeoutSeconds: 2\n"
         ),
     );
-    let started = std::time::Instant::now();
-    loop {
-        let task = get_json(&api, dir.path(), &["get", "task", "long"]);
-        if task["status"]["phase"] == "running" {
-            break;
-        }
-        assert!(
-            started.elapsed() < support::WAIT,
-            "the task never ran: {:#}",
-            task["status"]
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_object_phase(&api, dir.path(), "task", "long", "running");
     let _ = agent.child.kill();
     let _ = agent.child.wait();
     wait_for_phase(&api, dir.path(), "worker", "Offline");

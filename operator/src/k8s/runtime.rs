@@ -322,11 +322,7 @@ impl Shared {
     /// The cached `task`, or what this driver last wrote to it when the cache still shows a
     /// version those writes replaced.
     fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        let key = format!(
-            "{}/{}",
-            task.namespace().unwrap_or_default(),
-            task.name_any()
-        );
+        let key = object_key(&*task);
         let mut echo = lock(&self.task_echo);
         let Some(writes) = echo.get(&key) else {
             return task;
@@ -342,11 +338,7 @@ impl Shared {
     }
 
     fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
-        let key = format!(
-            "{}/{}",
-            task.namespace().unwrap_or_default(),
-            task.name_any()
-        );
+        let key = object_key(task);
         lock(&self.task_echo).insert(key, writes);
     }
 
@@ -387,6 +379,15 @@ impl Shared {
             .collect();
         *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
     }
+}
+
+/// `namespace/name`: how the driver's per-object memories are keyed.
+fn object_key(object: &impl ResourceExt) -> String {
+    format!(
+        "{}/{}",
+        object.namespace().unwrap_or_else(|| "default".into()),
+        object.name_any()
+    )
 }
 
 /// Reconciles one Proplet (what the controller calls).
@@ -729,11 +730,7 @@ fn heartbeat_waits(
     {
         return false;
     }
-    let key = format!(
-        "{}/{}",
-        proplet.namespace().unwrap_or_else(|| "default".into()),
-        proplet.name_any()
-    );
+    let key = object_key(proplet);
     let last_write = lock(&ctx.state.proplet_writes).get(&key).copied();
     let fleet = ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
     heartbeat_can_wait(
