@@ -240,6 +240,9 @@ struct Limits {
     between_bytes: Duration,
 }
 
+/// Most a guest may write into a GET, HEAD or CONNECT body that states no length.
+const UNSIZED_BODY_LIMIT: usize = 1 << 20;
+
 /// What drives a connection until its response body is done; errors go to the guest.
 pub(crate) type Driver = Box<dyn Future<Output = Result<(), Error>> + Send>;
 
@@ -267,6 +270,7 @@ pub(crate) async fn send(
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     *request.uri_mut() = http::Uri::try_from(path).map_err(|_| Error::HttpRequestUriInvalid)?;
     let limits = policy.limits(options);
+    settle_unsized_body(&mut request, limits.first_byte).await?;
 
     let (to_host, to_port) = policy.destination(&host, port);
     let tcp = tokio::time::timeout(limits.connect, TcpStream::connect((to_host, to_port)))
@@ -308,6 +312,63 @@ pub(crate) async fn send(
     });
     let driver = async move { connection.await.map_err(Error::from) };
     Ok((response, Box::new(driver) as Driver))
+}
+
+/// Reads to its end a body that hyper would drop unsent, and sends what it held.
+///
+/// hyper writes a GET, HEAD or CONNECT request that states no length with no body at all and
+/// drops the body stream right after the head. A guest still writing or finishing that body
+/// (wasi:http guests finish it while they wait for the response) then finds its stream
+/// closed: the "connection reset" upstream's http_client sample reported for its plain GET
+/// whenever the request went out fast. Waiting for the guest to finish, within the time the
+/// response may take, keeps its stream open, and anything it wrote is sent with a
+/// Content-Length instead of being lost.
+async fn settle_unsized_body(
+    request: &mut http::Request<WasiBody>,
+    limit: Duration,
+) -> Result<(), Error> {
+    let method = request.method();
+    let unsized_bodyless = matches!(
+        *method,
+        http::Method::GET | http::Method::HEAD | http::Method::CONNECT
+    ) && !request.headers().contains_key(http::header::CONTENT_LENGTH)
+        && !request
+            .headers()
+            .contains_key(http::header::TRANSFER_ENCODING);
+    if !unsized_bodyless || request.body().is_end_stream() {
+        return Ok(());
+    }
+    let method = method.clone();
+    let empty = http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut body = std::mem::replace(request.body_mut(), empty);
+    let read = async {
+        let mut held = Vec::new();
+        while let Some(frame) = body.frame().await {
+            // Trailers need a chunked body, which these methods do not get: only data counts.
+            if let Ok(data) = frame?.into_data() {
+                if held.len() + data.len() > UNSIZED_BODY_LIMIT {
+                    return Err(Error::HttpRequestBodySize(Some(
+                        (held.len() + data.len()) as u64,
+                    )));
+                }
+                held.extend_from_slice(&data);
+            }
+        }
+        Ok(held)
+    };
+    let held = tokio::time::timeout(limit, read).await.map_err(|_| {
+        Error::InternalError(Some(format!(
+            "the guest did not finish the body of its {method} request within {limit:?}"
+        )))
+    })??;
+    if !held.is_empty() {
+        *request.body_mut() = http_body_util::Full::new(Bytes::from(held))
+            .map_err(|never| match never {})
+            .boxed_unsync();
+    }
+    Ok(())
 }
 
 /// A response body that fails when the server pauses longer than `limit` between frames.
@@ -433,6 +494,116 @@ mod tests {
         assert_eq!(policy.destination("HTTPBIN.org", 443), ("127.0.0.1", 40123));
         assert_eq!(policy.destination("httpbin.org", 80), ("httpbin.org", 80));
         assert_eq!(policy.destination("example.org", 443), ("example.org", 443));
+    }
+
+    /// A request body fed by the test, frame by frame, like a guest's output stream.
+    struct GuestBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl Body for GuestBody {
+        type Data = Bytes;
+        type Error = Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+        }
+    }
+
+    /// A loopback server that answers one request; the request as it arrived.
+    fn answer_once() -> (u16, std::sync::mpsc::Receiver<String>) {
+        use std::io::{Read, Write};
+        let listener = match std::net::TcpListener::bind("127.0.0.1:0") {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        };
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+        let (seen, request) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let Ok((mut stream, _)) = listener.accept() else {
+                return;
+            };
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+            let mut text = Vec::new();
+            let mut buf = [0u8; 1024];
+            // The head, then as many body bytes as it announces.
+            while let Ok(n @ 1..) = stream.read(&mut buf) {
+                text.extend_from_slice(&buf[..n]);
+                let head_end = text.windows(4).position(|w| w == b"\r\n\r\n");
+                let Some(end) = head_end else { continue };
+                let head = String::from_utf8_lossy(&text[..end]).to_ascii_lowercase();
+                let length = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                if text.len() >= end + 4 + length {
+                    break;
+                }
+            }
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+            let _ = seen.send(String::from_utf8_lossy(&text).into_owned());
+        });
+        (port, request)
+    }
+
+    /// Sends a GET whose body the test writes to after the send began; whether each
+    /// write was taken, and the request the server saw.
+    async fn get_with_late_body(chunks: &[&'static str]) -> (Vec<bool>, String) {
+        let (port, seen) = answer_once();
+        let (writer, reader) = tokio::sync::mpsc::channel(4);
+        let request = http::Request::get(format!("http://127.0.0.1:{port}/get"))
+            .header(http::header::HOST, format!("127.0.0.1:{port}"))
+            .body(GuestBody(reader).boxed_unsync());
+        let request = match request {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        let sent = tokio::spawn(send(Arc::new(OutgoingHttp::default()), request, None));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut taken = Vec::new();
+        for chunk in chunks {
+            taken.push(
+                writer
+                    .send(Bytes::from_static(chunk.as_bytes()))
+                    .await
+                    .is_ok(),
+            );
+        }
+        drop(writer);
+        match sent.await {
+            Ok(Ok((response, _driver))) => assert_eq!(response.status(), 200),
+            Ok(Err(e)) => panic!("send: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+        let request = seen
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_default();
+        (taken, request)
+    }
+
+    #[tokio::test]
+    async fn a_get_body_the_guest_finishes_late_stays_open_and_is_sent_with_its_length() {
+        let (taken, request) = get_with_late_body(&["he", "llo"]).await;
+        assert_eq!(
+            taken,
+            [true, true],
+            "the body stream was closed under the guest"
+        );
+        assert!(request.starts_with("GET /get HTTP/1.1\r\n"), "{request}");
+        assert!(request.contains("content-length: 5\r\n"), "{request}");
+        assert!(request.ends_with("\r\n\r\nhello"), "{request}");
+        // An empty body is finished late too, and the GET goes out without one.
+        let (taken, request) = get_with_late_body(&[""]).await;
+        assert_eq!(taken, [true]);
+        assert!(
+            !request.to_ascii_lowercase().contains("content-length"),
+            "{request}"
+        );
+        assert!(request.ends_with("\r\n\r\n"), "{request}");
     }
 
     #[test]

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 /// How long etcd and the API server get to answer `/readyz`.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
+/// Starts tried before giving up when another process took one of the chosen ports.
+const LAUNCH_ATTEMPTS: usize = 5;
 const ADMIN_TOKEN: &str = "envtest-admin-token";
 const CONTROLLER_MANAGER_TOKEN: &str = "envtest-controller-manager-token";
 
@@ -30,6 +32,12 @@ pub struct Options {
     /// Also run kube-controller-manager (garbage collector, namespace, Job, Deployment,
     /// ReplicaSet and ServiceAccount controllers).
     pub controller_manager: bool,
+}
+
+/// Why a control plane did not come up; a taken port is worth another try on other ports.
+enum StartFailure {
+    PortTaken(String),
+    Other(String),
 }
 
 /// Paths of the control-plane binaries.
@@ -68,10 +76,19 @@ impl ControlPlane {
                 return None;
             }
         };
-        Some(Self::launch(&assets, options))
+        for attempt in 1.. {
+            match Self::launch(&assets, options) {
+                Ok(plane) => return Some(plane),
+                Err(StartFailure::PortTaken(why)) if attempt < LAUNCH_ATTEMPTS => {
+                    eprintln!("control plane start {attempt}: {why}; again on other ports");
+                }
+                Err(StartFailure::PortTaken(why) | StartFailure::Other(why)) => panic!("{why}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
     }
 
-    fn launch(assets: &Assets, options: Options) -> Self {
+    fn launch(assets: &Assets, options: Options) -> Result<Self, StartFailure> {
         // etcd's fsyncs are the slowest part of the API server; a RAM disk when there is one.
         let base = Path::new("/dev/shm");
         let dir = if base.is_dir() {
@@ -144,7 +161,7 @@ impl ControlPlane {
             .arg("--service-account-issuer=https://kubernetes.default.svc")
             .arg("--service-cluster-ip-range=10.96.0.0/16");
         plane.spawn("kube-apiserver", apiserver);
-        plane.wait_ready();
+        plane.wait_ready()?;
 
         if options.controller_manager {
             let binary = assets
@@ -171,7 +188,7 @@ impl ControlPlane {
                 );
             plane.spawn("kube-controller-manager", cm);
         }
-        plane
+        Ok(plane)
     }
 
     fn spawn(&mut self, name: &'static str, mut cmd: Command) {
@@ -194,24 +211,30 @@ impl ControlPlane {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), StartFailure> {
         let started = Instant::now();
         loop {
             let out = self.kubectl().args(["get", "--raw", "/readyz"]).output();
             if out.as_ref().is_ok_and(|o| o.status.success()) {
-                return;
+                return Ok(());
             }
             for (name, child) in &mut self.processes {
                 if let Ok(Some(status)) = child.try_wait() {
                     let name = *name;
-                    panic!("{name} exited ({status}):\n{}", self.log_tail(name));
+                    let log = self.log_tail(name);
+                    let why = format!("{name} exited ({status}):\n{log}");
+                    return Err(if log.contains("address already in use") {
+                        StartFailure::PortTaken(why)
+                    } else {
+                        StartFailure::Other(why)
+                    });
                 }
             }
             if started.elapsed() > START_TIMEOUT {
-                panic!(
+                return Err(StartFailure::Other(format!(
                     "kube-apiserver not ready within {START_TIMEOUT:?}:\n{}",
                     self.log_tail("kube-apiserver")
-                );
+                )));
             }
             std::thread::sleep(Duration::from_millis(250));
         }
@@ -440,12 +463,41 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, for a server that must be told its port.
+///
+/// It comes from below the kernel's ephemeral range: a port the kernel hands out for
+/// `bind(0)` may be taken by any outgoing connection before the server binds it (etcd failed
+/// that way in CI), while ports below the range are only ever taken by an explicit bind.
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let (low, _) = ephemeral_port_range();
+    let floor: u16 = 10_000;
+    let span = low.saturating_sub(floor).max(1);
+    for _ in 0..1_000 {
+        // RandomState is seeded per process and per call: a cheap random number.
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let port = floor + (random % u64::from(span)) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("ephemeral port")
+}
+
+/// The kernel's range for automatically chosen local ports (Linux's default when unreadable).
+fn ephemeral_port_range() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| {
+            let mut bounds = text.split_whitespace().map(|n| n.parse::<u16>().ok());
+            Some((bounds.next()??, bounds.next()??))
+        })
+        .unwrap_or((32_768, 60_999))
 }
 
 /// Makes the kernel kill `cmd`'s process when the thread that started it dies, so a test
