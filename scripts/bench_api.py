@@ -122,13 +122,31 @@ def proplet_manifest(name, mqtt_port, key):
 
 
 def free_port():
-    """A free TCP port on 127.0.0.1."""
+    """A TCP port on 127.0.0.1 that is free now, from below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) can be taken by any outgoing connection before
+    (or, for a server that restarts, between) the binds of the server it is meant for; ports
+    below the range are only ever taken by an explicit bind.
+    """
+    import random
     import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    floor = 10000
+    for _ in range(1000):
+        port = random.randrange(floor, max(low, floor + 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_agent(bin_dir, name, mqtt_port, state_dir, rust_log="info", log_path=None):

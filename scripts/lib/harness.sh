@@ -26,7 +26,8 @@ start_control_plane() {
   APISERVER_PID=$(pgrep -P "$ENVTEST_PID" -f kube-apiserver || true)
 }
 
-# Prints a free TCP port on 127.0.0.1.
+# Prints a free TCP port on 127.0.0.1 (bench_api.free_port: from below the ephemeral range).
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$(dirname "${BASH_SOURCE[0]}")/.." \
+    python3 -c 'from bench_api import free_port; print(free_port())'
 }
