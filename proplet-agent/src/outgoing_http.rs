@@ -496,23 +496,6 @@ mod tests {
         assert_eq!(policy.destination("example.org", 443), ("example.org", 443));
     }
 
-    /// A request body fed by the test, frame by frame, like a guest's output stream.
-    struct GuestBody(tokio::sync::mpsc::Receiver<Bytes>);
-
-    impl Body for GuestBody {
-        type Data = Bytes;
-        type Error = Error;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
-        }
-    }
-
     /// A loopback server that answers one request; the request as it arrived.
     fn answer_once() -> (u16, std::sync::mpsc::Receiver<String>) {
         use std::io::{Read, Write};
@@ -550,6 +533,15 @@ mod tests {
         (port, request)
     }
 
+    /// A request body fed by the test, chunk by chunk, like a guest's output stream.
+    fn guest_body(chunks: tokio::sync::mpsc::Receiver<Bytes>) -> WasiBody {
+        let frames = futures_util::stream::unfold(chunks, |mut chunks| async move {
+            let chunk = chunks.recv().await?;
+            Some((Ok(Frame::data(chunk)), chunks))
+        });
+        http_body_util::StreamBody::new(frames).boxed_unsync()
+    }
+
     /// Sends a GET whose body the test writes to after the send began; whether each
     /// write was taken, and the request the server saw.
     async fn get_with_late_body(chunks: &[&'static str]) -> (Vec<bool>, String) {
@@ -557,7 +549,7 @@ mod tests {
         let (writer, reader) = tokio::sync::mpsc::channel(4);
         let request = http::Request::get(format!("http://127.0.0.1:{port}/get"))
             .header(http::header::HOST, format!("127.0.0.1:{port}"))
-            .body(GuestBody(reader).boxed_unsync());
+            .body(guest_body(reader));
         let request = match request {
             Ok(r) => r,
             Err(e) => panic!("{e}"),
