@@ -6,7 +6,8 @@
 #   scripts/bench-k8s.sh [pipeline|heartbeats N|all]      (default: all, N = 5000 and 10000)
 #
 # pipeline:   first a baseline: 1,000 Task POSTs to the API server alone, before propeller
-#             starts (the ceiling for any burst here). Then 4 `proplet` agents. One
+#             starts (the ceiling for any burst here), and the API server's CPU per write of
+#             a few kinds (ConfigMap and Proplet creates and patches). Then 4 `proplet` agents. One
 #             add(10, 32) at a time, 30 runs after 5 warm-ups: POST Task -> a watch event
 #             showing it completed (median, p99). Then 1,000 Tasks
 #             POSTed at once from 8 connections: tasks/s from the first POST to the last
@@ -15,8 +16,8 @@
 #             heartbeats`, real MQTT connections) heartbeating every 10 s; after a steady
 #             minute 1,000 go silent. Reports propeller's and the API server's CPU apart,
 #             Proplet status writes (the API server's own request counter) per proplet per
-#             flush interval, and the time from the silence until all 1,000 are Offline (a
-#             watch on them; threshold 30 s).
+#             flush interval, the time from the silence until all 1,000 are Offline (a
+#             watch on them; threshold 30 s), and where the machine's CPU went meanwhile.
 # Needs etcd (`apt-get install etcd-server`) and the envtest binaries (KUBEBUILDER_ASSETS or
 # ../shared/envtest), as the tests do.
 set -euo pipefail

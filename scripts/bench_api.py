@@ -103,6 +103,33 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_seconds():
+    """(busy, total) CPU seconds of the whole machine so far, over all cores."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / tick, sum(ticks) / tick
+
+
+def pid_named(comm, parent=None):
+    """The pid of a process whose name is `comm` (Linux cuts names at 15 characters),
+    a child of `parent` when given; None when there is none."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if name == comm[:15] and (parent is None or ppid == parent):
+            return int(entry)
+    return None
+
+
 def rss_mib(pid):
     """Resident memory of process `pid`, in MiB."""
     with open(f"/proc/{pid}/status") as f:

@@ -3,6 +3,7 @@
     bench_k8s_run.py pipeline|heartbeats|baseline N KUBECONFIG MQTT_PORT BIN_DIR PROPELLER_PID APISERVER_PID WORK
 """
 import datetime
+import json
 import multiprocessing
 import os
 import queue
@@ -14,7 +15,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import cpu_seconds, heartbeat_load, rss_mib, start_agent  # noqa: E402
+from bench_api import (  # noqa: E402
+    cpu_seconds, heartbeat_load, machine_cpu_seconds, pid_named, rss_mib, start_agent)
 from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
 
 what, n, kubeconfig, mqtt, bin_dir, propeller_pid, apiserver_pid, work = sys.argv[1:9]
@@ -215,13 +217,27 @@ def heartbeats():
                                      args=(kubeconfig, silent_path, watch_rv, seen_queue))
     poller.start()
     samples = []
+    # Every quarter second, where the CPU goes (the Offline burst lasts a few seconds); the
+    # API server's metrics, which cost it a scrape, once a second.
+    burst_cpu = []
+    etcd_pid = pid_named("etcd", parent=parent_of(apiserver_pid))
     stop = threading.Event()
 
     def sample():
+        loadgen_pid = None
+        tick = 0
         while not stop.is_set():
-            samples.append((time.time(), cpu_seconds(propeller_pid), cpu_seconds(apiserver_pid),
-                            rss_mib(propeller_pid), rss_mib(apiserver_pid), status_writes()))
-            stop.wait(1.0)
+            loadgen_pid = loadgen_pid or pid_named("propeller-loadgen")
+            busy, total = machine_cpu_seconds()
+            burst_cpu.append((time.time(), busy, total, cpu_seconds(propeller_pid),
+                              cpu_seconds(apiserver_pid), cpu_or_zero(etcd_pid),
+                              cpu_or_zero(loadgen_pid)))
+            if tick % 4 == 0:
+                samples.append((time.time(), cpu_seconds(propeller_pid),
+                                cpu_seconds(apiserver_pid), rss_mib(propeller_pid),
+                                rss_mib(apiserver_pid), status_writes()))
+            tick += 1
+            stop.wait(0.25)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -293,9 +309,39 @@ def heartbeats():
         print(f"start-up ramp: {n} Proplet status writes done {ramp - start:.0f} s after the first "
               f"connection; the silence began {silenced - start:.0f} s after it")
     print(f"simulated proplets whose connection the broker closed: {events['done']['failed']} of {n}")
+    if in_time:
+        print_burst_cpu(burst_cpu, in_time[0] - 0.5, in_time[-1])
     print_offline_delays()
     print_requests("API requests during the load (verb resource/subresource code: count)",
                    requests0, requests1)
+
+
+def cpu_or_zero(pid):
+    """cpu_seconds of `pid`, 0 when there is no such process (any more)."""
+    try:
+        return cpu_seconds(pid) if pid else 0
+    except OSError:
+        return 0
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def print_burst_cpu(samples, begin, end):
+    """Where the machine's CPU went while the silent proplets were being marked Offline."""
+    window = [s for s in samples if begin <= s[0] <= end + 0.25]
+    if len(window) < 2:
+        print("CPU during the Offline burst: too short to sample")
+        return
+    a, b = window[0], window[-1]
+    span = b[0] - a[0]
+    cores = (b[2] - a[2]) / span
+    share = lambda i: (b[i] - a[i]) / span * 100
+    print(f"CPU during the Offline burst ({span:.1f} s, {cores:.1f} cores): machine busy "
+          f"{share(1):.0f}% of one core, propeller {share(3):.0f}%, kube-apiserver {share(4):.0f}%, "
+          f"etcd {share(5):.0f}%, load generator {share(6):.0f}%")
 
 
 def print_offline_delays():
@@ -335,6 +381,40 @@ def baseline():
     print(f"| baseline: 1,000 Task POSTs, no operator running (8 connections) | {took:.2f} s = "
           f"{1000 / took:.0f} creates/s; kube-apiserver CPU {cpu:.2f} s = {cpu:.1f} ms per request | reported | - |")
     kube.raw("DELETE", tasks_path())
+    write_costs()
+
+
+def write_costs():
+    """The API server's CPU per write, by kind, 1,000 of each from 16 connections: what a
+    Proplet status write costs it next to a create and next to a built-in object's writes."""
+    merge = "application/merge-patch+json"
+    maps = f"/api/v1/namespaces/{NS}/configmaps"
+    stamp = lambda i: f"2026-01-01T00:{i // 60 % 60:02d}:{i % 60:02d}Z"
+    kinds = [
+        ("POST configmap", lambda i: ("POST", maps, {"metadata": {"name": f"cost-{i}"}}, None)),
+        ("PATCH configmap", lambda i: ("PATCH", f"{maps}/cost-{i}", {"data": {"v": "1"}}, merge)),
+        ("POST proplet", lambda i: ("POST", proplets_path(None), proplet(f"cost-{i}", 1883), None)),
+        ("PATCH proplet status", lambda i: (
+            "PATCH", f"{proplets_path(None)}/cost-{i}/status",
+            {"status": {"phase": "Offline", "alive": False, "lastSeen": stamp(i)}}, merge)),
+    ]
+    local = threading.local()
+
+    def send(request):
+        method, path, body, content_type = request
+        if not hasattr(local, "kube"):
+            local.kube = Kube(kubeconfig)
+        local.kube.raw(method, path, json.dumps(body), content_type=content_type or "application/json")
+
+    for kind, request in kinds:
+        cpu0, t0 = cpu_seconds(apiserver_pid), time.time()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(send, (request(i) for i in range(1000))))
+        took, cpu = time.time() - t0, cpu_seconds(apiserver_pid) - cpu0
+        print(f"| API server cost of 1,000 × {kind} (16 connections) | {1000 / took:.0f}/s; "
+              f"kube-apiserver CPU {cpu:.1f} ms per request | reported | - |")
+    kube.raw("DELETE", maps)
+    kube.raw("DELETE", proplets_path(None))
 
 
 if what == "pipeline":

@@ -40,9 +40,9 @@ class Kube:
         return http.client.HTTPSConnection(self.host, self.port, context=self.context,
                                            timeout=self.timeout)
 
-    def raw(self, method, path, body=None, ok=(200, 201)):
+    def raw(self, method, path, body=None, ok=(200, 201), content_type="application/json"):
         """The answer's body; any status outside `ok` ends the script with its message."""
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": content_type}
         return kept_alive_request(self, self._connect, method, path, body, headers, ok)
 
     def call(self, method, path, obj=None):
