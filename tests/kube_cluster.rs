@@ -155,6 +155,40 @@ fn wait_phase(cp: &ControlPlane, ns: &str, kind: &str, name: &str, phase: &str) 
     })
 }
 
+/// [`wait_phase`], failing with what else it takes to see why: the `related` kinds in
+/// `ns` and what the `processes` logged.
+fn wait_phase_explained(
+    cp: &ControlPlane,
+    ns: &str,
+    kind: &str,
+    name: &str,
+    phase: &str,
+    related: &[&str],
+    processes: &[(&str, &Running)],
+) -> Value {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        wait_phase(cp, ns, kind, name, phase)
+    }));
+    outcome.unwrap_or_else(|why| {
+        let mut story = String::new();
+        for kind in related {
+            let out = cp
+                .kubectl()
+                .args(["-n", ns, "get", kind, "-o", "yaml"])
+                .output();
+            let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            story += &format!("--- {kind}:\n{}\n", text.unwrap_or_default());
+        }
+        for (who, process) in processes {
+            let lines = process.stderr_so_far();
+            let tail = &lines[lines.len().saturating_sub(80)..];
+            story += &format!("--- {who} logged:\n{}\n", tail.join("\n"));
+        }
+        eprintln!("{story}");
+        std::panic::resume_unwind(why)
+    })
+}
+
 fn wait_gone(cp: &ControlPlane, ns: &str, kind: &str, name: &str) {
     let started = Instant::now();
     while get(cp, ns, kind, name).is_some() {
@@ -982,7 +1016,19 @@ fn a_federated_job_of_two_rounds_stores_the_fedavg_model_in_a_configmap() {
     wait_phase(&cp, ns, "proplet", "a", "Running");
     wait_phase(&cp, ns, "proplet", "bb", "Running");
     apply(&cp, ns, &support::federated_job_manifest(&http));
-    let job = wait_phase(&cp, ns, "federatedjob", "fl", "Completed");
+    let job = wait_phase_explained(
+        &cp,
+        ns,
+        "federatedjob",
+        "fl",
+        "Completed",
+        &["trainingrounds", "tasks", "proplets"],
+        &[
+            ("operator", &_operator),
+            ("agent a", &_a),
+            ("agent bb", &_b),
+        ],
+    );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(job["status"]["completedRounds"], 2, "{:#}", job["status"]);
     let model_ref = job["status"]["aggregatedModelRef"]

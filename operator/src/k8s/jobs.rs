@@ -92,7 +92,7 @@ pub async fn reconcile_propeller_job(
 async fn propeller_job_once(job: &PropellerJob, ctx: &Shared) -> Result<Action, ReconcileError> {
     let ns = job.namespace().unwrap_or_else(|| "default".into());
     let uid = job.metadata.uid.clone().unwrap_or_default();
-    let tasks = ctx.tasks.state();
+    let tasks = ctx.job_tasks.state();
     let in_ns = || {
         tasks
             .iter()
@@ -194,7 +194,7 @@ async fn training_round_once(
     ctx: &Shared,
 ) -> Result<Action, ReconcileError> {
     let ns = round.namespace().unwrap_or_else(|| "default".into());
-    let tasks = ctx.tasks.state();
+    let tasks = ctx.round_tasks.state();
     let proplets = ctx.proplets.state();
     let task_refs: Vec<&Task> = tasks.iter().map(|t| &**t).collect();
     let proplet_refs: Vec<&crate::crd::proplet::Proplet> = proplets.iter().map(|p| &**p).collect();

@@ -92,6 +92,11 @@ pub struct Shared {
     pub proplets: Store<Proplet>,
     /// Cached Tasks.
     pub tasks: Store<Task>,
+    /// Cached Tasks that PropellerJobs created: filled by the watch that wakes their
+    /// reconciles, so a reconcile sees the change that woke it.
+    pub job_tasks: Store<Task>,
+    /// Cached Tasks that TrainingRounds created, the same way.
+    pub round_tasks: Store<Task>,
     /// Cached proplet Deployments.
     pub deployments: Store<Deployment>,
     /// Cached Secrets (proplet keys are read from here, never fetched one by one).
@@ -174,6 +179,10 @@ pub struct Caches {
     pub proplets: Store<Proplet>,
     /// Tasks.
     pub tasks: Store<Task>,
+    /// Tasks carrying a PropellerJob's label.
+    pub job_tasks: Store<Task>,
+    /// Tasks carrying a TrainingRound's label.
+    pub round_tasks: Store<Task>,
     /// Proplet Deployments.
     pub deployments: Store<Deployment>,
     /// Secrets (proplet keys).
@@ -219,6 +228,8 @@ impl Shared {
             credential_gate: RefreshGate::default(),
             proplets: caches.proplets,
             tasks: caches.tasks,
+            job_tasks: caches.job_tasks,
+            round_tasks: caches.round_tasks,
             deployments: caches.deployments,
             secrets: caches.secrets,
             clients: std::sync::RwLock::new(HashMap::new()),
@@ -803,6 +814,29 @@ pub struct Runtime {
     pub images: Option<Arc<Images>>,
 }
 
+/// The Tasks carrying `label`: a cache, and the stream of changes (already applied to that
+/// cache) for the controller that owns them.
+fn labelled_tasks(
+    client: &Client,
+    namespace: Option<&str>,
+    label: &str,
+) -> (
+    Store<Task>,
+    impl futures::Stream<Item = Result<Task, watcher::Error>> + Send + 'static,
+) {
+    let (reader, writer) = reflector::store::<Task>();
+    let events = reflector::reflector(
+        writer,
+        watcher(
+            scoped::<Task>(client, namespace),
+            watcher::Config::default().labels(label),
+        ),
+    )
+    .touched_objects()
+    .default_backoff();
+    (reader, events)
+}
+
 /// Runs the Proplet and Task controllers and the event router until `shutdown` resolves.
 pub async fn run(
     rt: Runtime,
@@ -848,9 +882,25 @@ pub async fn run(
         scoped::<Job>(&client, ns.as_deref()),
         watcher::Config::default().labels(super::task_job::TASK_LABEL),
     );
+    // A job's or round's reconcile reads its Tasks from the cache of the watch that woke it.
+    // Read from the Task controller's cache instead, a reconcile woken by a Task's completion
+    // could run before that other watch delivered it, plan from the Task still running, and
+    // wait for the next resync (a round stayed at 1 of 2 updates for minutes).
+    let (job_tasks, job_task_events) = labelled_tasks(
+        &client,
+        ns.as_deref(),
+        crate::decision::propeller_job::JOB_LABEL,
+    );
+    let (round_tasks, round_task_events) = labelled_tasks(
+        &client,
+        ns.as_deref(),
+        crate::decision::federated::ROUND_LABEL,
+    );
     let caches = Caches {
         proplets: proplet_controller.store(),
         tasks: task_controller.store(),
+        job_tasks,
+        round_tasks,
         deployments: deployment_reader,
         secrets: secret_reader,
     };
@@ -943,10 +993,7 @@ pub async fn run(
     .with_config(bounded())
     // Only the Tasks a job created (they carry its label): every other Task's writes would
     // be sent to this watch too, for nothing.
-    .owns(
-        scoped::<Task>(&client, ns.as_deref()),
-        watcher::Config::default().labels(crate::decision::propeller_job::JOB_LABEL),
-    )
+    .owns_stream(job_task_events)
     .graceful_shutdown_on(shutdown.clone())
     .run(
         super::jobs::reconcile_propeller_job,
@@ -973,10 +1020,7 @@ pub async fn run(
         watcher::Config::default(),
     )
     .with_config(bounded())
-    .owns(
-        scoped::<Task>(&client, ns.as_deref()),
-        watcher::Config::default().labels(crate::decision::federated::ROUND_LABEL),
-    )
+    .owns_stream(round_task_events)
     .reconcile_on(tokio_stream_of(triggers.rounds))
     .graceful_shutdown_on(shutdown.clone())
     .run(

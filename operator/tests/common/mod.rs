@@ -263,6 +263,8 @@ impl Harness {
             None,
             Caches {
                 proplets: proplet_reader,
+                job_tasks: task_reader.clone(),
+                round_tasks: task_reader.clone(),
                 tasks: task_reader,
                 deployments,
                 secrets: kube::runtime::reflector::store().0,
