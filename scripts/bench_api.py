@@ -96,11 +96,30 @@ def pick(samples, name, **labels):
     return sum(value for n, lbl, value in samples if n == name and all(w in lbl for w in wanted))
 
 
+def _stat(pid):
+    """(name, the fields after it) of /proc/`pid`/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 1:].split()
+
+
 def cpu_seconds(pid):
     """User + system CPU time process `pid` has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = _stat(pid)[1]
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_or_zero(pid):
+    """cpu_seconds of `pid`, 0 when there is no such process (any more)."""
+    try:
+        return cpu_seconds(pid) if pid else 0
+    except OSError:
+        return 0
+
+
+def parent_of(pid):
+    """The parent pid of process `pid`."""
+    return int(_stat(pid)[1][1])
 
 
 def machine_cpu_seconds():
@@ -119,13 +138,10 @@ def pid_named(comm, parent=None):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            name, fields = _stat(entry)
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if name == comm[:15] and (parent is None or ppid == parent):
+        if name == comm[:15] and (parent is None or int(fields[1]) == parent):
             return int(entry)
     return None
 

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_api import (  # noqa: E402
-    cpu_seconds, heartbeat_load, machine_cpu_seconds, pid_named, rss_mib, start_agent)
+    cpu_or_zero, cpu_seconds, heartbeat_load, machine_cpu_seconds, parent_of, pid_named, rss_mib,
+    start_agent)
 from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
 
 what, n, kubeconfig, mqtt, bin_dir, propeller_pid, apiserver_pid, work = sys.argv[1:9]
@@ -228,13 +229,12 @@ def heartbeats():
         tick = 0
         while not stop.is_set():
             loadgen_pid = loadgen_pid or pid_named("propeller-loadgen")
-            busy, total = machine_cpu_seconds()
-            burst_cpu.append((time.time(), busy, total, cpu_seconds(propeller_pid),
-                              cpu_seconds(apiserver_pid), cpu_or_zero(etcd_pid),
+            now, (busy, total) = time.time(), machine_cpu_seconds()
+            cpu_p, cpu_a = cpu_seconds(propeller_pid), cpu_seconds(apiserver_pid)
+            burst_cpu.append((now, busy, total, cpu_p, cpu_a, cpu_or_zero(etcd_pid),
                               cpu_or_zero(loadgen_pid)))
             if tick % 4 == 0:
-                samples.append((time.time(), cpu_seconds(propeller_pid),
-                                cpu_seconds(apiserver_pid), rss_mib(propeller_pid),
+                samples.append((now, cpu_p, cpu_a, rss_mib(propeller_pid),
                                 rss_mib(apiserver_pid), status_writes()))
             tick += 1
             stop.wait(0.25)
@@ -314,19 +314,6 @@ def heartbeats():
     print_offline_delays()
     print_requests("API requests during the load (verb resource/subresource code: count)",
                    requests0, requests1)
-
-
-def cpu_or_zero(pid):
-    """cpu_seconds of `pid`, 0 when there is no such process (any more)."""
-    try:
-        return cpu_seconds(pid) if pid else 0
-    except OSError:
-        return 0
-
-
-def parent_of(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def print_burst_cpu(samples, begin, end):

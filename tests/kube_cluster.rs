@@ -132,6 +132,19 @@ fn wait_until(
     what: &str,
     done: impl Fn(&Value) -> bool,
 ) -> Value {
+    wait_until_explained(cp, namespace, kind, name, what, done, String::new)
+}
+
+/// [`wait_until`], whose failure adds what `explain` tells then.
+fn wait_until_explained(
+    cp: &ControlPlane,
+    namespace: &str,
+    kind: &str,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+    explain: impl Fn() -> String,
+) -> Value {
     let started = Instant::now();
     loop {
         let object = get(cp, namespace, kind, name);
@@ -140,11 +153,13 @@ fn wait_until(
                 return object.clone();
             }
         }
-        assert!(
-            started.elapsed() < STATUS_WAIT,
-            "{kind}/{name}: not {what} within {STATUS_WAIT:?}; last seen:\n{:#}",
-            object.map(|o| o["status"].clone()).unwrap_or(Value::Null)
-        );
+        if started.elapsed() >= STATUS_WAIT {
+            panic!(
+                "{kind}/{name}: not {what} within {STATUS_WAIT:?}; last seen:\n{:#}\n{}",
+                object.map(|o| o["status"].clone()).unwrap_or(Value::Null),
+                explain()
+            );
+        }
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -166,10 +181,7 @@ fn wait_phase_explained(
     related: &[&str],
     processes: &[(&str, &Running)],
 ) -> Value {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        wait_phase(cp, ns, kind, name, phase)
-    }));
-    outcome.unwrap_or_else(|why| {
+    let explain = || {
         let mut story = String::new();
         for kind in related {
             let out = cp
@@ -184,9 +196,17 @@ fn wait_phase_explained(
             let tail = &lines[lines.len().saturating_sub(80)..];
             story += &format!("--- {who} logged:\n{}\n", tail.join("\n"));
         }
-        eprintln!("{story}");
-        std::panic::resume_unwind(why)
-    })
+        story
+    };
+    wait_until_explained(
+        cp,
+        ns,
+        kind,
+        name,
+        phase,
+        |o| o["status"]["phase"].as_str() == Some(phase),
+        explain,
+    )
 }
 
 fn wait_gone(cp: &ControlPlane, ns: &str, kind: &str, name: &str) {
