@@ -4,6 +4,8 @@
 //! `server` feature, the embedded broker that authenticates devices and turns their publishes
 //! into typed in-process events.
 
+#[cfg(feature = "server")]
+pub mod external;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod protocol;

@@ -39,6 +39,9 @@ enum Command {
     },
     /// Run the embedded MQTT broker alone and log every typed event (device bring-up).
     Broker(commands::broker::BrokerCommand),
+    /// Print the device policy as an external broker's configuration (NATS `authorization`),
+    /// from the cluster's Proplets and their Secrets.
+    BrokerConfig(commands::broker_config::BrokerConfigCommand),
     /// Run the Kubernetes operator with the MQTT broker in the same process.
     Run(Box<commands::run::RunCommand>),
     /// Run without Kubernetes: broker, reconcilers and a durable store on this machine.
@@ -124,6 +127,9 @@ fn main() -> anyhow::Result<()> {
         Command::Broker(cmd) => {
             commands::logging::init();
             block_on(commands::broker::run(cmd))?;
+        }
+        Command::BrokerConfig(cmd) => {
+            block_on(commands::broker_config::print(cmd))?;
         }
         Command::Standalone(cmd) => {
             if cmd.demo && !cmd.verbose {

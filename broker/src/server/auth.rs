@@ -25,11 +25,30 @@ pub enum Role {
     Service,
 }
 
-/// A client's secret and role.
+/// The topic channel a device belongs to: `m/{domain}/c/{channel}/...`. A device bound to a
+/// channel may use only that channel's topics where the broker lets propeller decide per topic
+/// (the external brokers' callbacks and rendered configs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ChannelScope {
+    /// The `{domain}` level; `None` accepts any domain.
+    pub domain: Option<String>,
+    /// The `{channel}` level.
+    pub channel: String,
+}
+
+impl ChannelScope {
+    /// Whether a topic's `{domain}` and `{channel}` levels fall within this scope.
+    pub fn covers(&self, domain: &str, channel: &str) -> bool {
+        self.channel == channel && self.domain.as_deref().is_none_or(|d| d == domain)
+    }
+}
+
+/// A client's secret and role, and for a device the channel it belongs to.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Credential {
     key: String,
     role: Role,
+    scope: Option<ChannelScope>,
 }
 
 impl Credential {
@@ -38,6 +57,7 @@ impl Credential {
         Self {
             key: key.into(),
             role,
+            scope: None,
         }
     }
 
@@ -46,9 +66,25 @@ impl Credential {
         Self::new(key, Role::Proplet)
     }
 
+    /// The same credential bound to one channel.
+    pub fn on_channel(mut self, scope: ChannelScope) -> Self {
+        self.scope = Some(scope);
+        self
+    }
+
     /// The role granted by this credential.
     pub fn role(&self) -> Role {
         self.role
+    }
+
+    /// The key itself, for writing a broker's user table (never log it).
+    pub fn secret(&self) -> &str {
+        &self.key
+    }
+
+    /// The channel a device is bound to, if any.
+    pub fn scope(&self) -> Option<&ChannelScope> {
+        self.scope.as_ref()
     }
 
     /// Whether `password` is this credential's key, in time independent of where they differ.
@@ -63,6 +99,7 @@ impl fmt::Debug for Credential {
         f.debug_struct("Credential")
             .field("key", &"<redacted>")
             .field("role", &self.role)
+            .field("scope", &self.scope)
             .finish()
     }
 }
@@ -105,6 +142,16 @@ pub fn authenticate(
     username: &str,
     password: &str,
 ) -> Result<Role, AuthFailure> {
+    login(source, client_id, username, password).map(|c| c.role())
+}
+
+/// Like [`authenticate`], returning the whole credential (role and channel scope).
+pub fn login(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+) -> Result<Credential, AuthFailure> {
     if username.is_empty() && password.is_empty() {
         return Err(AuthFailure::Anonymous);
     }
@@ -113,16 +160,46 @@ pub fn authenticate(
     }
     let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
     if credential.accepts(password) {
-        Ok(credential.role())
+        Ok(credential)
     } else {
         Err(AuthFailure::WrongKey)
     }
 }
 
-/// An in-memory credential table that drivers keep up to date (Proplet watch, store, file).
+/// An in-memory credential table that drivers keep up to date (Proplet watch, store, file),
+/// with an index of which devices belong to each channel.
 #[derive(Debug, Default, Clone)]
 pub struct CredentialStore {
-    entries: Arc<RwLock<HashMap<String, Credential>>>,
+    entries: Arc<RwLock<Table>>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    by_client: HashMap<String, Credential>,
+    /// Client ids of the devices bound to each `channel` level (domains checked on lookup).
+    by_channel: HashMap<String, Vec<String>>,
+}
+
+impl Table {
+    fn index(&mut self, client_id: &str, credential: &Credential) {
+        if let Some(scope) = credential.scope() {
+            self.by_channel
+                .entry(scope.channel.clone())
+                .or_default()
+                .push(client_id.to_owned());
+        }
+    }
+
+    fn unindex(&mut self, client_id: &str, credential: &Credential) {
+        if let Some(scope) = credential.scope() {
+            if let Some(ids) = self.by_channel.get_mut(&scope.channel) {
+                ids.retain(|id| id != client_id);
+                if ids.is_empty() {
+                    self.by_channel.remove(&scope.channel);
+                }
+            }
+        }
+    }
 }
 
 impl CredentialStore {
@@ -133,25 +210,73 @@ impl CredentialStore {
 
     /// Adds or replaces the credential of `client_id`.
     pub fn insert(&self, client_id: impl Into<String>, credential: Credential) {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        entries.insert(client_id.into(), credential);
+        let client_id = client_id.into();
+        let mut table = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        table.index(&client_id, &credential);
+        if let Some(old) = table.by_client.insert(client_id.clone(), credential) {
+            table.unindex(&client_id, &old);
+        }
     }
 
     /// Removes `client_id`; its next connect is refused.
     pub fn remove(&self, client_id: &str) -> bool {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        entries.remove(client_id).is_some()
+        let mut table = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        match table.by_client.remove(client_id) {
+            Some(old) => {
+                table.unindex(client_id, &old);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Replaces the whole table at once (e.g. after a full relist).
-    pub fn replace_all(&self, table: HashMap<String, Credential>) {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        *entries = table;
+    pub fn replace_all(&self, entries: HashMap<String, Credential>) {
+        let mut table = Table::default();
+        for (client_id, credential) in &entries {
+            table.index(client_id, credential);
+        }
+        table.by_client = entries;
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) = table;
+    }
+
+    /// The devices bound to the channel `m/{domain}/c/{channel}`.
+    pub fn channel_members(&self, domain: &str, channel: &str) -> Vec<String> {
+        let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let Some(ids) = table.by_channel.get(channel) else {
+            return Vec::new();
+        };
+        ids.iter()
+            .filter(|id| {
+                table
+                    .by_client
+                    .get(*id)
+                    .and_then(Credential::scope)
+                    .is_some_and(|s| s.covers(domain, channel))
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Every credential, for rendering a broker's static configuration.
+    pub fn snapshot(&self) -> Vec<(String, Credential)> {
+        let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<_> = table
+            .by_client
+            .iter()
+            .map(|(id, c)| (id.clone(), c.clone()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     /// How many clients may connect.
     pub fn len(&self) -> usize {
-        self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.entries
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_client
+            .len()
     }
 
     /// Whether nobody may connect.
@@ -162,8 +287,8 @@ impl CredentialStore {
 
 impl CredentialSource for CredentialStore {
     fn lookup(&self, client_id: &str) -> Option<Credential> {
-        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        entries.get(client_id).cloned()
+        let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        table.by_client.get(client_id).cloned()
     }
 }
 

@@ -45,15 +45,15 @@ use crate::protocol::{
 };
 
 pub use auth::{
-    authenticate, load_credentials_file, parse_credentials, AuthFailure, Credential,
-    CredentialSource, CredentialStore, CredentialsFileError, LayeredCredentials, Role,
+    authenticate, load_credentials_file, login, parse_credentials, AuthFailure, ChannelScope,
+    Credential, CredentialSource, CredentialStore, CredentialsFileError, LayeredCredentials, Role,
 };
 pub use events::{BrokerEvent, EventKind, OfflineCause};
 pub use listener::TlsSettings;
 pub use metrics::{BrokerMetrics, KindLabel};
 pub use policy::{
-    is_agent_report, judge_publish, may_subscribe, DropReason, PublishDecision, Verdict,
-    DENIED_FILTER, DROPPED_TOPIC,
+    is_agent_report, judge_publish, may_access_topic, may_subscribe, DropReason, PublishDecision,
+    TopicAccess, Verdict, DENIED_FILTER, DROPPED_TOPIC,
 };
 
 use guard::{Guard, Shared};
@@ -338,33 +338,59 @@ struct LinkHalves {
     _rx: LinkRx,
 }
 
-/// Publishes commands to devices over the broker's in-process link. Cheap to clone.
+/// Where a [`Publisher`] sends: the embedded broker's in-process link, or the client session
+/// on an external broker.
+#[derive(Clone)]
+enum Outlet {
+    Embedded(Arc<Mutex<LinkHalves>>),
+    External(rumqttc::AsyncClient),
+}
+
+/// Publishes commands to devices, through whichever broker is in front. Cheap to clone.
 #[derive(Clone)]
 pub struct Publisher {
-    link: Arc<Mutex<LinkHalves>>,
+    outlet: Outlet,
 }
 
 impl Publisher {
     fn new(tx: LinkTx, rx: LinkRx) -> Self {
         Self {
-            link: Arc::new(Mutex::new(LinkHalves { tx, _rx: rx })),
+            outlet: Outlet::Embedded(Arc::new(Mutex::new(LinkHalves { tx, _rx: rx }))),
         }
     }
 
-    /// Publishes `payload` on `topic` (QoS 0, not retained).
+    /// A publisher on an external broker's client session (QoS 1).
+    pub(crate) fn external(client: rumqttc::AsyncClient) -> Self {
+        Self {
+            outlet: Outlet::External(client),
+        }
+    }
+
+    /// Publishes `payload` on `topic` (not retained): QoS 0 on the embedded broker's
+    /// in-process link, QoS 1 on an external broker.
     pub async fn publish(&self, topic: String, payload: Vec<u8>) -> Result<(), BrokerError> {
-        let link = self.link.clone();
-        // The router's queue is a bounded blocking channel: keep the wait off async threads.
-        tokio::task::spawn_blocking(move || {
-            let mut halves = link.lock().unwrap_or_else(|e| e.into_inner());
-            halves
-                .tx
-                .publish(topic, payload)
-                .map(|_| ())
-                .map_err(|e| BrokerError::Router(e.to_string()))
-        })
-        .await
-        .map_err(|e| BrokerError::Router(e.to_string()))?
+        match &self.outlet {
+            Outlet::Embedded(link) => {
+                let link = link.clone();
+                // The router's queue is a bounded blocking channel: keep the wait off async
+                // threads.
+                tokio::task::spawn_blocking(move || {
+                    let mut halves = link.lock().unwrap_or_else(|e| e.into_inner());
+                    halves
+                        .tx
+                        .publish(topic, payload)
+                        .map(|_| ())
+                        .map_err(|e| BrokerError::Router(e.to_string()))
+                })
+                .await
+                .map_err(|e| BrokerError::Router(e.to_string()))?
+            }
+            // Queued in the session; sent when connected, again after a reconnect if unacked.
+            Outlet::External(client) => client
+                .publish(topic, rumqttc::QoS::AtLeastOnce, false, payload)
+                .await
+                .map_err(|e| BrokerError::Router(format!("external broker session ended: {e}"))),
+        }
     }
 
     /// Sends a start request on `channel`.

@@ -7,7 +7,7 @@
 
 use crate::protocol::{classify, Decoder, TopicKind};
 
-use super::auth::Role;
+use super::auth::{Credential, Role};
 use super::events::{BrokerEvent, EventKind};
 
 /// Where refused publishes go: nothing of ours subscribes here, and the payload is emptied.
@@ -163,6 +163,61 @@ pub fn may_subscribe(role: Role, filter: &str) -> bool {
     }
 }
 
+/// What a client asks of a broker that consults propeller per topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopicAccess {
+    /// Publish on the topic.
+    Publish,
+    /// Subscribe with the topic as a filter.
+    Subscribe,
+}
+
+/// Whether `client_id` holding `credential` may publish on or subscribe to `topic`, decided
+/// from the topic alone: for external brokers, which ask per topic and never show propeller
+/// the payload. Services may do anything. A device may publish only its reports (including
+/// `registry/proplet` and FL updates that name itself) and subscribe only to the literal
+/// command topics of a channel (start, stop, invoke, `registry/server`, `fl/rounds/start`);
+/// a device bound to a channel ([`Credential::scope`]) only on that channel.
+pub fn may_access_topic(
+    client_id: &str,
+    credential: &Credential,
+    access: TopicAccess,
+    topic: &str,
+) -> bool {
+    if credential.role() == Role::Service {
+        return true;
+    }
+    if topic.contains(['+', '#']) || topic.is_empty() {
+        return false;
+    }
+    let Some((channel, kind)) = classify(topic) else {
+        return false;
+    };
+    let in_scope = match (channel, credential.scope()) {
+        (Some(found), Some(scope)) => scope.covers(found.domain, found.channel),
+        (Some(_), None) => true,
+        // The unprefixed FL update topic names no channel; its proplet level binds it.
+        (None, _) => true,
+    };
+    if !in_scope {
+        return false;
+    }
+    match access {
+        TopicAccess::Publish => match &kind {
+            TopicKind::FlUpdate { proplet_id, .. } => proplet_id.as_str() == client_id,
+            other => is_agent_report(other),
+        },
+        TopicAccess::Subscribe => matches!(
+            kind,
+            TopicKind::Start
+                | TopicKind::Stop
+                | TopicKind::Invoke
+                | TopicKind::RegistryChunk
+                | TopicKind::FlRoundStart
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +316,71 @@ mod tests {
             body,
         );
         assert!(matches!(d.verdict, Verdict::Drop(_)), "{:?}", d.verdict);
+    }
+
+    fn scoped_device() -> Credential {
+        Credential::proplet("k").on_channel(crate::server::ChannelScope {
+            domain: Some("dom".into()),
+            channel: "chan".into(),
+        })
+    }
+
+    #[test]
+    fn a_scoped_device_publishes_only_its_channels_reports() {
+        let dev = scoped_device();
+        let publish = |topic| may_access_topic("a", &dev, TopicAccess::Publish, topic);
+        assert!(publish(ALIVE));
+        assert!(publish(RESULTS));
+        assert!(publish("m/dom/c/chan/registry/proplet"));
+        assert!(publish("m/dom/c/chan/fl/rounds/r1/updates/a"));
+        assert!(publish("fl/rounds/r1/updates/a"));
+        assert!(
+            !publish("fl/rounds/r1/updates/b"),
+            "FL update naming another"
+        );
+        assert!(
+            !publish("m/dom/c/other/control/proplet/alive"),
+            "other channel"
+        );
+        assert!(
+            !publish("m/dom2/c/chan/control/proplet/alive"),
+            "other domain"
+        );
+        assert!(
+            !publish("m/dom/c/chan/control/manager/start"),
+            "manager topic"
+        );
+        assert!(!publish("m/dom/c/chan/registry/server"));
+        assert!(!publish("m/+/c/chan/control/proplet/alive"));
+        assert!(!publish("some/topic"));
+    }
+
+    #[test]
+    fn a_scoped_device_subscribes_only_to_its_channels_commands() {
+        let dev = scoped_device();
+        let subscribe = |topic| may_access_topic("a", &dev, TopicAccess::Subscribe, topic);
+        assert!(subscribe("m/dom/c/chan/control/manager/start"));
+        assert!(subscribe("m/dom/c/chan/control/manager/stop"));
+        assert!(subscribe("m/dom/c/chan/control/manager/invoke"));
+        assert!(subscribe("m/dom/c/chan/registry/server"));
+        assert!(!subscribe("#"));
+        assert!(!subscribe("m/dom/c/+/control/manager/start"));
+        assert!(!subscribe("m/dom/c/other/control/manager/start"));
+        assert!(!subscribe(ALIVE), "another agent's reports");
+        assert!(!subscribe("m/dom/c/chan/registry/proplet"));
+    }
+
+    #[test]
+    fn an_unscoped_device_may_use_any_channel_and_services_anything() {
+        let dev = Credential::proplet("k");
+        assert!(may_access_topic(
+            "a",
+            &dev,
+            TopicAccess::Publish,
+            "m/x/c/y/control/proplet/alive"
+        ));
+        let svc = Credential::new("k", Role::Service);
+        assert!(may_access_topic("s", &svc, TopicAccess::Subscribe, "#"));
     }
 
     #[test]

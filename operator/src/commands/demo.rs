@@ -28,7 +28,7 @@ const QUICKSTART: [&str; 3] = [
 /// (found next to this binary) that logs in with it.
 pub async fn start(
     api_state: &ApiState,
-    mqtt: SocketAddr,
+    mqtt: &str,
     data_dir: &Path,
     verbose: bool,
 ) -> anyhow::Result<tokio::process::Child> {
@@ -41,8 +41,7 @@ pub async fn start(
         match doc["kind"].as_str() {
             Some("Secret") => doc["stringData"]["key"] = Value::String(key.clone()),
             Some("Proplet") => {
-                doc["spec"]["connectionConfig"]["mqttAddress"] =
-                    Value::String(format!("tcp://{mqtt}"))
+                doc["spec"]["connectionConfig"]["mqttAddress"] = Value::String(mqtt.to_owned())
             }
             _ => {}
         }
@@ -78,7 +77,7 @@ pub async fn start(
     std::fs::create_dir_all(&state_dir)?;
     let mut command = tokio::process::Command::new(&agent);
     command
-        .env("PROPLET_MQTT_ADDRESS", format!("tcp://{mqtt}"))
+        .env("PROPLET_MQTT_ADDRESS", mqtt)
         .env("PROPLET_DOMAIN_ID", "quickstart")
         .env("PROPLET_CHANNEL_ID", "quickstart")
         .env("PROPLET_CLIENT_ID", "quickstart-proplet")

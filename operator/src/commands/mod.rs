@@ -1,7 +1,10 @@
 //! Subcommands of the `propeller` binary that run services.
 
 pub mod broker;
+pub mod broker_config;
 pub mod demo;
+pub mod device_broker;
+pub mod external_args;
 pub mod image_args;
 pub mod logging;
 pub mod reconcile_args;

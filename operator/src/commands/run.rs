@@ -10,14 +10,14 @@ use clap::Args;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use propeller_broker::http::{Handler, Reply, OPENMETRICS};
-use propeller_broker::server::{
-    CredentialSource, CredentialStore, EmbeddedBroker, LayeredCredentials,
-};
+use propeller_broker::server::CredentialStore;
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
 use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
 
 use super::broker::{watch_credentials, BrokerArgs};
+use super::device_broker::{DeviceBroker, Logins};
+use super::external_args::ExternalBrokerArgs;
 use super::image_args::ImageArgs;
 use super::logging::LogFormat;
 use super::reconcile_args::ReconcileArgs;
@@ -58,6 +58,8 @@ pub struct RunCommand {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
+    pub external: ExternalBrokerArgs,
+    #[command(flatten)]
     pub images: ImageArgs,
 }
 
@@ -65,10 +67,20 @@ pub struct RunCommand {
 #[derive(Default)]
 struct Health {
     ready: AtomicBool,
+    /// The external broker session's state; `None` with the embedded broker.
+    broker: RwLock<Option<tokio::sync::watch::Receiver<bool>>>,
     registry: RwLock<Arc<Registry>>,
 }
 
 impl Health {
+    fn broker_connected(&self) -> bool {
+        self.broker
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|ready| *ready.borrow())
+    }
+
     fn set_registry(&self, registry: Registry) {
         *self.registry.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(registry);
     }
@@ -84,10 +96,13 @@ impl Health {
 fn handler(health: Arc<Health>) -> Handler {
     Arc::new(move |method, path| match (method, path) {
         ("GET", "/healthz") => Reply::ok("application/json", r#"{"status":"ok"}"#),
-        ("GET", "/readyz") if health.ready.load(Ordering::Relaxed) => {
-            Reply::ok("application/json", r#"{"status":"ready"}"#)
+        ("GET", "/readyz") if !health.ready.load(Ordering::Relaxed) => {
+            Reply::unavailable(r#"{"status":"not leading"}"#)
         }
-        ("GET", "/readyz") => Reply::unavailable(r#"{"status":"not leading"}"#),
+        ("GET", "/readyz") if !health.broker_connected() => {
+            Reply::unavailable(r#"{"status":"no connection to the MQTT broker"}"#)
+        }
+        ("GET", "/readyz") => Reply::ok("application/json", r#"{"status":"ready"}"#),
         ("GET", "/metrics") => {
             let mut text = String::new();
             match encode(&mut text, &health.registry()) {
@@ -106,17 +121,15 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
         .context("connecting to the Kubernetes API (in-cluster config or kubeconfig)")?;
     let health = Arc::new(Health::default());
     let controller_metrics = Arc::new(ControllerMetrics::default());
-    let proplet_logins = Arc::new(CredentialStore::new());
-    let service_logins = CredentialStore::new();
+    let logins = Logins {
+        proplets: Arc::new(CredentialStore::new()),
+        services: CredentialStore::new(),
+    };
     if let Some(path) = &cmd.credentials {
         let table = propeller_broker::server::load_credentials_file(path)?;
-        service_logins.replace_all(table);
-        tokio::spawn(watch_credentials(path.clone(), service_logins.clone()));
+        logins.services.replace_all(table);
+        tokio::spawn(watch_credentials(path.clone(), logins.services.clone()));
     }
-    let logins: Arc<dyn CredentialSource> = Arc::new(LayeredCredentials::new(vec![
-        proplet_logins.clone(),
-        Arc::new(service_logins),
-    ]));
 
     let listener = tokio::net::TcpListener::bind(cmd.metrics_listen)
         .await
@@ -166,7 +179,6 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
         client,
         health,
         controller_metrics,
-        proplet_logins,
         logins,
         shutdown,
         lease_task,
@@ -191,17 +203,18 @@ async fn serve(
     client: kube::Client,
     health: Arc<Health>,
     controller_metrics: Arc<ControllerMetrics>,
-    proplet_logins: Arc<CredentialStore>,
-    logins: Arc<dyn CredentialSource>,
+    logins: Logins,
     shutdown: futures::future::Shared<ShutdownFuture>,
     lease: Option<LeaseWatch>,
 ) -> anyhow::Result<()> {
-    let mut broker = EmbeddedBroker::start(cmd.broker.to_config()?, logins)
-        .await
-        .context("starting the MQTT broker")?;
-    if let Some(addr) = broker.tcp_addr() {
+    let external = cmd
+        .external
+        .plan(cmd.domain_id.as_deref(), cmd.channel_id.as_deref())?;
+    let mut broker = DeviceBroker::start(cmd.broker.to_config()?, external, &logins).await?;
+    if let Some(addr) = broker.listen_addr() {
         info!(%addr, "mqtt listening");
     }
+    *health.broker.write().unwrap_or_else(|e| e.into_inner()) = broker.ready();
     let images = cmd.images.images(
         &std::env::temp_dir().join("propeller-images"),
         broker.publisher(),
@@ -209,7 +222,7 @@ async fn serve(
     )?;
     let mut registry = Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
-    broker.metrics().register(&mut registry);
+    broker.register(&mut registry);
     images.metrics().register(&mut registry);
     health.set_registry(registry);
     let raw_events = broker
@@ -226,7 +239,7 @@ async fn serve(
         settings,
         publisher: broker.publisher(),
         events,
-        credentials: proplet_logins,
+        credentials: logins.proplets.clone(),
         metrics: controller_metrics,
         reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
         resync: cmd.reconcile.liveliness_interval,

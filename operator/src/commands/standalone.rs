@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
+use propeller_broker::server::{BrokerConfig, CredentialStore};
 use propeller_operator::metrics::ControllerMetrics;
 use propeller_operator::standalone::api::{self, canonical_kind, ApiState, MetricsText};
 use propeller_operator::standalone::client::{
@@ -23,6 +23,8 @@ use propeller_operator::validation::Admission;
 use serde_json::Value;
 use tracing::{info, warn};
 
+use super::device_broker::{DeviceBroker, Logins};
+use super::external_args::ExternalBrokerArgs;
 use super::image_args::ImageArgs;
 use super::reconcile_args::ReconcileArgs;
 use propeller_operator::standalone::pull_secrets::StorePullSecrets;
@@ -41,9 +43,11 @@ pub struct StandaloneCommand {
     /// Address of the local API that `propeller apply/get/describe/delete` use.
     #[arg(long, env = "PROPELLER_API_LISTEN", default_value = DEFAULT_API)]
     pub api_listen: SocketAddr,
-    /// MQTT listener.
+    /// MQTT listener of the embedded broker.
     #[arg(long, env = "PROPELLER_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     pub mqtt_listen: SocketAddr,
+    #[command(flatten)]
+    pub external: ExternalBrokerArgs,
     #[command(flatten)]
     pub reconcile: ReconcileArgs,
     #[command(flatten)]
@@ -135,16 +139,17 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     let store = ObjectStore::open(&cmd.data_dir)
         .with_context(|| format!("opening the store in {}", cmd.data_dir.display()))?;
     let token = token(&cmd.data_dir)?;
-    let logins = Arc::new(CredentialStore::new());
+    let logins = Logins {
+        proplets: Arc::new(CredentialStore::new()),
+        services: CredentialStore::new(),
+    };
     let config = BrokerConfig {
         tcp_listen: Some(cmd.mqtt_listen),
         ..BrokerConfig::default()
     };
-    let mut broker = EmbeddedBroker::start(config, logins.clone())
-        .await
-        .context("starting the MQTT broker")?;
+    let mut broker = DeviceBroker::start(config, cmd.external.plan(None, None)?, &logins).await?;
     let mqtt = broker
-        .tcp_addr()
+        .device_address()
         .context("the broker has no TCP listener")?;
     let events = broker
         .take_events()
@@ -164,7 +169,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         store.clone(),
         broker.publisher(),
         settings,
-        logins,
+        logins.proplets.clone(),
         controller_metrics.clone(),
         events_log.clone(),
     )
@@ -178,7 +183,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     driver.attach_images(images);
     let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
-    broker.metrics().register(&mut registry);
+    broker.register(&mut registry);
     store.metrics().register(&mut registry);
     image_metrics.register(&mut registry);
     let metrics: MetricsText = {
@@ -206,7 +211,13 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     });
     let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
     println!("propeller standalone: data in {}", cmd.data_dir.display());
-    println!("  mqtt listening on {mqtt}");
+    match broker.listen_addr() {
+        Some(addr) => println!("  mqtt listening on {addr}"),
+        None => println!("  mqtt: external broker {mqtt}"),
+    }
+    if let Some(addr) = broker.callback_addr() {
+        println!("  auth callbacks on http://{addr}");
+    }
     println!(
         "  api listening on http://{api_addr} (token in {})",
         cmd.data_dir.join(TOKEN_FILE).display()
@@ -220,7 +231,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
                 cmd.data_dir.join(super::demo::LOG_FILE).display()
             );
         }
-        agent = Some(super::demo::start(&api_state, mqtt, &cmd.data_dir, cmd.verbose).await?);
+        agent = Some(super::demo::start(&api_state, &mqtt, &cmd.data_dir, cmd.verbose).await?);
         tokio::spawn(super::demo::narrate(
             store.clone(),
             api_addr,

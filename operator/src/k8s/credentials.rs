@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use propeller_broker::server::Credential;
+use propeller_broker::server::{ChannelScope, Credential};
 
 use crate::crd::proplet::{ClientKeySource, Proplet};
 
@@ -128,7 +128,11 @@ pub fn credential_table(
             continue;
         }
         owners.insert(client_id.clone(), who);
-        table.insert(client_id, Credential::proplet(key));
+        let scope = ChannelScope {
+            domain: conn.domain().map(str::to_owned),
+            channel: conn.channel_id.clone(),
+        };
+        table.insert(client_id, Credential::proplet(key).on_channel(scope));
     }
     for id in contested {
         table.remove(&id);

@@ -1,0 +1,374 @@
+//! Propeller as the external broker's authentication and authorization backend: devices log
+//! in with the same credentials, and may use the same topics, as on the embedded broker.
+//!
+//! - RabbitMQ (`rabbitmq_auth_backend_http`, `auth_http.http_method = get`):
+//!   `/rabbitmq/{secret}/user`, `/vhost`, `/resource`, `/topic`, answering `allow` or `deny`.
+//!   MQTT topics arrive as routing keys (`/` became `.`, `+` became `*`).
+//! - EMQX 5 (HTTP authentication and HTTP authorization, POST with a JSON body):
+//!   `/emqx/{secret}/authn` with `clientid`, `username`, `password`, and `/emqx/{secret}/authz`
+//!   with `clientid`, `username`, `topic`, `action`; answering `{"result":"allow"|"deny"}`.
+//!
+//! The `{secret}` path segment is a shared secret only the broker knows (the callback
+//! listener must never be reachable by devices); a request without it is refused with 403.
+//! Decisions are made per request from the live credential table, so a deleted Proplet cannot
+//! log in again, and when propeller is down the broker cannot reach this backend and refuses
+//! new logins (existing sessions continue).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+use tracing::debug;
+
+use crate::server::{login, may_access_topic, CredentialSource, Role, TopicAccess};
+
+/// Label set of one callback decision.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `rabbitmq` or `emqx`.
+    pub engine: &'static str,
+    /// `user`, `vhost`, `resource`, `topic`, `authn`, `authz`.
+    pub check: &'static str,
+    /// `allow` or `deny`.
+    pub result: &'static str,
+}
+
+/// What the callback handlers need.
+#[derive(Clone)]
+pub struct CallbackState {
+    credentials: Arc<dyn CredentialSource>,
+    secret: Arc<str>,
+    decisions: Family<DecisionLabels, Counter>,
+}
+
+impl CallbackState {
+    /// Callbacks deciding from `credentials`, reachable only with `secret` in the path.
+    pub fn new(credentials: Arc<dyn CredentialSource>, secret: impl Into<Arc<str>>) -> Self {
+        Self {
+            credentials,
+            secret: secret.into(),
+            decisions: Family::default(),
+        }
+    }
+
+    /// Registers `broker_callback_decisions` (per engine, check and result).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "broker_callback_decisions",
+            "Decisions given to the external broker's authentication and authorization calls",
+            self.decisions.clone(),
+        );
+    }
+
+    fn knows(&self, secret: &str) -> bool {
+        bool::from(secret.as_bytes().ct_eq(self.secret.as_bytes()))
+    }
+
+    fn count(&self, engine: &'static str, check: &'static str, allowed: bool) -> bool {
+        let result = if allowed { "allow" } else { "deny" };
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                engine,
+                check,
+                result,
+            })
+            .inc();
+        allowed
+    }
+}
+
+/// The callback routes (see the module docs).
+pub fn router(state: CallbackState) -> Router {
+    Router::new()
+        .route("/rabbitmq/{secret}/{check}", get(rabbitmq).post(rabbitmq))
+        .route("/emqx/{secret}/authn", post(emqx_authn))
+        .route("/emqx/{secret}/authz", post(emqx_authz))
+        .with_state(state)
+}
+
+/// Serves the callbacks on `listener` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, state: CallbackState) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).await
+}
+
+fn forbidden() -> Response {
+    (StatusCode::FORBIDDEN, "wrong callback secret\n").into_response()
+}
+
+/// RabbitMQ's four checks; every parameter arrives in the query string.
+async fn rabbitmq(
+    State(state): State<CallbackState>,
+    Path((secret, check)): Path<(String, String)>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Response {
+    if !state.knows(&secret) {
+        return forbidden();
+    }
+    let (check, allowed) = match check.as_str() {
+        "user" => ("user", rabbitmq_user(&state, &params)),
+        "vhost" => ("vhost", rabbitmq_known(&state, &params)),
+        "resource" => ("resource", rabbitmq_resource(&state, &params)),
+        "topic" => ("topic", rabbitmq_topic(&state, &params)),
+        _ => return (StatusCode::NOT_FOUND, "unknown check\n").into_response(),
+    };
+    debug!(
+        check,
+        allowed,
+        user = params.get("username").map(String::as_str),
+        "rabbitmq callback"
+    );
+    let allowed = state.count("rabbitmq", check, allowed);
+    (if allowed { "allow" } else { "deny" }).into_response()
+}
+
+fn param<'a>(params: &'a HashMap<String, String>, name: &str) -> &'a str {
+    params.get(name).map(String::as_str).unwrap_or_default()
+}
+
+fn rabbitmq_user(state: &CallbackState, params: &HashMap<String, String>) -> bool {
+    let username = param(params, "username");
+    // RabbitMQ 3.10 sends the MQTT client id with the login; older versions do not.
+    let client_id = params
+        .get("client_id")
+        .map(String::as_str)
+        .unwrap_or(username);
+    login(
+        state.credentials.as_ref(),
+        client_id,
+        username,
+        param(params, "password"),
+    )
+    .is_ok()
+}
+
+fn rabbitmq_known(state: &CallbackState, params: &HashMap<String, String>) -> bool {
+    state
+        .credentials
+        .lookup(param(params, "username"))
+        .is_some()
+}
+
+/// Queues and exchanges: a device may use only its own subscription queues and the topic
+/// exchange (what it may route there is decided per topic).
+fn rabbitmq_resource(state: &CallbackState, params: &HashMap<String, String>) -> bool {
+    let username = param(params, "username");
+    let Some(credential) = state.credentials.lookup(username) else {
+        return false;
+    };
+    if credential.role() == Role::Service {
+        return true;
+    }
+    let name = param(params, "name");
+    match param(params, "resource") {
+        "exchange" => name == "amq.topic",
+        "queue" => name
+            .strip_prefix("mqtt-subscription-")
+            .and_then(|rest| rest.strip_prefix(username))
+            .is_some_and(|qos| qos == "qos0" || qos == "qos1"),
+        _ => false,
+    }
+}
+
+fn rabbitmq_topic(state: &CallbackState, params: &HashMap<String, String>) -> bool {
+    let username = param(params, "username");
+    let Some(credential) = state.credentials.lookup(username) else {
+        return false;
+    };
+    let access = match param(params, "permission") {
+        "write" => TopicAccess::Publish,
+        "read" => TopicAccess::Subscribe,
+        _ => return false,
+    };
+    let topic = mqtt_topic_of_routing_key(param(params, "routing_key"));
+    may_access_topic(username, &credential, access, &topic)
+}
+
+/// RabbitMQ's routing key back to the MQTT topic: `.` separates levels, `*` is `+`.
+fn mqtt_topic_of_routing_key(key: &str) -> String {
+    key.split('.')
+        .map(|level| if level == "*" { "+" } else { level })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+#[derive(Deserialize)]
+struct EmqxAuthn {
+    #[serde(default)]
+    clientid: String,
+    #[serde(default)]
+    username: String,
+    #[serde(default)]
+    password: String,
+}
+
+#[derive(Deserialize)]
+struct EmqxAuthz {
+    #[serde(default)]
+    clientid: String,
+    #[serde(default)]
+    username: String,
+    #[serde(default)]
+    topic: String,
+    #[serde(default)]
+    action: String,
+}
+
+async fn emqx_authn(
+    State(state): State<CallbackState>,
+    Path(secret): Path<String>,
+    Json(request): Json<EmqxAuthn>,
+) -> Response {
+    if !state.knows(&secret) {
+        return forbidden();
+    }
+    let outcome = login(
+        state.credentials.as_ref(),
+        &request.clientid,
+        &request.username,
+        &request.password,
+    );
+    let allowed = state.count("emqx", "authn", outcome.is_ok());
+    let superuser = matches!(&outcome, Ok(c) if c.role() == Role::Service);
+    Json(serde_json::json!({
+        "result": if allowed { "allow" } else { "deny" },
+        "is_superuser": superuser,
+    }))
+    .into_response()
+}
+
+async fn emqx_authz(
+    State(state): State<CallbackState>,
+    Path(secret): Path<String>,
+    Json(request): Json<EmqxAuthz>,
+) -> Response {
+    if !state.knows(&secret) {
+        return forbidden();
+    }
+    // The client id is the identity; a username that differs was refused at login already.
+    let allowed = request.username == request.clientid
+        && state
+            .credentials
+            .lookup(&request.clientid)
+            .is_some_and(|credential| {
+                let access = match request.action.as_str() {
+                    "publish" => TopicAccess::Publish,
+                    "subscribe" => TopicAccess::Subscribe,
+                    _ => return false,
+                };
+                may_access_topic(&request.clientid, &credential, access, &request.topic)
+            });
+    let allowed = state.count("emqx", "authz", allowed);
+    Json(serde_json::json!({ "result": if allowed { "allow" } else { "deny" } })).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::{ChannelScope, Credential, CredentialStore};
+
+    fn state() -> CallbackState {
+        let store = CredentialStore::new();
+        store.insert(
+            "dev1",
+            Credential::proplet("k1").on_channel(ChannelScope {
+                domain: Some("d".into()),
+                channel: "c1".into(),
+            }),
+        );
+        store.insert("propeller", Credential::new("svc", Role::Service));
+        CallbackState::new(Arc::new(store), "s3cret")
+    }
+
+    fn params(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn rabbitmq_logins() {
+        let s = state();
+        let ok = params(&[
+            ("username", "dev1"),
+            ("password", "k1"),
+            ("client_id", "dev1"),
+        ]);
+        assert!(rabbitmq_user(&s, &ok));
+        let wrong_key = params(&[
+            ("username", "dev1"),
+            ("password", "k2"),
+            ("client_id", "dev1"),
+        ]);
+        assert!(!rabbitmq_user(&s, &wrong_key));
+        let other_client = params(&[("username", "dev1"), ("password", "k1"), ("client_id", "x")]);
+        assert!(
+            !rabbitmq_user(&s, &other_client),
+            "username must be the client id"
+        );
+        let anonymous = params(&[("username", ""), ("password", ""), ("client_id", "dev1")]);
+        assert!(!rabbitmq_user(&s, &anonymous));
+    }
+
+    #[test]
+    fn rabbitmq_resources_are_the_devices_own_queues_and_the_topic_exchange() {
+        let s = state();
+        let check = |resource: &str, name: &str| {
+            rabbitmq_resource(
+                &s,
+                &params(&[
+                    ("username", "dev1"),
+                    ("resource", resource),
+                    ("name", name),
+                    ("permission", "configure"),
+                ]),
+            )
+        };
+        assert!(check("queue", "mqtt-subscription-dev1qos1"));
+        assert!(check("queue", "mqtt-subscription-dev1qos0"));
+        assert!(!check("queue", "mqtt-subscription-propellerqos1"));
+        assert!(check("exchange", "amq.topic"));
+        assert!(!check("exchange", "amq.direct"));
+    }
+
+    #[test]
+    fn rabbitmq_topics_follow_the_device_policy() {
+        let s = state();
+        let topic = |permission: &str, key: &str| {
+            rabbitmq_topic(
+                &s,
+                &params(&[
+                    ("username", "dev1"),
+                    ("permission", permission),
+                    ("routing_key", key),
+                ]),
+            )
+        };
+        assert!(topic("write", "m.d.c.c1.control.proplet.alive"));
+        assert!(topic("write", "m.d.c.c1.registry.proplet"));
+        assert!(!topic("write", "m.d.c.c1.control.manager.start"));
+        assert!(!topic("write", "m.d.c.c2.control.proplet.alive"));
+        assert!(topic("read", "m.d.c.c1.control.manager.start"));
+        assert!(topic("read", "m.d.c.c1.registry.server"));
+        assert!(!topic("read", "#"));
+        assert!(!topic("read", "m.d.c.*.control.manager.start"));
+        assert!(!topic("read", "m.d.c.c2.control.manager.start"));
+        assert!(!topic("read", "m.d.c.c1.control.proplet.alive"));
+    }
+
+    #[test]
+    fn routing_keys_become_topics() {
+        assert_eq!(mqtt_topic_of_routing_key("m.d.c.*.x"), "m/d/c/+/x");
+        assert_eq!(mqtt_topic_of_routing_key("#"), "#");
+    }
+}

@@ -1,0 +1,155 @@
+//! The device policy rendered as a broker's own configuration, for brokers that cannot call
+//! propeller back (NATS 2.9): `propeller broker-config` prints it once from the Kubernetes
+//! API; `--broker-config-file` keeps a file current from the live credential table and runs
+//! a reload command after each change.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::ListParams;
+use kube::Api;
+use propeller_broker::external::nats_config::render_authorization;
+use propeller_broker::server::{load_credentials_file, Credential, CredentialStore};
+use propeller_operator::crd::proplet::{ClientKeySource, Proplet};
+use propeller_operator::k8s::credentials::credential_table;
+use tracing::{info, warn};
+
+/// How often the rendered file is compared with the credential table.
+const RENDER_EVERY: Duration = Duration::from_secs(1);
+
+/// Broker configuration formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConfigFormat {
+    /// A NATS server `authorization { users: [...] }` block (include it from nats.conf).
+    Nats,
+}
+
+/// Flags of `propeller broker-config`.
+#[derive(Args, Debug)]
+pub struct BrokerConfigCommand {
+    /// The broker's configuration format.
+    #[arg(long, value_enum, default_value = "nats")]
+    pub format: ConfigFormat,
+    /// Read Proplets of this namespace only (all namespaces when unset).
+    #[arg(long, short = 'n')]
+    pub namespace: Option<String>,
+    /// TOML file of service clients (propeller's own login among them) to include.
+    #[arg(long, env = "PROPELLER_CREDENTIALS")]
+    pub credentials: Option<PathBuf>,
+}
+
+/// Prints the configuration for the Proplets (and their Secrets) of the cluster.
+pub async fn print(cmd: BrokerConfigCommand) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or kubeconfig)")?;
+    let proplets: Api<Proplet> = match &cmd.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let proplets = proplets
+        .list(&ListParams::default())
+        .await
+        .context("listing Proplets")?
+        .items;
+    let mut secrets: HashMap<(String, String), Secret> = HashMap::new();
+    for proplet in &proplets {
+        let Some(ClientKeySource::Secret(selector)) = proplet.spec.connection_config.key_source()
+        else {
+            continue;
+        };
+        let namespace = proplet.metadata.namespace.clone().unwrap_or_default();
+        let key = (namespace.clone(), selector.name.clone());
+        if secrets.contains_key(&key) {
+            continue;
+        }
+        let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+        if let Some(secret) = api
+            .get_opt(&selector.name)
+            .await
+            .with_context(|| format!("reading Secret {namespace}/{}", selector.name))?
+        {
+            secrets.insert(key, secret);
+        }
+    }
+    let read = |ns: &str, name: &str, key: &str| {
+        let secret = secrets.get(&(ns.to_owned(), name.to_owned()))?;
+        if let Some(value) = secret.data.as_ref().and_then(|d| d.get(key)) {
+            return String::from_utf8(value.0.clone()).ok();
+        }
+        secret.string_data.as_ref()?.get(key).cloned()
+    };
+    let (table, problems) = credential_table(&proplets, read);
+    for problem in problems {
+        eprintln!("warning: {}: {}", problem.proplet, problem.message);
+    }
+    let mut entries: Vec<(String, Credential)> = table.into_iter().collect();
+    if let Some(path) = &cmd.credentials {
+        entries.extend(load_credentials_file(path)?);
+    }
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    match cmd.format {
+        ConfigFormat::Nats => print!("{}", render_authorization(&entries)),
+    }
+    Ok(())
+}
+
+/// Keeps `path` equal to the rendering of the live tables, running `reload` (a shell command)
+/// after each rewrite. Runs until the task is dropped.
+pub async fn keep_rendered(
+    proplets: CredentialStore,
+    services: CredentialStore,
+    path: PathBuf,
+    reload: Option<String>,
+) {
+    let mut written: Option<String> = None;
+    loop {
+        let mut entries = proplets.snapshot();
+        entries.extend(services.snapshot());
+        let text = render_authorization(&entries);
+        if written.as_deref() != Some(text.as_str()) {
+            match write_atomically(&path, &text) {
+                Ok(()) => {
+                    info!(path = %path.display(), users = entries.len(), "broker configuration written");
+                    if let Some(command) = &reload {
+                        run_reload(command).await;
+                    }
+                    written = Some(text);
+                }
+                Err(e) => {
+                    warn!(path = %path.display(), "cannot write the broker configuration: {e:#}")
+                }
+            }
+        }
+        tokio::time::sleep(RENDER_EVERY).await;
+    }
+}
+
+fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
+    let temporary = path.with_extension("tmp");
+    std::fs::write(&temporary, text).with_context(|| format!("writing {}", temporary.display()))?;
+    std::fs::rename(&temporary, path).with_context(|| format!("replacing {}", path.display()))
+}
+
+async fn run_reload(command: &str) {
+    let outcome = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(Duration::from_secs(30), outcome).await {
+        Ok(Ok(output)) if output.status.success() => info!(%command, "broker reloaded"),
+        Ok(Ok(output)) => warn!(
+            %command,
+            status = %output.status,
+            stderr = %String::from_utf8_lossy(&output.stderr).trim(),
+            "the broker reload command failed"
+        ),
+        Ok(Err(e)) => warn!(%command, "cannot run the broker reload command: {e}"),
+        Err(_) => warn!(%command, "the broker reload command took over 30 s; killed"),
+    }
+}
