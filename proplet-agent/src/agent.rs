@@ -1,6 +1,11 @@
 //! The agent service: MQTT session, liveness reports, and the handling of start, stop and
 //! invoke requests.
 //!
+//! The agent may be given several brokers: it connects to one and, whenever the connection
+//! fails or drops, moves round-robin to the next one, waiting the reconnect backoff between
+//! attempts. Every new connection is a clean session, so subscriptions and the discovery are
+//! sent again on each, and unacknowledged spooled results are sent again on the new one.
+//!
 //! Task work runs on the blocking pool behind a concurrency cap, so heartbeats and the MQTT
 //! loop never wait behind a busy guest. Results and invoke results go through the on-disk
 //! spool ([`crate::spool`]) and are the only QoS 1 publishes, which lets the spool sender match
@@ -25,7 +30,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::component::OutgoingHttp;
-use crate::config::Config;
+use crate::config::{BrokerAddress, Config};
 use crate::fetch::HttpFetcher;
 use crate::finished::{Finished, FinishedRuns, Seen};
 use crate::http_server::Server as HttpServer;
@@ -84,11 +89,48 @@ pub struct Agent {
     metrics: Arc<AgentMetrics>,
     /// `Some(n)` while connected, `n` counting sessions; `None` while disconnected.
     session: watch::Sender<Option<u64>>,
+    /// Connection options for each of `config.brokers`, in the same order.
+    broker_options: Vec<MqttOptions>,
+    /// Held by the spool sender from its look at `session` until its publish is queued, and
+    /// by the event loop while it marks a lost session and drops what was queued for it: a
+    /// result queued for the old connection can then never go out on the next one besides
+    /// its resend.
+    spool_gate: Mutex<()>,
 }
 
-/// Connection options for `config`, with the offline Last Will.
+/// Connection options for `config`'s first broker, with the offline Last Will; the event loop
+/// given to [`Agent::run`] is made from these.
 pub fn mqtt_options(config: &Config, channel: &Channel) -> anyhow::Result<MqttOptions> {
-    let mut opts = MqttOptions::new(&config.client_id, &config.host, config.port);
+    let tls = tls_for(config)?;
+    options_for(config, channel, config.brokers.primary(), tls.as_ref())
+}
+
+/// Connection options for each of `config`'s brokers, in order.
+pub fn broker_options(config: &Config, channel: &Channel) -> anyhow::Result<Vec<MqttOptions>> {
+    let tls = tls_for(config)?;
+    config
+        .brokers
+        .as_slice()
+        .iter()
+        .map(|broker| options_for(config, channel, broker, tls.as_ref()))
+        .collect()
+}
+
+/// The TLS client configuration, read once, when a broker asks for TLS.
+fn tls_for(config: &Config) -> anyhow::Result<Option<TlsConfiguration>> {
+    match (&config.tls, config.brokers.first_tls()) {
+        (Some(tls), Some(_)) => tls_config(tls).map(Some),
+        _ => Ok(None),
+    }
+}
+
+fn options_for(
+    config: &Config,
+    channel: &Channel,
+    broker: &BrokerAddress,
+    tls: Option<&TlsConfiguration>,
+) -> anyhow::Result<MqttOptions> {
+    let mut opts = MqttOptions::new(&config.client_id, &broker.host, broker.port);
     opts.set_credentials(&config.client_id, &config.client_key)
         .set_keep_alive(config.keep_alive)
         .set_clean_session(true)
@@ -105,8 +147,11 @@ pub fn mqtt_options(config: &Config, channel: &Channel) -> anyhow::Result<MqttOp
         QoS::AtLeastOnce,
         false,
     ));
-    if let Some(tls) = &config.tls {
-        opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
+    if broker.tls {
+        let tls = tls.with_context(|| {
+            format!("{broker} uses TLS, but no CA bundle is configured (PROPLET_MQTT_TLS_CA_CERT)")
+        })?;
+        opts.set_transport(Transport::tls_with_config(tls.clone()));
     }
     Ok(opts)
 }
@@ -176,6 +221,7 @@ impl Agent {
             })?;
         let http = HttpFetcher::new(HTTP_TIMEOUT, config.max_module_size as u64)
             .context("building the HTTP client")?;
+        let broker_options = broker_options(&config, &channel)?;
         let (session, _) = watch::channel(None);
         Ok(Arc::new(Self {
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks)),
@@ -190,6 +236,8 @@ impl Agent {
             fetches: Mutex::new(HashMap::new()),
             arrivals: Mutex::new(HashMap::new()),
             session,
+            broker_options,
+            spool_gate: Mutex::new(()),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -210,6 +258,10 @@ impl Agent {
     }
 
     /// Drives the MQTT session until `shutdown` resolves; then disconnects cleanly.
+    ///
+    /// `eventloop` is made from [`mqtt_options`]: it starts on the first broker. When a
+    /// connection fails or drops, the loop points it at the next broker of the list
+    /// (round-robin) and tries that one after the backoff delay.
     pub async fn run(
         self: Arc<Self>,
         mut eventloop: EventLoop,
@@ -226,6 +278,12 @@ impl Agent {
         ];
         let mut sessions = 0u64;
         let mut backoff = Backoff::default();
+        let mut brokers = Rotation::new(
+            self.config.brokers.as_slice(),
+            &self.broker_options,
+            &eventloop.mqtt_options,
+        );
+        let mut connected = false;
         tokio::pin!(shutdown);
         loop {
             let event = tokio::select! {
@@ -239,15 +297,21 @@ impl Agent {
                         continue;
                     }
                     backoff.reset();
+                    connected = true;
                     sessions += 1;
                     self.metrics.mqtt_sessions.inc();
                     self.metrics.mqtt_connected.set(1);
-                    info!(session = sessions, "connected to the broker");
+                    info!(
+                        session = sessions,
+                        broker = %brokers.current(),
+                        "connected to the broker"
+                    );
                     // Mark the session live before the subscriptions and the discovery go
                     // out, or the discovery would be skipped as "not connected".
                     self.session.send_replace(Some(sessions));
                     let agent = self.clone();
-                    tokio::spawn(async move { agent.on_connected().await });
+                    let (host, port) = eventloop.mqtt_options.broker_address();
+                    tokio::spawn(async move { agent.on_connected(host, port).await });
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => {
                     let agent = self.clone();
@@ -263,10 +327,41 @@ impl Agent {
                 }
                 Ok(_) => {}
                 Err(error) => {
-                    self.session.send_replace(None);
+                    {
+                        let _gate = self.lock_spool_gate();
+                        self.session.send_replace(None);
+                        if connected {
+                            // rumqttc dropped what was queued for the lost connection when it
+                            // reported the error; drop too what was queued since, before the
+                            // spool sender saw the session end (it sends those again).
+                            eventloop.clean();
+                        }
+                    }
                     self.metrics.mqtt_connected.set(0);
                     let wait = backoff.next_delay();
-                    warn!(%error, retry_in = ?wait, "MQTT connection lost");
+                    let failed = brokers.current().clone();
+                    let next = brokers.advance(&mut eventloop);
+                    match (connected, next) {
+                        (true, None) => warn!(%error, retry_in = ?wait, "MQTT connection lost"),
+                        (false, None) => {
+                            warn!(%error, retry_in = ?wait, "cannot connect to the broker")
+                        }
+                        (true, Some(next)) => warn!(
+                            %error,
+                            broker = %failed,
+                            next = %next,
+                            retry_in = ?wait,
+                            "MQTT connection lost; moving to the next broker"
+                        ),
+                        (false, Some(next)) => warn!(
+                            %error,
+                            broker = %failed,
+                            next = %next,
+                            retry_in = ?wait,
+                            "cannot connect to the broker; trying the next one"
+                        ),
+                    }
+                    connected = false;
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = &mut shutdown => break,
@@ -293,8 +388,8 @@ impl Agent {
         }
     }
 
-    async fn on_connected(&self) {
-        let (host, port) = (self.config.host.clone(), self.config.port);
+    /// Subscribes and announces the proplet on a new connection, to `host:port`.
+    async fn on_connected(&self, host: String, port: u16) {
         let probe_ip = tokio::task::spawn_blocking({
             let probe = self.probe.clone();
             move || probe.learn_ip(&host, port)
@@ -380,16 +475,20 @@ impl Agent {
                 continue;
             };
             while acks.try_recv().is_ok() {}
-            let sent = self
-                .client
-                .publish(
+            let sent = {
+                let _gate = self.lock_spool_gate();
+                if *session.borrow() != Some(current) {
+                    continue;
+                }
+                self.client.try_publish(
                     entry.topic.clone(),
                     qos(self.config.qos.max(1)),
                     false,
                     entry.payload.clone().into_bytes(),
                 )
-                .await;
+            };
             if sent.is_err() {
+                // The request queue is full: try again shortly.
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
@@ -992,6 +1091,10 @@ impl Agent {
         }
     }
 
+    fn lock_spool_gate(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.spool_gate.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<String, StopFlag>> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -1079,6 +1182,49 @@ fn qos(level: u8) -> QoS {
     }
 }
 
+/// Which broker the event loop is pointed at, and the options of each.
+struct Rotation<'a> {
+    brokers: &'a [BrokerAddress],
+    options: &'a [MqttOptions],
+    current: usize,
+}
+
+impl<'a> Rotation<'a> {
+    /// Starts at the broker `initial` (the event loop's options) connects to; the first when
+    /// none matches.
+    fn new(
+        brokers: &'a [BrokerAddress],
+        options: &'a [MqttOptions],
+        initial: &MqttOptions,
+    ) -> Self {
+        let current = options
+            .iter()
+            .position(|o| o.broker_address() == initial.broker_address())
+            .unwrap_or(0);
+        Self {
+            brokers,
+            options,
+            current,
+        }
+    }
+
+    fn current(&self) -> &'a BrokerAddress {
+        &self.brokers[self.current]
+    }
+
+    /// Points `eventloop` at the next broker, round-robin, and returns it; `None` (and the
+    /// event loop unchanged) with a single broker.
+    fn advance(&mut self, eventloop: &mut EventLoop) -> Option<&'a BrokerAddress> {
+        let count = self.options.len().min(self.brokers.len());
+        if count < 2 {
+            return None;
+        }
+        self.current = (self.current + 1) % count;
+        eventloop.mqtt_options = self.options[self.current].clone();
+        Some(self.current())
+    }
+}
+
 /// Reconnect delays: exponential from 1 s to 60 s with ±20 % jitter, so a fleet that lost
 /// its broker does not reconnect in lockstep.
 #[derive(Debug, Default)]
@@ -1118,6 +1264,43 @@ mod tests {
         );
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(1200));
+    }
+
+    #[test]
+    fn brokers_rotate_round_robin_and_a_single_one_stays() {
+        let brokers: Vec<BrokerAddress> = ["a", "b", "c"]
+            .iter()
+            .map(|h| BrokerAddress {
+                host: (*h).into(),
+                port: 1883,
+                tls: false,
+            })
+            .collect();
+        let options: Vec<MqttOptions> = brokers
+            .iter()
+            .map(|b| MqttOptions::new("p", &b.host, b.port))
+            .collect();
+        // The event loop starts on the second broker: the rotation follows it from there.
+        let mut eventloop = EventLoop::new(options[1].clone(), 10);
+        let mut rotation = Rotation::new(&brokers, &options, &eventloop.mqtt_options);
+        assert_eq!(rotation.current().host, "b");
+        let mut visited = Vec::new();
+        for _ in 0..4 {
+            let next = rotation.advance(&mut eventloop).map(|b| b.host.clone());
+            assert_eq!(
+                next,
+                Some(eventloop.mqtt_options.broker_address().0),
+                "the event loop follows the rotation"
+            );
+            visited.extend(next);
+        }
+        assert_eq!(visited, ["c", "a", "b", "c"]);
+
+        let single = &brokers[..1];
+        let mut eventloop = EventLoop::new(options[0].clone(), 10);
+        let mut rotation = Rotation::new(single, &options[..1], &eventloop.mqtt_options);
+        assert_eq!(rotation.advance(&mut eventloop), None);
+        assert_eq!(rotation.current().host, "a");
     }
 
     #[test]

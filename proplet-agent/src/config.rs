@@ -36,6 +36,206 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// An entry of the broker address list is unusable.
+    #[error("{origin}: {}", describe_entry(*.entry, *.count, .value, .problem))]
+    Address {
+        /// Where the list came from: `PROPLET_MQTT_ADDRESS` (flag or environment), or the
+        /// `mqtt_address` key of a config file.
+        origin: String,
+        /// Position of the bad entry, from 1.
+        entry: usize,
+        /// Entries in the list.
+        count: usize,
+        /// The entry as given.
+        value: String,
+        /// What is wrong with it.
+        problem: AddressError,
+    },
+}
+
+/// `"tcp://x:1": bad port` for a single address (as before lists were accepted);
+/// `entry 2 of 3, "tcp://x:1": bad port` in a list.
+fn describe_entry(entry: usize, count: usize, value: &str, problem: &AddressError) -> String {
+    match (count, problem) {
+        (0 | 1, AddressError::Empty) => format!("{problem}"),
+        (1, _) => format!("{value:?}: {problem}"),
+        (_, AddressError::Empty) => format!("entry {entry} of {count}: {problem}"),
+        _ => format!("entry {entry} of {count}, {value:?}: {problem}"),
+    }
+}
+
+/// Why one broker address does not parse.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum AddressError {
+    /// Nothing between two commas, or an empty list.
+    #[error(
+        "empty address (give one or more addresses separated by commas, e.g. tcp://a:1883,tcp://b:1883)"
+    )]
+    Empty,
+    /// A scheme other than tcp, mqtt, ssl, tls or mqtts.
+    #[error("unknown scheme {0:?} (use tcp, mqtt, ssl, tls or mqtts)")]
+    UnknownScheme(String),
+    /// `[::1` without its `]`.
+    #[error("unclosed `[`")]
+    UnclosedBracket,
+    /// Text after an IPv6 address's `]` that is not `:port`.
+    #[error("unexpected text after `]`")]
+    AfterBracket,
+    /// The port is not a number from 0 to 65535.
+    #[error("bad port")]
+    BadPort,
+    /// No host before the port.
+    #[error("missing host")]
+    MissingHost,
+    /// A TOML list item that is not a string.
+    #[error("not a string")]
+    NotText,
+}
+
+/// One broker to connect to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddress {
+    /// Host name or IP address (an IPv6 address without its brackets).
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+    /// Whether the connection uses TLS (ssl://, tls:// or mqtts://).
+    pub tls: bool,
+}
+
+impl BrokerAddress {
+    /// Parses `tcp://host:1883`, `mqtt://…`, `ssl://` / `tls://` / `mqtts://` (default port
+    /// 8883), `host:port` or `host` (tcp, 1883); IPv6 hosts in brackets. Surrounding spaces
+    /// are ignored.
+    pub fn parse(text: &str) -> Result<Self, AddressError> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err(AddressError::Empty);
+        }
+        let (scheme, rest) = match text.split_once("://") {
+            Some((s, r)) => (s.to_ascii_lowercase(), r),
+            None => ("tcp".to_owned(), text),
+        };
+        let tls = match scheme.as_str() {
+            "tcp" | "mqtt" => false,
+            "ssl" | "tls" | "mqtts" => true,
+            other => return Err(AddressError::UnknownScheme(other.to_owned())),
+        };
+        let rest = rest.trim_end_matches('/');
+        let default_port = if tls { 8883 } else { 1883 };
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (host, after) = v6.split_once(']').ok_or(AddressError::UnclosedBracket)?;
+            let port = match after.strip_prefix(':') {
+                Some(p) => p.parse().map_err(|_| AddressError::BadPort)?,
+                None if after.is_empty() => default_port,
+                None => return Err(AddressError::AfterBracket),
+            };
+            (host.to_owned(), port)
+        } else {
+            match rest.rsplit_once(':') {
+                Some((h, p)) => (h.to_owned(), p.parse().map_err(|_| AddressError::BadPort)?),
+                None => (rest.to_owned(), default_port),
+            }
+        };
+        if host.is_empty() {
+            return Err(AddressError::MissingHost);
+        }
+        Ok(Self { host, port, tls })
+    }
+}
+
+impl std::fmt::Display for BrokerAddress {
+    /// `tcp://host:port` or `ssl://host:port`, IPv6 hosts in brackets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = if self.tls { "ssl" } else { "tcp" };
+        if self.host.contains(':') {
+            write!(f, "{scheme}://[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{scheme}://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// The brokers the agent may use, in the order given; never empty. The agent connects to the
+/// first and moves round-robin to the next one whenever a connection fails or drops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddresses(Vec<BrokerAddress>);
+
+impl BrokerAddresses {
+    /// The list, or `None` when it is empty.
+    pub fn new(addresses: Vec<BrokerAddress>) -> Option<Self> {
+        (!addresses.is_empty()).then_some(Self(addresses))
+    }
+
+    /// A list of one.
+    pub fn single(address: BrokerAddress) -> Self {
+        Self(vec![address])
+    }
+
+    /// Parses a list of entries (a comma-separated setting already split, or a TOML array),
+    /// naming `origin` and the bad entry in an error.
+    pub fn parse<S: AsRef<str>>(entries: &[S], origin: &str) -> Result<Self, ConfigError> {
+        let count = entries.len();
+        let bad = |entry: usize, value: &str, problem: AddressError| ConfigError::Address {
+            origin: origin.to_owned(),
+            entry,
+            count,
+            value: value.trim().to_owned(),
+            problem,
+        };
+        if count == 0 {
+            return Err(bad(0, "", AddressError::Empty));
+        }
+        entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| BrokerAddress::parse(e.as_ref()).map_err(|p| bad(i + 1, e.as_ref(), p)))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Self)
+    }
+
+    /// Parses `tcp://a:1883,tcp://b:1883` (spaces around entries ignored).
+    pub fn parse_list(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        Self::parse(&text.split(',').collect::<Vec<_>>(), origin)
+    }
+
+    /// The first broker, tried first.
+    pub fn primary(&self) -> &BrokerAddress {
+        &self.0[0]
+    }
+
+    /// All brokers, in order.
+    pub fn as_slice(&self) -> &[BrokerAddress] {
+        &self.0
+    }
+
+    /// How many there are (at least one).
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Always false: the list is never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The first broker that uses TLS, if any.
+    pub fn first_tls(&self) -> Option<&BrokerAddress> {
+        self.0.iter().find(|a| a.tls)
+    }
+}
+
+impl std::fmt::Display for BrokerAddresses {
+    /// The addresses, comma-separated.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, address) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{address}")?;
+        }
+        Ok(())
+    }
 }
 
 /// `proplet`: runs WebAssembly tasks sent by Propeller over MQTT.
@@ -49,7 +249,8 @@ pub struct Flags {
     /// TOML configuration file.
     #[arg(long, env = "PROPLET_CONFIG_FILE")]
     pub config: Option<PathBuf>,
-    /// Broker URL: tcp://host:1883, mqtt://…, or ssl:// / tls:// / mqtts:// for TLS (8883).
+    /// Broker URL: tcp://host:1883, mqtt://…, or ssl:// / tls:// / mqtts:// for TLS (8883);
+    /// several, comma-separated, to fail over between them in turn.
     #[arg(long, env = "PROPLET_MQTT_ADDRESS")]
     pub mqtt_address: Option<String>,
     /// Domain id, the `{domain}` topic level (alias: PROPLET_TENANT_ID).
@@ -172,11 +373,10 @@ pub struct TlsFiles {
 /// The resolved configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// Broker host.
-    pub host: String,
-    /// Broker port.
-    pub port: u16,
-    /// TLS when the URL scheme asks for it.
+    /// Brokers, tried in turn: the agent connects to the first and moves to the next one
+    /// (round-robin) whenever a connection fails or drops.
+    pub brokers: BrokerAddresses,
+    /// TLS material, present when any broker address asks for TLS.
     pub tls: Option<TlsFiles>,
     /// `{domain}`.
     pub domain_id: String,
@@ -275,10 +475,18 @@ impl Config {
                 .or_else(|| file.get(key))
         };
 
-        let address = pick(&flags.mqtt_address, "mqtt_address")
-            .unwrap_or_else(|| "tcp://localhost:1883".into());
-        let (host, port, tls_scheme) = parse_address(&address)?;
-        let tls = if tls_scheme {
+        let brokers = match flags.mqtt_address.as_deref().filter(|v| !v.is_empty()) {
+            Some(text) => BrokerAddresses::parse_list(text, "PROPLET_MQTT_ADDRESS")?,
+            None => match file.brokers(flags.config.as_deref()) {
+                Some(parsed) => parsed?,
+                None => BrokerAddresses::single(BrokerAddress {
+                    host: "localhost".into(),
+                    port: 1883,
+                    tls: false,
+                }),
+            },
+        };
+        let tls = if let Some(address) = brokers.first_tls() {
             let ca = flags
                 .tls_ca_cert
                 .clone()
@@ -499,8 +707,7 @@ impl Config {
             .or_else(|| file.get("state_dir").map(PathBuf::from))
             .unwrap_or_else(|| std::env::temp_dir().join(format!("proplet-{client_id}")));
         Ok(Self {
-            host,
-            port,
+            brokers,
             tls,
             domain_id,
             channel_id,
@@ -609,12 +816,48 @@ fn invalid(name: &str, message: &str) -> ConfigError {
 }
 
 /// Values of the TOML file: either top-level keys or a `[proplet]` section (upstream layout).
+/// Scalars and lists are kept as text (a list joined with commas); lists are also kept as
+/// given, for the settings that take one item per entry.
 #[derive(Debug, Default)]
-struct FileValues(HashMap<String, String>);
+struct FileValues {
+    text: HashMap<String, String>,
+    lists: HashMap<String, Vec<toml::Value>>,
+}
 
 impl FileValues {
     fn get(&self, key: &str) -> Option<String> {
-        self.0.get(key).cloned().filter(|v| !v.is_empty())
+        self.text.get(key).cloned().filter(|v| !v.is_empty())
+    }
+
+    /// `mqtt_address` as a string (comma-separated) or a list of strings; `None` when unset
+    /// (or an empty string, as for every other key).
+    fn brokers(&self, path: Option<&Path>) -> Option<Result<BrokerAddresses, ConfigError>> {
+        const KEY: &str = "mqtt_address";
+        let origin = format!(
+            "`{KEY}` in config file {}",
+            path.map(|p| p.display().to_string()).unwrap_or_default()
+        );
+        if let Some(items) = self.lists.get(KEY) {
+            let count = items.len();
+            let mut entries = Vec::with_capacity(count);
+            for (i, item) in items.iter().enumerate() {
+                match item.as_str() {
+                    Some(text) => entries.push(text),
+                    None => {
+                        return Some(Err(ConfigError::Address {
+                            origin,
+                            entry: i + 1,
+                            count,
+                            value: item.to_string(),
+                            problem: AddressError::NotText,
+                        }))
+                    }
+                }
+            }
+            return Some(BrokerAddresses::parse(&entries, &origin));
+        }
+        self.get(KEY)
+            .map(|text| BrokerAddresses::parse_list(&text, &origin))
     }
 }
 
@@ -632,31 +875,35 @@ fn load_file(path: &Path) -> Result<FileValues, ConfigError> {
         Some(_) => return Err(file_error("`proplet` must be a table".into())),
         None => table,
     };
-    let mut values = HashMap::new();
+    let mut values = FileValues::default();
     for (key, value) in section {
         let text = match value {
             toml::Value::String(s) => s,
             toml::Value::Integer(i) => i.to_string(),
             toml::Value::Float(f) => f.to_string(),
             toml::Value::Boolean(b) => b.to_string(),
-            toml::Value::Array(items) => items
-                .iter()
-                .map(|i| {
-                    i.as_str()
-                        .map(str::to_owned)
-                        .unwrap_or_else(|| i.to_string())
-                })
-                .collect::<Vec<_>>()
-                .join(","),
+            toml::Value::Array(items) => {
+                let joined = items
+                    .iter()
+                    .map(|i| {
+                        i.as_str()
+                            .map(str::to_owned)
+                            .unwrap_or_else(|| i.to_string())
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",");
+                values.lists.insert(key.clone(), items);
+                joined
+            }
             _ => {
                 return Err(file_error(format!(
                     "`{key}` must be a string, number or list"
                 )))
             }
         };
-        values.insert(key, text);
+        values.text.insert(key, text);
     }
-    Ok(FileValues(values))
+    Ok(values)
 }
 
 /// Parses `10` (seconds, as upstream agents read it) or a Go-style duration (`10s`,
@@ -687,40 +934,15 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 
 /// Splits a broker URL into host, port and whether TLS is asked for.
 pub fn parse_address(address: &str) -> Result<(String, u16, bool), ConfigError> {
-    let bad = |m: &str| invalid("PROPLET_MQTT_ADDRESS", &format!("{address:?}: {m}"));
-    let (scheme, rest) = match address.split_once("://") {
-        Some((s, r)) => (s.to_ascii_lowercase(), r),
-        None => ("tcp".to_owned(), address),
-    };
-    let tls = match scheme.as_str() {
-        "tcp" | "mqtt" => false,
-        "ssl" | "tls" | "mqtts" => true,
-        other => {
-            return Err(bad(&format!(
-                "unknown scheme {other:?} (use tcp, mqtt, ssl, tls or mqtts)"
-            )))
-        }
-    };
-    let rest = rest.trim_end_matches('/');
-    let default_port = if tls { 8883 } else { 1883 };
-    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
-        let (host, after) = v6.split_once(']').ok_or_else(|| bad("unclosed `[`"))?;
-        let port = match after.strip_prefix(':') {
-            Some(p) => p.parse().map_err(|_| bad("bad port"))?,
-            None if after.is_empty() => default_port,
-            None => return Err(bad("unexpected text after `]`")),
-        };
-        (host.to_owned(), port)
-    } else {
-        match rest.rsplit_once(':') {
-            Some((h, p)) => (h.to_owned(), p.parse().map_err(|_| bad("bad port"))?),
-            None => (rest.to_owned(), default_port),
-        }
-    };
-    if host.is_empty() {
-        return Err(bad("missing host"));
-    }
-    Ok((host, port, tls))
+    BrokerAddress::parse(address)
+        .map(|a| (a.host, a.port, a.tls))
+        .map_err(|problem| ConfigError::Address {
+            origin: "PROPLET_MQTT_ADDRESS".into(),
+            entry: 1,
+            count: 1,
+            value: address.trim().to_owned(),
+            problem,
+        })
 }
 
 #[cfg(test)]
@@ -747,7 +969,14 @@ mod tests {
             Ok(c) => c,
             Err(e) => panic!("{e}"),
         };
-        assert_eq!((c.host.as_str(), c.port), ("localhost", 1883));
+        assert_eq!(
+            c.brokers.as_slice(),
+            [BrokerAddress {
+                host: "localhost".into(),
+                port: 1883,
+                tls: false
+            }]
+        );
         assert_eq!(c.liveliness_interval, Duration::from_secs(10));
         assert_eq!(c.metrics_interval, Some(Duration::from_secs(10)));
         assert_eq!(c.namespace, "default");
@@ -887,6 +1116,190 @@ mod tests {
             Err(e) => panic!("{e}"),
         };
         assert!(defaults.http_resolve.is_empty() && defaults.http_ca_roots.is_empty());
+    }
+
+    fn address(host: &str, port: u16, tls: bool) -> BrokerAddress {
+        BrokerAddress {
+            host: host.into(),
+            port,
+            tls,
+        }
+    }
+
+    fn with_address(text: &str) -> Result<Config, ConfigError> {
+        let mut f = base();
+        f.mqtt_address = Some(text.into());
+        resolve(f)
+    }
+
+    /// Resolves `base()` with a config file holding `toml` (and no address flag).
+    fn with_file(toml: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("proplet.toml");
+        std::fs::write(&path, toml).unwrap_or_else(|e| panic!("{e}"));
+        let mut f = base();
+        f.config = Some(path);
+        resolve(f)
+    }
+
+    fn brokers(outcome: Result<Config, ConfigError>) -> Vec<BrokerAddress> {
+        match outcome {
+            Ok(c) => c.brokers.as_slice().to_vec(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn error(outcome: Result<Config, ConfigError>) -> String {
+        match outcome {
+            Ok(c) => panic!("accepted: {:?}", c.brokers),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_single_address_reads_as_before() {
+        assert_eq!(
+            brokers(with_address("tcp://broker:1884")),
+            [address("broker", 1884, false)]
+        );
+        assert_eq!(
+            error(with_address("http://x")),
+            "PROPLET_MQTT_ADDRESS: \"http://x\": unknown scheme \"http\" (use tcp, mqtt, ssl, tls or mqtts)"
+        );
+        assert_eq!(
+            error(with_address("tcp://x:port")),
+            "PROPLET_MQTT_ADDRESS: \"tcp://x:port\": bad port"
+        );
+    }
+
+    #[test]
+    fn a_comma_separated_list_keeps_its_order_and_ignores_spaces() {
+        assert_eq!(
+            brokers(with_address("tcp://a:1883, mqtt://b:1884 ,c,  [::1]:1885")),
+            [
+                address("a", 1883, false),
+                address("b", 1884, false),
+                address("c", 1883, false),
+                address("::1", 1885, false),
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_entries_are_refused_with_their_position() {
+        assert_eq!(
+            error(with_address("tcp://a:1,,tcp://b:2")),
+            "PROPLET_MQTT_ADDRESS: entry 2 of 3: empty address (give one or more addresses \
+             separated by commas, e.g. tcp://a:1883,tcp://b:1883)"
+        );
+        let e = error(with_address("tcp://a:1,"));
+        assert!(
+            e.starts_with("PROPLET_MQTT_ADDRESS: entry 2 of 2: empty address"),
+            "{e}"
+        );
+        let e = error(with_address(" , "));
+        assert!(
+            e.starts_with("PROPLET_MQTT_ADDRESS: entry 1 of 2: empty address"),
+            "{e}"
+        );
+        let e = error(with_address("   "));
+        assert!(e.starts_with("PROPLET_MQTT_ADDRESS: empty address"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_entry_is_named_with_its_source() {
+        let e = error(with_address("tcp://a:1, ftp://b:2"));
+        assert_eq!(
+            e,
+            "PROPLET_MQTT_ADDRESS: entry 2 of 2, \"ftp://b:2\": unknown scheme \"ftp\" \
+             (use tcp, mqtt, ssl, tls or mqtts)"
+        );
+        match with_address("tcp://a:1,tcp://:2") {
+            Err(ConfigError::Address {
+                entry: 2,
+                count: 2,
+                problem: AddressError::MissingHost,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_file_accepts_a_string_list_or_an_array() {
+        assert_eq!(
+            brokers(with_file("mqtt_address = \"tcp://a:1, tcp://b:2\"\n")),
+            [address("a", 1, false), address("b", 2, false)]
+        );
+        assert_eq!(
+            brokers(with_file(
+                "[proplet]\nmqtt_address = [\"tcp://a:1\", \" tcp://b:2 \"]\n"
+            )),
+            [address("a", 1, false), address("b", 2, false)]
+        );
+        assert_eq!(
+            brokers(with_file("mqtt_address = \"tcp://solo:7\"\n")),
+            [address("solo", 7, false)]
+        );
+        // The flag (or environment) wins over the file.
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("proplet.toml");
+        std::fs::write(&path, "mqtt_address = [\"tcp://file:1\"]\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut f = base();
+        f.config = Some(path);
+        f.mqtt_address = Some("tcp://flag:2".into());
+        assert_eq!(brokers(resolve(f)), [address("flag", 2, false)]);
+    }
+
+    #[test]
+    fn file_errors_name_the_key_and_the_file() {
+        let e = error(with_file("mqtt_address = [\"tcp://a:1\", \"\"]\n"));
+        assert!(
+            e.starts_with("`mqtt_address` in config file ")
+                && e.contains("proplet.toml: entry 2 of 2: empty address"),
+            "{e}"
+        );
+        let e = error(with_file("mqtt_address = []\n"));
+        assert!(
+            e.starts_with("`mqtt_address` in config file ") && e.contains(": empty address"),
+            "{e}"
+        );
+        let e = error(with_file("mqtt_address = [\"tcp://a:1\", 1883]\n"));
+        assert!(e.ends_with("entry 2 of 2, \"1883\": not a string"), "{e}");
+        let e = error(with_file("mqtt_address = \"tcp://a:1,tcp://b:x\"\n"));
+        assert!(e.ends_with("entry 2 of 2, \"tcp://b:x\": bad port"), "{e}");
+    }
+
+    #[test]
+    fn addresses_display_as_urls() {
+        let list = BrokerAddresses::parse_list("a, mqtts://b, [fe80::1]:9", "x")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            list.to_string(),
+            "tcp://a:1883,ssl://b:8883,tcp://[fe80::1]:9"
+        );
+        assert_eq!(list.len(), 3);
+        assert_eq!(list.primary(), &address("a", 1883, false));
+        assert_eq!(BrokerAddresses::new(Vec::new()), None);
+    }
+
+    #[test]
+    fn any_tls_address_needs_the_ca() {
+        let e = error(with_address("tcp://a:1883,mqtts://b"));
+        assert!(
+            e.starts_with("PROPLET_MQTT_TLS_CA_CERT: ssl://b:8883 uses TLS"),
+            "{e}"
+        );
+        let mut f = base();
+        f.mqtt_address = Some("tcp://a:1883,mqtts://b".into());
+        f.tls_ca_cert = Some("/etc/proplet/ca.pem".into());
+        let c = resolve(f).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.tls.is_some());
+        assert_eq!(
+            c.brokers.as_slice(),
+            [address("a", 1883, false), address("b", 8883, true)]
+        );
     }
 
     #[test]

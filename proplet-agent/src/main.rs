@@ -46,7 +46,7 @@ fn run(config: Config) -> anyhow::Result<()> {
         let (client, eventloop) = rumqttc::AsyncClient::new(options, 128);
         tracing::info!(
             client_id = config.client_id,
-            broker = format!("{}:{}", config.host, config.port),
+            brokers = %config.brokers,
             "proplet starting"
         );
         let agent = Agent::new(config, client)?;

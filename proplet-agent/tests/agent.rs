@@ -1,5 +1,5 @@
 //! The agent against the embedded broker on 127.0.0.1: tasks in, results out, across broker
-//! and agent restarts.
+//! and agent restarts, and across a move from one broker to another.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -69,8 +69,14 @@ impl Broker {
     }
 
     /// The first event `pick` accepts, skipping others; panics after [`WAIT`].
-    async fn wait_for<T>(
+    async fn wait_for<T>(&mut self, what: &str, pick: impl FnMut(BrokerEvent) -> Option<T>) -> T {
+        self.wait_within(WAIT, what, pick).await
+    }
+
+    /// The first event `pick` accepts, skipping others; panics after `limit`.
+    async fn wait_within<T>(
         &mut self,
+        limit: Duration,
         what: &str,
         mut pick: impl FnMut(BrokerEvent) -> Option<T>,
     ) -> T {
@@ -86,9 +92,9 @@ impl Broker {
                 }
             }
         };
-        tokio::time::timeout(WAIT, wait)
+        tokio::time::timeout(limit, wait)
             .await
-            .unwrap_or_else(|_| panic!("no {what} within {WAIT:?}"))
+            .unwrap_or_else(|_| panic!("no {what} within {limit:?}"))
     }
 
     /// The next result for `task_id` and who published it.
@@ -116,11 +122,43 @@ impl Broker {
         // Subscriptions are sent before discovery; give the SUBACKs a moment.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    /// Waits for a heartbeat from `id`.
+    async fn heartbeat(&mut self, id: &str) {
+        self.wait_for("heartbeat", |e| {
+            (e.client_id == id && matches!(e.kind, EventKind::Heartbeat(_))).then_some(())
+        })
+        .await;
+    }
+}
+
+/// Shows the agent's log with a failing test's output (`--nocapture` shows it always).
+fn show_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("proplet_agent=info")
+        .try_init();
+}
+
+/// A loopback address nothing listens on while the returned socket lives (it holds the port
+/// without listening): connecting there is refused.
+fn dead_address() -> (tokio::net::TcpSocket, SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap_or_else(|e| panic!("{e}"));
+    socket
+        .bind(([127, 0, 0, 1], 0).into())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = socket.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    (socket, addr)
 }
 
 fn agent_config(addr: SocketAddr, id: &str, key: &str, state: &Path) -> Config {
+    agent_config_for(&format!("tcp://{addr}"), id, key, state)
+}
+
+/// The agent's configuration with `PROPLET_MQTT_ADDRESS` set to `addresses`.
+fn agent_config_for(addresses: &str, id: &str, key: &str, state: &Path) -> Config {
     let flags = Flags {
-        mqtt_address: Some(format!("tcp://{addr}")),
+        mqtt_address: Some(addresses.into()),
         domain_id: Some("dom".into()),
         channel_id: Some("chan".into()),
         client_id: Some(id.into()),
@@ -195,6 +233,14 @@ const COUNT: &str = r#"(module (func (export "count") (param i64) (result i64)
   (loop $l (local.set 0 (i64.sub (local.get 0) (i64.const 1)))
     (br_if $l (i64.gt_s (local.get 0) (i64.const 0))))
   (i64.const 7)))"#;
+
+/// Spins until the agent's time limit ends it: its (error) result comes that long after the
+/// start, however fast the machine.
+const SPIN: &str = r#"(module (func (export "spin") (loop $l (br $l))))"#;
+
+fn timed_out(r: &TaskResult) -> bool {
+    r.error.as_deref().is_some_and(|e| e.contains("time limit"))
+}
 
 fn text(r: &TaskResult) -> &str {
     match &r.results {
@@ -715,4 +761,113 @@ async fn latent_tasks_answer_invocations() {
         })
         .await;
     assert!(reply.error.is_some_and(|e| e.contains("not deployed")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_first_broker_is_skipped_for_the_next() {
+    show_logs();
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (_hold, dead) = dead_address();
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let config = agent_config_for(
+        &format!("tcp://{dead}, tcp://{}", b.addr()),
+        "proplet-1",
+        "key-1",
+        state.path(),
+    );
+    assert_eq!(config.brokers.len(), 2);
+    let _agent = spawn_agent(config);
+    b.discovered("proplet-1").await;
+    b.heartbeat("proplet-1").await;
+
+    b.start(&add_task("t-on-b", Some("proplet-1"))).await;
+    let (publisher, result) = b.result("t-on-b").await;
+    assert_eq!((publisher.as_str(), text(&result)), ("proplet-1", "42"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_its_broker_stops_the_agent_moves_to_the_other_and_back() {
+    show_logs();
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut a = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let mut b = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let a_addr = a.addr();
+    let mut config = agent_config_for(
+        &format!("tcp://{a_addr},tcp://{}", b.addr()),
+        "proplet-1",
+        "key-1",
+        state.path(),
+    );
+    config.task_timeout = Duration::from_secs(3);
+    let _agent = spawn_agent(config);
+    a.discovered("proplet-1").await;
+
+    // A task started through A finishes after A is gone: its result reaches B, once.
+    a.start(&wat_task("t-moved", "spin", SPIN, &[])).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(a);
+    // (The result may come before or after the agent's discovery on B: wait for it first.)
+    let (publisher, result) = b.result("t-moved").await;
+    assert_eq!(publisher, "proplet-1");
+    assert!(timed_out(&result), "{result:?}");
+    b.assert_no_result("t-moved", Duration::from_millis(1500))
+        .await;
+    b.heartbeat("proplet-1").await;
+
+    // Round-robin: with A back on its address, B stopping sends the agent to A again, and it
+    // takes tasks there (so it subscribed again).
+    let mut a = start_broker(a_addr).await;
+    drop(b);
+    a.discovered("proplet-1").await;
+    a.heartbeat("proplet-1").await;
+    a.start(&add_task("t-back-on-a", Some("proplet-1"))).await;
+    let (_, result) = a.result("t-back-on-a").await;
+    assert_eq!(text(&result), "42");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_spooled_while_no_broker_answers_goes_to_the_next_one_once() {
+    show_logs();
+    let state = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut a = start_broker(([127, 0, 0, 1], 0).into()).await;
+    let (hold, b_addr) = dead_address();
+    let mut config = agent_config_for(
+        &format!("tcp://{},tcp://{b_addr}", a.addr()),
+        "proplet-1",
+        "key-1",
+        state.path(),
+    );
+    config.task_timeout = Duration::from_secs(2);
+    let _agent = spawn_agent(config);
+    a.discovered("proplet-1").await;
+
+    a.start(&wat_task("t-spooled", "spin", SPIN, &[])).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(a);
+    // Neither broker answers: the result waits in the spool.
+    let spool_dir = state.path().join("spool");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while proplet_agent::spool::pending_in(&spool_dir).unwrap_or(0) != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "result never spooled"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(hold);
+    let mut b = start_broker(b_addr).await;
+    // The agent alternates between the two addresses with a growing backoff (1 s, 2 s, 4 s,
+    // ... ± 20 %) since A stopped: B is reached at the latest after the 16 s wait.
+    let (publisher, result) = b
+        .wait_within(Duration::from_secs(90), "t-spooled", |e| match e.kind {
+            EventKind::Result(r) if r.task_id == "t-spooled" => Some((e.client_id, r)),
+            _ => None,
+        })
+        .await;
+    assert_eq!(publisher, "proplet-1");
+    assert!(timed_out(&result), "{result:?}");
+    b.assert_no_result("t-spooled", Duration::from_millis(1500))
+        .await;
+    b.heartbeat("proplet-1").await;
+    assert_eq!(proplet_agent::spool::pending_in(&spool_dir).unwrap_or(1), 0);
 }
