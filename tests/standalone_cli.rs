@@ -3,6 +3,10 @@
 
 mod support;
 
+use support::standalone::{
+    apply_text, finished_tasks, finished_tasks_within, get_json, inline_task, spin_module,
+    wait_for_object_phase, wait_for_phase,
+};
 use support::{mosquitto_pub, propeller_client, start_standalone, ADD_WASM};
 
 #[test]
@@ -122,55 +126,6 @@ fn client_commands_explain_what_is_wrong() {
     assert!(err.contains("bearer token"), "{err}");
 }
 
-/// Polls `propeller get proplet NAME -o json` until its phase is `phase`; returns how long
-/// it took.
-/// Waits until the `kind` object `name` shows `phase`; on timeout, fails with its status.
-fn wait_for_object_phase(
-    api: &str,
-    dir: &std::path::Path,
-    kind: &str,
-    name: &str,
-    phase: &str,
-) -> serde_json::Value {
-    let started = std::time::Instant::now();
-    loop {
-        let object = get_json(api, dir, &["get", kind, name]);
-        if object["status"]["phase"] == phase {
-            return object;
-        }
-        assert!(
-            started.elapsed() < support::WAIT,
-            "{kind} {name} did not become {phase}: {:#}",
-            object["status"]
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-}
-
-fn wait_for_phase(
-    api: &str,
-    dir: &std::path::Path,
-    name: &str,
-    phase: &str,
-) -> std::time::Duration {
-    let started = std::time::Instant::now();
-    loop {
-        let (ok, out, _) = propeller_client(api, dir, &["get", "proplet", name, "-o", "json"]);
-        if ok {
-            let p: serde_json::Value = serde_json::from_str(&out).expect("json");
-            if p["status"]["phase"] == phase {
-                return started.elapsed();
-            }
-        }
-        assert!(
-            started.elapsed() < support::WAIT,
-            "proplet {name} did not become {phase} within {:?}",
-            support::WAIT
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-}
-
 #[test]
 fn a_killed_agent_goes_offline_and_comes_back_running() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -211,70 +166,6 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
     );
     let _second = agent("b");
     wait_for_phase(&api, dir.path(), "pi", "Running");
-}
-
-fn get_json(api: &str, dir: &std::path::Path, args: &[&str]) -> serde_json::Value {
-    let mut all = args.to_vec();
-    all.extend(["-o", "json"]);
-    let (ok, out, err) = propeller_client(api, dir, &all);
-    assert!(ok, "propeller {args:?}: {err}");
-    serde_json::from_str(&out).expect("json")
-}
-
-/// Waits until every listed task is finished; returns them by name.
-fn finished_tasks(
-    api: &str,
-    dir: &std::path::Path,
-    names: &[&str],
-) -> std::collections::BTreeMap<String, serde_json::Value> {
-    finished_tasks_within(api, dir, names, support::WAIT)
-}
-
-/// [`finished_tasks`] with its own time limit.
-fn finished_tasks_within(
-    api: &str,
-    dir: &std::path::Path,
-    names: &[&str],
-    limit: std::time::Duration,
-) -> std::collections::BTreeMap<String, serde_json::Value> {
-    let started = std::time::Instant::now();
-    loop {
-        let tasks = get_json(api, dir, &["get", "task"]);
-        let by_name: std::collections::BTreeMap<String, serde_json::Value> = tasks
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|t| {
-                (
-                    t["metadata"]["name"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_owned(),
-                    t.clone(),
-                )
-            })
-            .collect();
-        let done = names.iter().all(|n| {
-            by_name.get(*n).is_some_and(|t| {
-                matches!(
-                    t["status"]["phase"].as_str(),
-                    Some("completed" | "failed" | "skipped" | "interrupted")
-                )
-            })
-        });
-        if done {
-            return by_name;
-        }
-        assert!(
-            started.elapsed() < limit,
-            "tasks not finished in time: {:#?}",
-            names
-                .iter()
-                .map(|n| (n, by_name.get(*n).map(|t| t["status"].clone())))
-                .collect::<Vec<_>>()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
 }
 
 #[test]
@@ -375,13 +266,6 @@ apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name:
         "sample-propeller-job",
         "Completed",
     );
-}
-
-fn apply_text(api: &str, dir: &std::path::Path, file: &str, text: &str) {
-    let path = dir.join(file);
-    std::fs::write(&path, text).expect("write manifest");
-    let (ok, _, err) = propeller_client(api, dir, &["apply", "-f", path.to_str().expect("path")]);
-    assert!(ok, "{file}: {err}");
 }
 
 /// A Secret, a Proplet and a running `proplet` agent named `name` on the standalone broker.
@@ -488,24 +372,6 @@ fn a_restart_during_a_run_loses_nothing_and_the_run_completes() {
         tasks["spin"]["status"]["runCount"], 1,
         "the task must not run twice"
     );
-}
-
-/// A module whose `spin(n)` turns a loop 8·n times and returns `n`, as base64. A plain
-/// countdown from 2,000,000,000 finished in 0.56 s on a fast machine: before the 1 s
-/// `running` write, so the tests waiting for `running` never saw it.
-fn spin_module() -> String {
-    use base64::Engine;
-    let spin = wat::parse_str(
-        r#"(module (func (export "spin") (param i32) (result i32) (local i64)
-             local.get 0 i64.extend_i32_u i64.const 8 i64.mul local.set 1
-             (block (loop
-               local.get 1 i64.eqz br_if 1
-               local.get 1 i64.const 1 i64.sub local.set 1
-               br 0))
-             local.get 0))"#,
-    )
-    .expect("wat");
-    base64::engine::general_purpose::STANDARD.encode(spin)
 }
 
 #[test]
@@ -1094,11 +960,4 @@ fn get_w_prints_the_table_then_a_line_per_change_as_it_happens() {
     assert!(ok, "{err}");
     // Its last lines: the finalizer's removal, then the deletion.
     assert!(watch.stdout_line("second").starts_with("second"));
-}
-
-/// A task with an inline module (no registry involved).
-fn inline_task(name: &str, inputs: &str) -> String {
-    format!(
-        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  file: {ADD_WASM}\n  inputs: {inputs}\n"
-    )
 }

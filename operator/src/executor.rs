@@ -165,7 +165,12 @@ pub async fn apply_task<W: ObjectWriter>(
                 let channel = Channel::new(start.domain.clone(), start.channel.clone())?;
                 fx.publisher.start(&channel, &start.request).await?;
             }
-            fx.ledger.record(uid, run, chrono::Utc::now());
+            let clients = plan
+                .starts
+                .iter()
+                .filter_map(|s| s.request.proplet_id.clone())
+                .collect();
+            fx.ledger.record(uid, run, chrono::Utc::now(), clients);
         }
     }
     for stop in &plan.stops {

@@ -100,10 +100,17 @@ impl TaskInbox {
     }
 }
 
-/// Runs whose start this process already published, as (task UID, run number).
+/// Runs whose start this process already published, as (task UID, run number), with the
+/// devices they were sent to.
 #[derive(Debug, Default)]
 pub struct DispatchLedger {
-    sent: Mutex<HashMap<(String, i64), DateTime<Utc>>>,
+    sent: Mutex<HashMap<(String, i64), Dispatched>>,
+}
+
+#[derive(Debug, Clone)]
+struct Dispatched {
+    at: DateTime<Utc>,
+    clients: Vec<String>,
 }
 
 impl DispatchLedger {
@@ -112,7 +119,7 @@ impl DispatchLedger {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<(String, i64), DateTime<Utc>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, i64), Dispatched>> {
         self.sent.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -123,19 +130,37 @@ impl DispatchLedger {
 
     /// When run `run` of task `uid` was started by this process.
     pub fn dispatched_at(&self, uid: &str, run: i64) -> Option<DateTime<Utc>> {
-        self.lock().get(&(uid.to_owned(), run)).copied()
+        self.lock().get(&(uid.to_owned(), run)).map(|d| d.at)
     }
 
-    /// Records that run `run` of task `uid` was started at `at`; older runs are forgotten.
-    pub fn record(&self, uid: &str, run: i64, at: DateTime<Utc>) {
+    /// Records that run `run` of task `uid` was started at `at` on `clients`; older runs are
+    /// forgotten.
+    pub fn record(&self, uid: &str, run: i64, at: DateTime<Utc>, clients: Vec<String>) {
         let mut sent = self.lock();
         sent.retain(|(u, r), _| u != uid || *r >= run);
-        sent.insert((uid.to_owned(), run), at);
+        sent.insert((uid.to_owned(), run), Dispatched { at, clients });
     }
 
     /// Forgets a deleted task.
     pub fn forget(&self, uid: &str) {
         self.lock().retain(|(u, _), _| u != uid);
+    }
+
+    /// Forgets the starts sent to `client`, so they are published again: the device began a
+    /// new session and may have missed them (a start sent while it moved between broker
+    /// nodes, or while its subscriptions were refused, reached nobody). Devices answer a
+    /// repeated start with the result they have, or ignore it while the run is going on.
+    /// Returns the task UIDs concerned.
+    pub fn forget_client(&self, client: &str) -> Vec<String> {
+        let mut forgotten = Vec::new();
+        self.lock().retain(|(uid, _), dispatched| {
+            let sent_there = dispatched.clients.iter().any(|c| c == client);
+            if sent_there {
+                forgotten.push(uid.clone());
+            }
+            !sent_there
+        });
+        forgotten
     }
 }
 
@@ -228,12 +253,27 @@ mod tests {
     fn the_ledger_remembers_the_current_run_only() {
         let ledger = DispatchLedger::new();
         let at = chrono::DateTime::UNIX_EPOCH;
-        ledger.record("u", 1, at);
+        ledger.record("u", 1, at, vec!["dev".into()]);
         assert!(ledger.contains("u", 1));
-        ledger.record("u", 2, at);
+        ledger.record("u", 2, at, vec!["dev".into()]);
         assert!(!ledger.contains("u", 1));
         assert_eq!(ledger.dispatched_at("u", 2), Some(at));
         ledger.forget("u");
         assert!(!ledger.contains("u", 2));
+    }
+
+    #[test]
+    fn a_device_that_rejoins_gets_its_starts_again() {
+        let ledger = DispatchLedger::new();
+        let at = chrono::DateTime::UNIX_EPOCH;
+        ledger.record("on-a", 1, at, vec!["a".into()]);
+        ledger.record("on-b", 1, at, vec!["b".into()]);
+        ledger.record("everywhere", 1, at, vec!["a".into(), "b".into()]);
+        let mut again = ledger.forget_client("a");
+        again.sort();
+        assert_eq!(again, ["everywhere", "on-a"]);
+        assert!(!ledger.contains("on-a", 1));
+        assert!(ledger.contains("on-b", 1));
+        assert!(ledger.forget_client("a").is_empty());
     }
 }

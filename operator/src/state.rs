@@ -48,6 +48,8 @@ pub enum Concerns {
     Task(String),
     /// The tasks running on the proplet with this MQTT client id.
     TasksOf(String),
+    /// The proplet with this MQTT client id began a new session: it and its tasks.
+    Rejoined(String),
     /// Nothing a reconciler handles.
     Nothing,
 }
@@ -66,7 +68,18 @@ impl DriverState {
     /// touches the object store or the API server.
     pub fn record(&self, event: &BrokerEvent, now: DateTime<Utc>) -> Concerns {
         match &event.kind {
-            EventKind::Heartbeat(_) | EventKind::Discovered(_) | EventKind::Offline(_) => {
+            EventKind::Discovered(_) => {
+                // A device announces itself on every new connection: what was sent to it
+                // before may not have arrived, so its runs in flight are started again.
+                self.sessions.heard_from(&event.client_id);
+                self.liveness.record(event, now);
+                if self.ledger.forget_client(&event.client_id).is_empty() {
+                    Concerns::Proplet(event.client_id.clone())
+                } else {
+                    Concerns::Rejoined(event.client_id.clone())
+                }
+            }
+            EventKind::Heartbeat(_) | EventKind::Offline(_) => {
                 if matches!(event.kind, EventKind::Offline(_)) {
                     self.sessions.gone(&event.client_id);
                 } else {

@@ -58,6 +58,8 @@ struct Fetch {
 
 /// Tasks whose last finished run (and its result) is remembered, to answer a repeated start.
 const FINISHED_RUNS_KEPT: usize = 4096;
+/// Wait before subscribing again after the broker refused a subscription.
+const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
 
 /// Starts whose result is awaited that the turnaround timing keeps track of at most.
 const MAX_TRACKED_ARRIVALS: usize = 10_000;
@@ -284,6 +286,7 @@ impl Agent {
             &eventloop.mqtt_options,
         );
         let mut connected = false;
+        let mut subscriptions_refused = false;
         tokio::pin!(shutdown);
         loop {
             let event = tokio::select! {
@@ -298,6 +301,7 @@ impl Agent {
                     }
                     backoff.reset();
                     connected = true;
+                    subscriptions_refused = false;
                     sessions += 1;
                     self.metrics.mqtt_sessions.inc();
                     self.metrics.mqtt_connected.set(1);
@@ -321,6 +325,30 @@ impl Agent {
                 }
                 Ok(Event::Incoming(Packet::PubAck(ack))) => {
                     let _ = ack_tx.send(AckSignal::Acked(ack.pkid));
+                }
+                Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                    let refused = ack
+                        .return_codes
+                        .iter()
+                        .any(|code| matches!(code, rumqttc::SubscribeReasonCode::Failure));
+                    if refused {
+                        // A clustered broker may refuse subscriptions for a while after a
+                        // node failure (NATS re-electing its JetStream leaders): try again.
+                        warn!(
+                            retry_in = ?RESUBSCRIBE_AFTER,
+                            "the broker refused a subscription; subscribing again"
+                        );
+                        subscriptions_refused = true;
+                        let agent = self.clone();
+                        tokio::spawn(async move { agent.subscribe_again(sessions).await });
+                    } else if subscriptions_refused {
+                        // Starts sent meanwhile reached nobody: announcing the proplet again
+                        // makes propeller send them again.
+                        subscriptions_refused = false;
+                        info!("subscribed after refusals; announcing the proplet again");
+                        let agent = self.clone();
+                        tokio::spawn(async move { agent.announce().await });
+                    }
                 }
                 Ok(Event::Outgoing(Outgoing::Publish(pkid))) if pkid != 0 => {
                     let _ = ack_tx.send(AckSignal::Sent(pkid));
@@ -388,6 +416,24 @@ impl Agent {
         }
     }
 
+    /// Subscribes again after [`RESUBSCRIBE_AFTER`] if session `session` is still the live one.
+    async fn subscribe_again(&self, session: u64) {
+        tokio::time::sleep(RESUBSCRIBE_AFTER).await;
+        if *self.session.borrow() != Some(session) {
+            return;
+        }
+        self.subscribe().await;
+    }
+
+    async fn subscribe(&self) {
+        let qos = qos(self.config.qos);
+        for filter in self.channel.agent_filters() {
+            if let Err(e) = self.client.subscribe(filter.clone(), qos).await {
+                warn!(%e, filter, "subscribe failed");
+            }
+        }
+    }
+
     /// Subscribes and announces the proplet on a new connection, to `host:port`.
     async fn on_connected(&self, host: String, port: u16) {
         let probe_ip = tokio::task::spawn_blocking({
@@ -395,13 +441,13 @@ impl Agent {
             move || probe.learn_ip(&host, port)
         });
         let _ = probe_ip.await;
-        let qos = qos(self.config.qos);
-        for filter in self.channel.agent_filters() {
-            if let Err(e) = self.client.subscribe(filter.clone(), qos).await {
-                warn!(%e, filter, "subscribe failed");
-            }
-        }
+        self.subscribe().await;
         // Discovery after every connect, so metadata is fresh after a broker restart too.
+        self.announce().await;
+    }
+
+    /// Publishes the proplet's discovery (`control/proplet/create`).
+    async fn announce(&self) {
         let discovery = Discovery {
             proplet_id: self.config.client_id.clone(),
             namespace: Some(self.config.namespace.clone()),

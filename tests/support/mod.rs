@@ -7,9 +7,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+pub mod cluster_cases;
 pub mod envtest;
+pub mod external;
 pub mod httpbin;
+pub mod mqtt_cluster;
 pub mod registry;
+pub mod standalone;
 pub use envtest::pdeathsig;
 
 /// Upper bound on every wait.
@@ -74,6 +78,11 @@ impl Running {
     /// The stderr lines printed so far and not yet read.
     pub fn stderr_so_far(&self) -> Vec<String> {
         self.stderr.try_iter().collect()
+    }
+
+    /// The first stdout line containing `needle`, within `limit`.
+    pub fn stdout_line_within(&self, needle: &str, limit: Duration) -> String {
+        wait_for_within(&self.stdout, needle, "stdout", limit)
     }
 
     /// The first stderr line containing `needle`, within `limit`.

@@ -371,4 +371,98 @@ mod tests {
         assert_eq!(mqtt_topic_of_routing_key("m.d.c.*.x"), "m/d/c/+/x");
         assert_eq!(mqtt_topic_of_routing_key("#"), "#");
     }
+
+    /// One HTTP/1.1 request to a served router; returns the status line and the body.
+    async fn exchange(addr: std::net::SocketAddr, request: String) -> (String, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).await.unwrap();
+        let status = reply.lines().next().unwrap_or_default().to_owned();
+        let body = reply
+            .split("\r\n\r\n")
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        (status, body)
+    }
+
+    fn post(path: &str, json: &str) -> String {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{json}",
+            json.len()
+        )
+    }
+
+    #[tokio::test]
+    async fn emqx_requests_in_their_documented_format_get_allow_or_deny() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(serve(listener, state()));
+        let authn = |json: &str| post("/emqx/s3cret/authn", json);
+        let (status, body) = exchange(
+            addr,
+            authn(r#"{"clientid":"dev1","username":"dev1","password":"k1"}"#),
+        )
+        .await;
+        assert!(status.contains("200"), "{status}");
+        assert!(body.contains(r#""result":"allow""#), "{body}");
+        assert!(body.contains(r#""is_superuser":false"#), "{body}");
+        let (_, body) = exchange(
+            addr,
+            authn(r#"{"clientid":"dev1","username":"dev1","password":"bad"}"#),
+        )
+        .await;
+        assert!(body.contains(r#""result":"deny""#), "{body}");
+        let (_, body) = exchange(
+            addr,
+            authn(r#"{"clientid":"propeller","username":"propeller","password":"svc"}"#),
+        )
+        .await;
+        assert!(body.contains(r#""is_superuser":true"#), "{body}");
+
+        let authz = |topic: &str, action: &str| {
+            post(
+                "/emqx/s3cret/authz",
+                &format!(
+                    r#"{{"clientid":"dev1","username":"dev1","topic":"{topic}","action":"{action}"}}"#
+                ),
+            )
+        };
+        for (topic, action, expected) in [
+            ("m/d/c/c1/control/proplet/alive", "publish", "allow"),
+            ("m/d/c/c1/control/manager/start", "publish", "deny"),
+            ("m/d/c/c1/control/manager/start", "subscribe", "allow"),
+            ("m/d/c/c2/control/manager/start", "subscribe", "deny"),
+            ("#", "subscribe", "deny"),
+        ] {
+            let (_, body) = exchange(addr, authz(topic, action)).await;
+            assert!(
+                body.contains(&format!(r#""result":"{expected}""#)),
+                "{action} {topic}: {body}"
+            );
+        }
+        // Without the secret nothing is decided.
+        let (status, _) = exchange(
+            addr,
+            post(
+                "/emqx/wrong/authn",
+                r#"{"clientid":"dev1","username":"dev1","password":"k1"}"#,
+            ),
+        )
+        .await;
+        assert!(status.contains("403"), "{status}");
+        let get = "GET /rabbitmq/wrong/user?username=dev1&password=k1 HTTP/1.1\r\nhost: x\r\n\
+                   connection: close\r\n\r\n";
+        let (status, _) = exchange(addr, get.to_owned()).await;
+        assert!(status.contains("403"), "{status}");
+        let get = "GET /rabbitmq/s3cret/user?username=dev1&password=k1&client_id=dev1 HTTP/1.1\r\n\
+                   host: x\r\nconnection: close\r\n\r\n";
+        let (status, body) = exchange(addr, get.to_owned()).await;
+        assert!(status.contains("200"), "{status}");
+        assert_eq!(body, "allow");
+        server.abort();
+    }
 }

@@ -175,6 +175,8 @@ pub struct CredentialStore {
 
 #[derive(Debug, Default)]
 struct Table {
+    /// Whether the table was filled at least once (see [`CredentialStore::is_loaded`]).
+    loaded: bool,
     by_client: HashMap<String, Credential>,
     /// Client ids of the devices bound to each `channel` level (domains checked on lookup).
     by_channel: HashMap<String, Vec<String>>,
@@ -232,12 +234,24 @@ impl CredentialStore {
 
     /// Replaces the whole table at once (e.g. after a full relist).
     pub fn replace_all(&self, entries: HashMap<String, Credential>) {
-        let mut table = Table::default();
+        let mut table = Table {
+            loaded: true,
+            ..Table::default()
+        };
         for (client_id, credential) in &entries {
             table.index(client_id, credential);
         }
         table.by_client = entries;
         *self.entries.write().unwrap_or_else(|e| e.into_inner()) = table;
+    }
+
+    /// Whether the whole table was set at least once ([`Self::replace_all`]): a driver has
+    /// read its source, so an empty table means no client, not "not read yet".
+    pub fn is_loaded(&self) -> bool {
+        self.entries
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .loaded
     }
 
     /// The devices bound to the channel `m/{domain}/c/{channel}`.

@@ -99,14 +99,21 @@ pub async fn print(cmd: BrokerConfigCommand) -> anyhow::Result<()> {
 }
 
 /// Keeps `path` equal to the rendering of the live tables, running `reload` (a shell command)
-/// after each rewrite. Runs until the task is dropped.
+/// after each rewrite, from the moment the proplets' table has been read. Runs until the
+/// task is dropped.
 pub async fn keep_rendered(
     proplets: CredentialStore,
     services: CredentialStore,
     path: PathBuf,
     reload: Option<String>,
 ) {
-    let mut written: Option<String> = None;
+    // A restart finding the file as it would write it leaves the broker alone.
+    let mut written: Option<String> = std::fs::read_to_string(&path).ok();
+    // Until the driver has read the Proplets, a rendering would drop every device from the
+    // broker (and a reload would disconnect them).
+    while !proplets.is_loaded() {
+        tokio::time::sleep(RENDER_EVERY / 10).await;
+    }
     loop {
         let mut entries = proplets.snapshot();
         entries.extend(services.snapshot());

@@ -712,19 +712,26 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
             None => debug!(client = %client_id, "liveness from a client with no Proplet"),
         },
         Concerns::Task(uid) => trigger_task(ctx, &uid),
-        Concerns::TasksOf(client_id) => {
+        Concerns::TasksOf(client_id) => trigger_tasks_of(ctx, &client_id),
+        Concerns::Rejoined(client_id) => {
             if let Some(p) = ctx.proplet_by_client(&client_id) {
-                let name = p.name_any();
-                for task in ctx.tasks.state() {
-                    if task.namespace() == p.namespace()
-                        && crate::decision::task::occupies(&task, &name)
-                    {
-                        let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
-                    }
-                }
+                let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
             }
+            trigger_tasks_of(ctx, &client_id);
         }
         Concerns::Nothing => {}
+    }
+}
+
+/// Triggers the tasks that occupy the proplet with MQTT client id `client_id`.
+fn trigger_tasks_of(ctx: &Shared, client_id: &str) {
+    if let Some(p) = ctx.proplet_by_client(client_id) {
+        let name = p.name_any();
+        for task in ctx.tasks.state() {
+            if task.namespace() == p.namespace() && crate::decision::task::occupies(&task, &name) {
+                let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
+            }
+        }
     }
 }
 

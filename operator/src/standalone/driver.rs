@@ -408,6 +408,16 @@ impl Driver {
         self.credentials.replace_all(table);
     }
 
+    /// Queues the tasks that occupy the proplet with MQTT client id `client_id`.
+    fn enqueue_tasks_of(&self, client_id: &str) {
+        if let Some(p) = self.cache.proplet_by_client(client_id) {
+            let key = Key::of(PROPLET, &p.metadata);
+            for task in self.cache.occupants(&key.namespace, &key.name) {
+                self.enqueue(Key::new(TASK, &key.namespace, &task));
+            }
+        }
+    }
+
     /// Records a broker event and queues the object it concerns.
     pub fn route_event(&self, event: &BrokerEvent) {
         if self.images.get().is_some_and(|i| i.handle_request(event)) {
@@ -425,13 +435,12 @@ impl Driver {
                 Some(t) => self.enqueue(Key::of(TASK, &t.metadata)),
                 None => debug!(task = %uid, "report for a task not stored yet; it waits"),
             },
-            Concerns::TasksOf(client_id) => {
+            Concerns::TasksOf(client_id) => self.enqueue_tasks_of(&client_id),
+            Concerns::Rejoined(client_id) => {
                 if let Some(p) = self.cache.proplet_by_client(&client_id) {
-                    let key = Key::of(PROPLET, &p.metadata);
-                    for task in self.cache.occupants(&key.namespace, &key.name) {
-                        self.enqueue(Key::new(TASK, &key.namespace, &task));
-                    }
+                    self.enqueue(Key::of(PROPLET, &p.metadata));
                 }
+                self.enqueue_tasks_of(&client_id);
             }
             Concerns::Nothing => {}
         }
