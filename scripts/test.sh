@@ -5,7 +5,8 @@
 # It installs what the tests use as real peers when it is missing (as root or with sudo),
 # and the wasm32-wasip2 Rust target for the guests the tests build:
 # Debian's mosquitto-clients, docker-registry (the CNCF distribution registry, for the OCI
-# image tests), and etcd-server for the real-cluster tests. Those tests also
+# image tests), etcd-server for the real-cluster tests, and rabbitmq-server and nats-server
+# for the external-broker suites (each starts a 3-node cluster of its own). Those tests also
 # need kube-apiserver and kube-controller-manager: from $KUBEBUILDER_ASSETS, or unpacked
 # from ../shared/envtest beside the repository. Without them they print SKIPPED and pass,
 # except under CI=true, where they fail.
@@ -18,6 +19,9 @@ command -v etcd >/dev/null 2>&1 || [ -x "${KUBEBUILDER_ASSETS:-/nonexistent}/etc
   || missing+=(etcd-server)
 command -v kubectl >/dev/null 2>&1 || missing+=(kubernetes-client)
 [ -x /usr/bin/docker-registry ] || missing+=(docker-registry)
+# The external-broker suites start 3-node clusters of their own on loopback ports.
+[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -30,11 +34,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
   echo "installing ${missing[*]}"
   $SUDO apt-get update -qq
+  # Packages must not start their services (rabbitmq-server's default node, etcd): the
+  # tests start their own on free ports. A policy-rc.d that denies starts is what Debian
+  # offers for that; any one already there is kept.
+  added_policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+    $SUDO chmod +x /usr/sbin/policy-rc.d
+    added_policy=1
+  fi
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$added_policy" ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
 fi
 # Debian starts an etcd service on install; the tests start their own on free ports.
 # So does the registry (on :5000); the tests start their own on free ports.
-for service in etcd docker-registry; do
+for service in etcd docker-registry rabbitmq-server nats-server; do
   if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "$service" 2>/dev/null; then
     systemctl stop "$service" >/dev/null 2>&1 || true
   fi
