@@ -6,6 +6,8 @@
 
 #[path = "support/envtest.rs"]
 mod envtest;
+#[path = "support/signal.rs"]
+mod signal;
 
 use std::path::PathBuf;
 
@@ -43,29 +45,8 @@ fn main() -> anyhow::Result<()> {
     println!("control plane ready at {}", cp.url);
     println!("admin kubeconfig: {}", admin.display());
     println!("stop with Ctrl-C");
-    wait_for_signal();
+    signal::wait_for_signal();
     drop(cp);
     let _ = std::fs::remove_file(admin);
     Ok(())
-}
-
-/// Blocks until SIGINT or SIGTERM.
-fn wait_for_signal() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build();
-    let Ok(runtime) = runtime else {
-        return;
-    };
-    runtime.block_on(async {
-        let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        else {
-            return;
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    });
 }

@@ -1353,3 +1353,166 @@ fn the_helm_chart_lints_renders_and_passes_a_server_side_dry_run() {
         String::from_utf8_lossy(&crds.stderr)
     );
 }
+
+/// `propeller run` (as the ServiceAccount, leading) on a 3-node NATS cluster instead of the
+/// embedded broker: `--device-auth rendered` keeps the servers' authorization current from
+/// the Proplets and their Secrets, agents on different nodes log in with their Proplets'
+/// keys, and the README's task completes. `/readyz` follows the broker session and
+/// `/metrics` shows it; `propeller broker-config` prints the same users from the cluster.
+#[test]
+fn the_operator_runs_devices_through_an_external_nats_cluster() {
+    use support::cluster_cases::DEVICES;
+    use support::external::{device_agent, device_manifest, PROPELLER_USER};
+    let ns = "ext";
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let password = "operator-password-0123456789";
+    let initial = format!(
+        "authorization {{\n  users: [\n    {{ user: \"{PROPELLER_USER}\", password: \"{password}\" }}\n  ]\n}}\n"
+    );
+    let Some(nats) = support::mqtt_cluster::NatsCluster::start(&initial, PROPELLER_USER, password)
+    else {
+        return;
+    };
+    let nodes: Vec<String> = nats
+        .mqtt_addrs()
+        .iter()
+        .map(|a| format!("mqtt://{a}"))
+        .collect();
+    let password_file = cp.scratch().join("mqtt-password");
+    std::fs::write(&password_file, password).expect("write the password");
+    let pids = nats
+        .pids()
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let authorization = nats.authorization_path().display().to_string();
+    let reload = format!("kill -HUP {pids}; true");
+    let password_path = password_file.display().to_string();
+    let brokers = nodes.join(",");
+    let (operator, metrics) = spawn_operator_with(
+        &kubeconfig,
+        "operator-ext",
+        &[
+            "--mqtt-broker",
+            &brokers,
+            "--mqtt-username",
+            PROPELLER_USER,
+            "--mqtt-password-file",
+            &password_path,
+            "--device-auth",
+            "rendered",
+            "--broker-config-file",
+            &authorization,
+            "--broker-config-reload",
+            &reload,
+        ],
+    );
+    wait_http(metrics, "/readyz", 200);
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    for name in DEVICES {
+        apply(&cp, ns, &device_manifest(name, &brokers));
+    }
+    let started = Instant::now();
+    let rendered = loop {
+        let text = std::fs::read_to_string(nats.authorization_path()).unwrap_or_default();
+        if DEVICES
+            .iter()
+            .all(|d| text.contains(&format!("user: \"{d}\"")))
+        {
+            break text;
+        }
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "the operator did not render the devices: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    nats.reload_authorization(&rendered);
+    let agents: Vec<Running> = DEVICES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let order: Vec<&str> = (0..3).map(|k| nodes[(i + k) % 3].as_str()).collect();
+            device_agent(
+                name,
+                &order.join(","),
+                &cp.scratch().join(format!("{name}-state")),
+            )
+        })
+        .collect();
+    for name in DEVICES {
+        wait_phase_explained(
+            &cp,
+            ns,
+            "proplet",
+            name,
+            "Running",
+            &["proplets"],
+            &[("operator", &operator)],
+        );
+    }
+    cp.kubectl_ok(&["-n", ns, "apply", "-f", "configs/samples/task-add.yaml"]);
+    let task = wait_phase_explained(
+        &cp,
+        ns,
+        "task",
+        "wasm-add",
+        "completed",
+        &["tasks", "proplets"],
+        &[("operator", &operator)],
+    );
+    assert_eq!(task["status"]["results"], "42", "{:#}", task["status"]);
+    let text = http_body(metrics, "/metrics");
+    assert!(
+        text.contains("propeller_broker_external_connected 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("propeller_broker_external_devices_authenticated 1"),
+        "{text}"
+    );
+    // The one-shot rendering from the API server names the same devices.
+    let out = binary("propeller")
+        .args(["broker-config", "--format", "nats", "-n", ns])
+        .env("KUBECONFIG", &cp.admin_kubeconfig)
+        .output()
+        .expect("run propeller broker-config");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for name in DEVICES {
+        assert!(printed.contains(&format!("user: \"{name}\"")), "{printed}");
+        assert!(
+            printed.contains(&format!("\"m.d1.c.{name}.control.proplet.alive\"")),
+            "{printed}"
+        );
+    }
+    drop(agents);
+}
+
+/// The body of a GET on 127.0.0.1:`port`.
+fn http_body(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).expect("reply");
+    reply
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned()
+}
