@@ -6,7 +6,11 @@ on its own channel and, on a cluster, each starting on a different node.
 
   1. single task create -> completed, 50 runs after 5 warm-ups (1 ms polling): median, p99;
   2. 1,000 tasks in one apply: tasks/s, propeller's CPU and the broker's CPU during it, and
-     the resident memory of propeller and of the broker (all nodes) after it.
+     the resident memory of propeller and of the broker (all nodes) after it;
+  3. with BENCH_HEARTBEATS=N (e.g. 10000): N simulated proplets (`propeller-loadgen
+     heartbeats`, one connection each, spread over the nodes, a heartbeat every 10 s): time
+     until all are Running, then a steady 40 s window: propeller's and the broker's CPU
+     (% of one core) and resident memory.
 
 Run by scripts/bench-external.sh, which builds the release binaries first:
   scripts/bench_external.py BIN_DIR [embedded,rabbitmq,nats]
@@ -39,6 +43,64 @@ def proplet(name, brokers):
             f"spec:\n  type: external\n  connectionConfig:\n    mqttAddress: \"{brokers}\"\n"
             f"    domainId: d\n    channelId: {name}\n    clientId: {name}\n"
             f"    clientKeySecretRef: {{name: {name}-key, key: key}}\n")
+
+
+def heartbeat_phase(plane, api, bin_dir, propeller_pid, n):
+    """Connects `n` simulated proplets and measures the steady state."""
+    shared = ",".join(plane.nodes)
+    for start in range(0, n, 500):
+        docs = []
+        for i in range(start, min(n, start + 500)):
+            name = f"hb-{i}"
+            docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-key\n"
+                        f"---\napiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\n"
+                        f"spec:\n  type: external\n  connectionConfig:\n    mqttAddress: \"{shared}\"\n"
+                        f"    domainId: d\n    channelId: c\n    clientId: {name}\n"
+                        f"    clientKeySecretRef: {{name: {name}-key, key: key}}\n")
+        api.call("POST", "/v1/apply", "---\n".join(docs))
+    if plane.authorization:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            with open(plane.authorization) as f:
+                if f'"hb-{n - 1}"' in f.read():
+                    break
+            time.sleep(0.5)
+        time.sleep(3)  # the reload propeller ran
+    ports = ",".join(node.rsplit(":", 1)[1] for node in plane.nodes)
+    steady = 40
+    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", ports,
+                            "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
+                            "--silent", "0", "--silence-after-secs", str(steady + 60),
+                            "--run-after-silence-secs", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = time.time()
+    try:
+        deadline = started + 600
+        while True:
+            running = pick(api.samples(), "propeller_proplets", phase="Running")
+            if running >= n + AGENTS:
+                break
+            if time.time() > deadline:
+                raise SystemExit(f"{plane.mode}: only {running:.0f} of {n} proplets Running after 600 s")
+            time.sleep(1)
+        all_running = time.time() - started
+        time.sleep(10)
+        broker = plane.broker_pids()
+        cpu0 = cpu_or_zero(propeller_pid), sum(cpu_or_zero(p) for p in broker), time.time()
+        time.sleep(steady)
+        cpu1 = cpu_or_zero(propeller_pid), sum(cpu_or_zero(p) for p in broker), time.time()
+        span = cpu1[2] - cpu0[2]
+        return {
+            "heartbeat_proplets": n,
+            "all_running_s": round(all_running, 1),
+            "steady_propeller_cpu_pct": round((cpu1[0] - cpu0[0]) / span * 100, 1),
+            "steady_broker_cpu_pct": round((cpu1[1] - cpu0[1]) / span * 100, 1) if broker else None,
+            "steady_propeller_rss_mib": round(rss_mib(propeller_pid), 1),
+            "steady_broker_rss_mib": round(sum(rss_mib(p) for p in broker), 1) if broker else None,
+        }
+    finally:
+        gen.terminate()
+        gen.wait(timeout=60)
 
 
 def children_of(pid):
@@ -195,7 +257,11 @@ def run(mode, bin_dir):
         span = time.time() - t0
         cpu1 = cpu_or_zero(propeller.pid), sum(cpu_or_zero(p) for p in broker)
         broker_rss = sum(rss_mib(p) for p in broker) if broker else 0.0
-        return {
+        heartbeats = {}
+        n = int(os.environ.get("BENCH_HEARTBEATS", "0"))
+        if n:
+            heartbeats = heartbeat_phase(plane, api, bin_dir, propeller.pid, n)
+        return heartbeats | {
             "mode": mode,
             "cluster_up_s": round(cluster_up, 1),
             "single_median_ms": round(statistics.median(single), 1),

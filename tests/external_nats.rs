@@ -11,8 +11,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::cluster_cases::{
-    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, propeller_killed_in_a_burst,
-    tasks_dags_broadcasts_and_jobs, Fleet, DEVICES, PROBE,
+    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, probe_logins,
+    propeller_killed_in_a_burst, tasks_dags_broadcasts_and_jobs, Fleet, DEVICES, PROBE,
 };
 use support::external::{eventually, Probe, Secrets, DOMAIN, PROPELLER_USER};
 use support::mqtt_cluster::NatsCluster;
@@ -87,23 +87,9 @@ fn nats_cluster_carries_the_fleet_with_a_rendered_device_policy() {
 /// shown by a subscriber that does not receive it.
 fn the_rendered_policy_is_enforced(fleet: &Fleet, propeller_password: &str) {
     let probe = Probe::device(&fleet.nodes[0], PROBE);
+    probe_logins(&probe, false);
     let own = |leaf: &str| format!("m/{DOMAIN}/c/{PROBE}/{leaf}");
-    let result = format!(r#"{{"task_id":"no-such-task","proplet_id":"{PROBE}","results":"1"}}"#);
-    assert!(
-        probe.publish(&own("control/proplet/results"), &result),
-        "the device's own report was refused"
-    );
     let key = probe.password.clone();
-    for (what, login) in [
-        ("anonymous", probe.with("x", "", "")),
-        ("wrong key", probe.with("x", PROBE, "nope")),
-        ("unknown client", probe.with("x", "ghost", "x")),
-    ] {
-        assert!(
-            !login.publish(&own("control/proplet/results"), &result),
-            "{what}: the login was accepted"
-        );
-    }
     let mine = probe
         .with("probe-own", PROBE, &key)
         .watch(&own("control/manager/start"), 3);

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use support::cluster_cases::{
-    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, propeller_killed_in_a_burst,
-    tasks_dags_broadcasts_and_jobs, Fleet, PROBE,
+    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, probe_logins,
+    propeller_killed_in_a_burst, tasks_dags_broadcasts_and_jobs, Fleet, PROBE,
 };
 use support::envtest::free_port;
 use support::external::{
@@ -109,29 +109,9 @@ fn the_demo_runs_through_the_cluster(fleet: &Fleet, live: &[String], callback_po
 fn the_device_policy_is_enforced_through_the_callbacks(fleet: &Fleet) {
     let (api, dir) = (fleet.api.clone(), fleet.dir.path().to_owned());
     let probe = Probe::device(&fleet.nodes[1], PROBE);
+    probe_logins(&probe, true);
     let own = |leaf: &str| format!("m/{DOMAIN}/c/{PROBE}/{leaf}");
-    // A result for no task: accepted by the broker, kept by propeller for a task that never
-    // comes (a heartbeat would make the probe a Running proplet the scheduler could pick).
     let result = format!(r#"{{"task_id":"no-such-task","proplet_id":"{PROBE}","results":"1"}}"#);
-    assert!(
-        probe.publish(&own("control/proplet/results"), &result),
-        "the device's own report was refused"
-    );
-    let key = probe.password.clone();
-    for (what, login) in [
-        ("anonymous", probe.with(PROBE, "", "")),
-        ("wrong key", probe.with(PROBE, PROBE, "nope")),
-        (
-            "username is not the client id",
-            probe.with("x", PROBE, &key),
-        ),
-        ("unknown client", probe.with("ghost", "ghost", "x")),
-    ] {
-        assert!(
-            !login.publish(&own("control/proplet/results"), &result),
-            "{what}: the login was accepted"
-        );
-    }
     assert!(
         !probe.publish(&own("control/manager/start"), "{}"),
         "a device published a manager command"

@@ -105,9 +105,10 @@ const TOPIC: &str = "bench/fanin";
 /// Simulated proplets.
 #[derive(clap::Args, Debug)]
 struct HeartbeatArgs {
-    /// Broker port on 127.0.0.1.
-    #[arg(long)]
-    port: u16,
+    /// Broker port on 127.0.0.1; several, comma-separated, for a cluster's nodes (proplet
+    /// `i` connects to the `i`-th modulo their number).
+    #[arg(long = "port", value_delimiter = ',', required = true)]
+    ports: Vec<u16>,
     /// Number of proplets. Proplet `i` logs in as `{prefix}-{i}` with password
     /// `{prefix}-{i}-key`.
     #[arg(long, default_value_t = 1000)]
@@ -261,8 +262,10 @@ fn unix_ms() -> u128 {
 async fn connect_proplet(
     args: &HeartbeatArgs,
     id: &str,
+    index: usize,
 ) -> anyhow::Result<(AsyncClient, rumqttc::EventLoop)> {
-    let mut options = MqttOptions::new(id, "127.0.0.1", args.port);
+    let port = args.ports[index % args.ports.len()];
+    let mut options = MqttOptions::new(id, "127.0.0.1", port);
     options.set_credentials(id, format!("{id}-key"));
     options.set_keep_alive(Duration::from_secs(60));
     let (client, mut eventloop) = AsyncClient::new(options, 16);
@@ -322,7 +325,7 @@ async fn simulated_proplet(
     }
     .encode();
     let permit = connecting.acquire().await.context("connect gate")?;
-    let (mut client, mut eventloop) = connect_proplet(&args, &id).await?;
+    let (mut client, mut eventloop) = connect_proplet(&args, &id, i).await?;
     drop(permit);
     let _ = signals.connected.send(());
     let mut stop = signals.stop.clone();
@@ -379,7 +382,7 @@ async fn simulated_proplet(
         let spread = args.storm_spread_ms.max(1);
         let share = (i as u64).saturating_mul(spread) / (args.proplets.max(1) as u64);
         tokio::time::sleep(Duration::from_millis(share)).await;
-        (client, eventloop) = connect_proplet(&args, &id).await?;
+        (client, eventloop) = connect_proplet(&args, &id, i).await?;
         let _ = signals.reconnected.send(());
     }
     let _ = client.disconnect().await;

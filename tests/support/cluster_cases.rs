@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use super::external::{
     add_task, device_agent, device_manifest, eventually, expect_results, start_propeller, task_ids,
-    AgentLog,
+    AgentLog, Probe, DOMAIN,
 };
 use super::standalone::{
     apply_text, finished_tasks_within, get_json, spin_module, wait_for_object_phase, wait_for_phase,
@@ -340,4 +340,36 @@ fn completed(api: &str, dir: &Path) -> usize {
                 && t["status"]["phase"] == "completed"
         })
         .count()
+}
+
+/// The probe device's own report is taken; anonymous logins, a wrong key and an unknown
+/// user are refused, and, where the broker binds the client id to the user (RabbitMQ), a
+/// client id other than the username too.
+pub fn probe_logins(probe: &Probe, client_id_is_the_user: bool) {
+    let topic = format!("m/{DOMAIN}/c/{PROBE}/control/proplet/results");
+    // A result for no task: accepted by the broker, kept by propeller for a task that never
+    // comes (a heartbeat would make the probe a Running proplet the scheduler could pick).
+    let result = format!(r#"{{"task_id":"no-such-task","proplet_id":"{PROBE}","results":"1"}}"#);
+    assert!(
+        probe.publish(&topic, &result),
+        "the device's own report was refused"
+    );
+    let key = probe.password.clone();
+    let mut refused = vec![
+        ("anonymous", probe.with(PROBE, "", "")),
+        ("wrong key", probe.with(PROBE, PROBE, "nope")),
+        ("unknown client", probe.with("ghost", "ghost", "x")),
+    ];
+    if client_id_is_the_user {
+        refused.push((
+            "username is not the client id",
+            probe.with("x", PROBE, &key),
+        ));
+    }
+    for (what, login) in refused {
+        assert!(
+            !login.publish(&topic, &result),
+            "{what}: the login was accepted"
+        );
+    }
 }

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::standalone::{finished_tasks_within, get_json};
-use super::{binary, Running, ADD_WASM, WAIT};
+use super::{api_address, binary, Running, ADD_WASM, WAIT};
 
 /// Propeller's own login on the cluster.
 pub const PROPELLER_USER: &str = "propeller";
@@ -65,13 +65,7 @@ pub fn start_propeller(dir: &Path, brokers: &str, extra: &[&str]) -> (Running, S
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1");
     let server = Running::spawn(cmd);
-    let api = server.stdout_line("api listening on http://");
-    let addr = api
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("api address")
-        .to_owned();
+    let addr = api_address(&server);
     (server, addr)
 }
 

@@ -229,14 +229,18 @@ pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, Stri
     let server = Running::spawn(cmd);
     let mqtt = server.stdout_line("mqtt listening on");
     let port = mqtt.rsplit(':').next().expect("port").trim().to_owned();
+    let addr = api_address(&server);
+    (server, addr, port)
+}
+
+/// The API address `propeller standalone` prints at start (`api listening on http://...`).
+pub fn api_address(server: &Running) -> String {
     let api = server.stdout_line("api listening on http://");
-    let addr = api
-        .split("http://")
+    api.split("http://")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
         .expect("api address")
-        .to_owned();
-    (server, addr, port)
+        .to_owned()
 }
 
 /// Runs a `propeller` client command against the standalone API at `api` with data in `dir`;
