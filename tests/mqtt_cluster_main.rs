@@ -5,8 +5,6 @@
 
 #[path = "support/envtest.rs"]
 mod envtest;
-// The tests use more of the harness than this binary does.
-#[allow(dead_code)]
 #[path = "support/mqtt_cluster.rs"]
 mod mqtt_cluster;
 #[path = "support/signal.rs"]
