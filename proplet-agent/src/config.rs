@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+pub use propeller_broker::protocol::{AddressError, BrokerAddress};
 
 /// A configuration problem, naming the setting at fault.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -61,98 +62,6 @@ fn describe_entry(entry: usize, count: usize, value: &str, problem: &AddressErro
         (1, _) => format!("{value:?}: {problem}"),
         (_, AddressError::Empty) => format!("entry {entry} of {count}: {problem}"),
         _ => format!("entry {entry} of {count}, {value:?}: {problem}"),
-    }
-}
-
-/// Why one broker address does not parse.
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-pub enum AddressError {
-    /// Nothing between two commas, or an empty list.
-    #[error(
-        "empty address (give one or more addresses separated by commas, e.g. tcp://a:1883,tcp://b:1883)"
-    )]
-    Empty,
-    /// A scheme other than tcp, mqtt, ssl, tls or mqtts.
-    #[error("unknown scheme {0:?} (use tcp, mqtt, ssl, tls or mqtts)")]
-    UnknownScheme(String),
-    /// `[::1` without its `]`.
-    #[error("unclosed `[`")]
-    UnclosedBracket,
-    /// Text after an IPv6 address's `]` that is not `:port`.
-    #[error("unexpected text after `]`")]
-    AfterBracket,
-    /// The port is not a number from 0 to 65535.
-    #[error("bad port")]
-    BadPort,
-    /// No host before the port.
-    #[error("missing host")]
-    MissingHost,
-    /// A TOML list item that is not a string.
-    #[error("not a string")]
-    NotText,
-}
-
-/// One broker to connect to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BrokerAddress {
-    /// Host name or IP address (an IPv6 address without its brackets).
-    pub host: String,
-    /// TCP port.
-    pub port: u16,
-    /// Whether the connection uses TLS (ssl://, tls:// or mqtts://).
-    pub tls: bool,
-}
-
-impl BrokerAddress {
-    /// Parses `tcp://host:1883`, `mqtt://…`, `ssl://` / `tls://` / `mqtts://` (default port
-    /// 8883), `host:port` or `host` (tcp, 1883); IPv6 hosts in brackets. Surrounding spaces
-    /// are ignored.
-    pub fn parse(text: &str) -> Result<Self, AddressError> {
-        let text = text.trim();
-        if text.is_empty() {
-            return Err(AddressError::Empty);
-        }
-        let (scheme, rest) = match text.split_once("://") {
-            Some((s, r)) => (s.to_ascii_lowercase(), r),
-            None => ("tcp".to_owned(), text),
-        };
-        let tls = match scheme.as_str() {
-            "tcp" | "mqtt" => false,
-            "ssl" | "tls" | "mqtts" => true,
-            other => return Err(AddressError::UnknownScheme(other.to_owned())),
-        };
-        let rest = rest.trim_end_matches('/');
-        let default_port = if tls { 8883 } else { 1883 };
-        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
-            let (host, after) = v6.split_once(']').ok_or(AddressError::UnclosedBracket)?;
-            let port = match after.strip_prefix(':') {
-                Some(p) => p.parse().map_err(|_| AddressError::BadPort)?,
-                None if after.is_empty() => default_port,
-                None => return Err(AddressError::AfterBracket),
-            };
-            (host.to_owned(), port)
-        } else {
-            match rest.rsplit_once(':') {
-                Some((h, p)) => (h.to_owned(), p.parse().map_err(|_| AddressError::BadPort)?),
-                None => (rest.to_owned(), default_port),
-            }
-        };
-        if host.is_empty() {
-            return Err(AddressError::MissingHost);
-        }
-        Ok(Self { host, port, tls })
-    }
-}
-
-impl std::fmt::Display for BrokerAddress {
-    /// `tcp://host:port` or `ssl://host:port`, IPv6 hosts in brackets.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let scheme = if self.tls { "ssl" } else { "tcp" };
-        if self.host.contains(':') {
-            write!(f, "{scheme}://[{}]:{}", self.host, self.port)
-        } else {
-            write!(f, "{scheme}://{}:{}", self.host, self.port)
-        }
     }
 }
 

@@ -17,7 +17,6 @@
 //! Who sent a report is decided by [`attribution`], since subscribers of an external broker
 //! are not told the publisher.
 
-mod address;
 pub mod attribution;
 pub mod callback;
 mod metrics;
@@ -33,10 +32,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::protocol::{Decoder, UNPREFIXED_FL_UPDATE_FILTER};
+use crate::protocol::{BrokerAddress, Decoder, UNPREFIXED_FL_UPDATE_FILTER};
 use crate::server::{BrokerError, BrokerEvent, CredentialStore, Publisher};
 
-pub use address::{AddressError, BrokerAddress};
 pub use attribution::DeviceTrust;
 pub use metrics::ExternalMetrics;
 pub use tls::ClientTls;

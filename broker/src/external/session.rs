@@ -170,7 +170,7 @@ fn backoff(config: &ExternalConfig, failures: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::external::BrokerAddress;
+    use crate::protocol::BrokerAddress;
 
     #[test]
     fn backoff_doubles_up_to_the_maximum() {

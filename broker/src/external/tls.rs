@@ -6,7 +6,7 @@ use std::sync::Arc;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use super::BrokerAddress;
+use crate::protocol::BrokerAddress;
 use crate::server::BrokerError;
 
 /// Where the system's CA bundle is on Debian and most distributions.

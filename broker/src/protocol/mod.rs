@@ -11,6 +11,7 @@
 //!   required keys and types, with errors naming the offending key;
 //! - [`split_into_chunks`] and [`ChunkAssembler`] for binaries sent over `registry/server`.
 
+mod address;
 mod control;
 mod error;
 mod fields;
@@ -25,6 +26,7 @@ mod hostile_tests;
 #[cfg(test)]
 mod tests;
 
+pub use address::{AddressError, BrokerAddress};
 pub use control::{
     targets, InvokeRequest, MonitoringProfile, StartRequest, StopRequest, DEFAULT_STOP_STATE,
 };

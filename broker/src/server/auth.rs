@@ -177,6 +177,8 @@ pub struct CredentialStore {
 struct Table {
     /// Whether the table was filled at least once (see [`CredentialStore::is_loaded`]).
     loaded: bool,
+    /// Bumped by every change (see [`CredentialStore::generation`]).
+    generation: u64,
     by_client: HashMap<String, Credential>,
     /// Client ids of the devices bound to each `channel` level (domains checked on lookup).
     by_channel: HashMap<String, Vec<String>>,
@@ -214,6 +216,7 @@ impl CredentialStore {
     pub fn insert(&self, client_id: impl Into<String>, credential: Credential) {
         let client_id = client_id.into();
         let mut table = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        table.generation += 1;
         table.index(&client_id, &credential);
         if let Some(old) = table.by_client.insert(client_id.clone(), credential) {
             table.unindex(&client_id, &old);
@@ -223,6 +226,7 @@ impl CredentialStore {
     /// Removes `client_id`; its next connect is refused.
     pub fn remove(&self, client_id: &str) -> bool {
         let mut table = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        table.generation += 1;
         match table.by_client.remove(client_id) {
             Some(old) => {
                 table.unindex(client_id, &old);
@@ -242,7 +246,9 @@ impl CredentialStore {
             table.index(client_id, credential);
         }
         table.by_client = entries;
-        *self.entries.write().unwrap_or_else(|e| e.into_inner()) = table;
+        let mut current = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        table.generation = current.generation + 1;
+        *current = table;
     }
 
     /// Whether the whole table was set at least once ([`Self::replace_all`]): a driver has
@@ -252,6 +258,15 @@ impl CredentialStore {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .loaded
+    }
+
+    /// A number that changes whenever the table does: whoever derives something from the
+    /// table (a rendered broker configuration) redoes it only then.
+    pub fn generation(&self) -> u64 {
+        self.entries
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .generation
     }
 
     /// The devices bound to the channel `m/{domain}/c/{channel}`.

@@ -114,11 +114,19 @@ pub async fn keep_rendered(
     while !proplets.is_loaded() {
         tokio::time::sleep(RENDER_EVERY / 10).await;
     }
+    let mut rendered_at = None;
     loop {
+        let generations = (proplets.generation(), services.generation());
+        if rendered_at == Some(generations) {
+            tokio::time::sleep(RENDER_EVERY).await;
+            continue;
+        }
         let mut entries = proplets.snapshot();
         entries.extend(services.snapshot());
         let text = render_authorization(&entries);
-        if written.as_deref() != Some(text.as_str()) {
+        if written.as_deref() == Some(text.as_str()) {
+            rendered_at = Some(generations);
+        } else {
             match write_atomically(&path, &text) {
                 Ok(()) => {
                     info!(path = %path.display(), users = entries.len(), "broker configuration written");
@@ -126,6 +134,7 @@ pub async fn keep_rendered(
                         run_reload(command).await;
                     }
                     written = Some(text);
+                    rendered_at = Some(generations);
                 }
                 Err(e) => {
                     warn!(path = %path.display(), "cannot write the broker configuration: {e:#}")

@@ -2,13 +2,11 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use propeller_broker::external::{
-    report_filters, BrokerAddress, ClientTls, DeviceTrust, ExternalConfig,
-};
+use propeller_broker::external::{report_filters, ClientTls, DeviceTrust, ExternalConfig};
+use propeller_broker::protocol::BrokerAddress;
 
 /// How the external broker authenticates devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -156,7 +154,6 @@ impl ExternalBrokerArgs {
             DeviceAuth::None => DeviceTrust::Unauthenticated,
             DeviceAuth::Callback | DeviceAuth::Rendered => DeviceTrust::Authenticated,
         };
-        config.keep_alive = Duration::from_secs(15);
         let rendered = match (device_auth, &self.broker_config_file) {
             (DeviceAuth::Rendered, Some(path)) => {
                 Some((path.clone(), self.broker_config_reload.clone()))
