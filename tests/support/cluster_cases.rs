@@ -271,6 +271,18 @@ pub fn a_node_killed_under_a_running_task(
 pub fn propeller_killed_in_a_burst(fleet: &mut Fleet) {
     let n = burst_size();
     let engine = fleet.engine;
+    // Agents that were on the node killed before may still be moving: wait until no agent
+    // opened a session for 3 s, so the count below is what propeller's kill causes.
+    let settled = Instant::now();
+    loop {
+        let before: Vec<usize> = fleet.agents.values_mut().map(|a| a.sessions()).collect();
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        let after: Vec<usize> = fleet.agents.values_mut().map(|a| a.sessions()).collect();
+        if before == after {
+            break;
+        }
+        assert!(settled.elapsed() < WAIT, "the agents kept reconnecting");
+    }
     let sessions_before: BTreeMap<&str, usize> = fleet
         .agents
         .iter_mut()
