@@ -8,8 +8,9 @@
 # image tests), etcd-server for the real-cluster tests, and rabbitmq-server and nats-server
 # for the external-broker suites (each starts a 3-node cluster of its own). Those tests also
 # need kube-apiserver and kube-controller-manager: from $KUBEBUILDER_ASSETS, or unpacked
-# from ../shared/envtest beside the repository. Without them they print SKIPPED and pass,
-# except under CI=true, where they fail.
+# from ../shared/envtest beside the repository; the in-cluster suite also needs root and the
+# node kit in ../shared/envtest/node (with containerd, runc and the CNI plugins, installed
+# here). Without them they print SKIPPED and pass, except under CI=true, where they fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,16 @@ command -v kubectl >/dev/null 2>&1 || missing+=(kubernetes-client)
 # The external-broker suites start 3-node clusters of their own on loopback ports.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+# The in-cluster suite (tests/in_cluster.rs) starts a real node from ../shared/envtest/node:
+# containerd and runc run its pods, dnsmasq-base serves its cluster DNS, iptables carries
+# kube-proxy's Services; binutils' objcopy strips the binaries put into the test images.
+for tool in containerd:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
+  iptables:iptables nft:nftables dnsmasq:dnsmasq-base /bin/busybox:busybox-static \
+  openssl:openssl xz:xz-utils ip:iproute2 objcopy:binutils curl:curl; do
+  probe=${tool%%:*}
+  if [ "${probe#/}" != "$probe" ]; then [ -e "$probe" ] || missing+=("${tool#*:}")
+  else command -v "$probe" >/dev/null 2>&1 || missing+=("${tool#*:}"); fi
+done
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -47,8 +58,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ -n "$added_policy" ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
 fi
 # Debian starts an etcd service on install; the tests start their own on free ports.
-# So does the registry (on :5000); the tests start their own on free ports.
-for service in etcd docker-registry rabbitmq-server nats-server; do
+# So does the registry (on :5000), and containerd; the tests start their own.
+for service in etcd docker-registry rabbitmq-server nats-server containerd; do
   if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "$service" 2>/dev/null; then
     systemctl stop "$service" >/dev/null 2>&1 || true
   fi

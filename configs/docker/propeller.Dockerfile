@@ -12,12 +12,14 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked -p propeller-operator --bin propeller \
     && install -D -m 0755 target/release/propeller /out/propeller
 
-FROM debian:bookworm-slim
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+# The runtime image. This stage uses only FROM, COPY --from=builder, ENV, USER, EXPOSE,
+# ENTRYPOINT and CMD: the in-cluster tests build the same image without Docker by reading
+# these lines (tests/support/image.rs), so there is one description of it.
+# distroless/cc: glibc, libgcc, the CA certificates and the user nonroot (65532), which is
+# all the binary loads.
+FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=builder /out/propeller /usr/local/bin/propeller
-# Same numeric id as distroless "nonroot"; the Deployment sets runAsNonRoot.
+# The Deployment also sets runAsNonRoot and a read-only root filesystem.
 USER 65532:65532
 # 1883 MQTT, 8883 MQTT over TLS (when enabled), 8080 /healthz /readyz /metrics.
 EXPOSE 1883 8883 8080

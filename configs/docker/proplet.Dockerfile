@@ -8,15 +8,16 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --profile release-agent --locked -p proplet-agent --bin proplet \
-    && install -D -m 0755 target/release-agent/proplet /out/proplet
+    && install -D -m 0755 target/release-agent/proplet /out/proplet \
+    && install -d /out/state
 
-FROM debian:bookworm-slim
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
-    && install -d -o 65532 -g 65532 -m 0700 /var/lib/proplet
+# The runtime image: only FROM, COPY --from=builder, ENV, USER, EXPOSE, ENTRYPOINT and CMD,
+# so the in-cluster tests build the same image without Docker from these lines
+# (tests/support/image.rs).
+FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=builder /out/proplet /usr/local/bin/proplet
-# Result spool and module cache; the operator mounts a volume here for k8s proplets.
+# Result spool and module cache; the operator mounts an emptyDir here for k8s proplets.
+COPY --from=builder --chown=65532:65532 /out/state /var/lib/proplet
 ENV PROPLET_STATE_DIR=/var/lib/proplet
 USER 65532:65532
 # Agent health and metrics (/health, /ready, /metrics) when PROPLET_METRICS_ENABLED=true.

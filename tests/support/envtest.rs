@@ -439,6 +439,11 @@ fn unpack_shared_assets() -> Result<PathBuf, String> {
 
 /// A CA and a serving certificate for 127.0.0.1 and localhost, as PEM (ca, cert, key).
 pub fn serving_certificate() -> (String, String, String) {
+    serving_certificate_for(&["127.0.0.1", "localhost"])
+}
+
+/// A CA and a serving certificate for `names` (addresses or DNS names), as PEM (ca, cert, key).
+pub fn serving_certificate_for(names: &[&str]) -> (String, String, String) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
     let ca_key = KeyPair::generate().expect("CA key");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
@@ -449,7 +454,7 @@ pub fn serving_certificate() -> (String, String, String) {
     let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
     let issuer = Issuer::new(ca_params, ca_key);
     let key = KeyPair::generate().expect("serving key");
-    let params = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+    let params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
         .expect("serving params");
     let cert = params
         .signed_by(&key, &issuer)

@@ -11,6 +11,8 @@ pub mod cluster_cases;
 pub mod envtest;
 pub mod external;
 pub mod httpbin;
+pub mod image;
+pub mod knode;
 pub mod mqtt_cluster;
 pub mod registry;
 pub mod standalone;
@@ -78,6 +80,11 @@ impl Running {
     /// The stderr lines printed so far and not yet read.
     pub fn stderr_so_far(&self) -> Vec<String> {
         self.stderr.try_iter().collect()
+    }
+
+    /// The stdout lines printed so far and not yet read.
+    pub fn stdout_so_far(&self) -> Vec<String> {
+        self.stdout.try_iter().collect()
     }
 
     /// The first stdout line containing `needle`, within `limit`.

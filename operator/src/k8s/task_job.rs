@@ -215,6 +215,40 @@ pub fn extract_result(
     pods.iter().find_map(|p| annotation(&p.metadata))
 }
 
+/// How the Job's container ended when it failed: exit code, reason and the last lines it
+/// wrote (the termination message, or its log tail under `FallbackToLogsOnError`).
+pub fn container_failure(pods: &[Pod]) -> Option<String> {
+    pods.iter().find_map(|pod| {
+        pod.status
+            .as_ref()?
+            .container_statuses
+            .as_ref()?
+            .iter()
+            .find_map(|c| {
+                let ended = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+                let ended = c
+                    .state
+                    .as_ref()
+                    .and_then(|s| s.terminated.as_ref())
+                    .or(ended)
+                    .filter(|t| t.exit_code != 0)?;
+                let mut text = format!(
+                    "container {} exited with code {} ({})",
+                    c.name,
+                    ended.exit_code,
+                    ended.reason.as_deref().unwrap_or("no reason given")
+                );
+                if let Some(message) = ended.message.as_deref().map(str::trim) {
+                    if !message.is_empty() {
+                        text.push_str(": ");
+                        text.push_str(message);
+                    }
+                }
+                Some(text)
+            })
+    })
+}
+
 /// Creates the task's ConfigMap and Job unless they exist.
 pub async fn create(client: &kube::Client, task: &Task) -> Result<(), kube::Error> {
     let ns = task.metadata.namespace.as_deref().unwrap_or("default");
@@ -248,15 +282,24 @@ pub async fn observe(
     let Some(job) = jobs.get_opt(&name).await? else {
         return Ok(None);
     };
+    let pods_of_job = || async {
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .list(&ListParams::default().labels(&format!("job-name={name}")))
+            .await
+            .map(|list| list.items)
+    };
     match job_finished(&job) {
         None => Ok(Some(JobOutcome::Running)),
-        Some(Err(message)) => Ok(Some(JobOutcome::Failed { message })),
+        Some(Err(message)) => {
+            let pods = pods_of_job().await?;
+            let message = match container_failure(&pods) {
+                Some(container) => format!("{message}; {container}"),
+                None => message,
+            };
+            Ok(Some(JobOutcome::Failed { message }))
+        }
         Some(Ok(())) => {
-            let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-            let pods = pods
-                .list(&ListParams::default().labels(&format!("job-name={name}")))
-                .await?
-                .items;
+            let pods = pods_of_job().await?;
             let result_name = child_name(&name, "result");
             let config = Api::<ConfigMap>::namespaced(client.clone(), ns)
                 .get_opt(&result_name)
@@ -423,5 +466,27 @@ mod tests {
             Some(Err("Job failed: BackoffLimitExceeded".to_owned()))
         );
         assert_eq!(job_finished(&Job::default()), None);
+    }
+
+    #[test]
+    fn a_failed_container_is_named_with_its_exit_code_reason_and_output() {
+        let mut pod = pod_with_message("disk full\n");
+        let status = &mut pod
+            .status
+            .as_mut()
+            .unwrap()
+            .container_statuses
+            .as_mut()
+            .unwrap()[0];
+        status.name = "task".into();
+        let ended = status.state.as_mut().unwrap().terminated.as_mut().unwrap();
+        ended.exit_code = 3;
+        ended.reason = Some("Error".into());
+        assert_eq!(
+            container_failure(&[pod]).as_deref(),
+            Some("container task exited with code 3 (Error): disk full")
+        );
+        // A container that succeeded says nothing about a failure.
+        assert_eq!(container_failure(&[pod_with_message("ok")]), None);
     }
 }

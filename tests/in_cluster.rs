@@ -1,0 +1,793 @@
+//! Propeller deployed as users deploy it, on a real single-node cluster (kubelet,
+//! containerd, kube-proxy, cluster DNS: `../shared/envtest/node`): the images built from our
+//! Dockerfiles' runtime stage, the chart installed with the README's commands, an agent pod
+//! the operator runs, tasks as Job pods, a device outside the cluster over TLS through a
+//! NodePort, an upgrade while tasks run, and the uninstall.
+//!
+//! One node per run (each start takes ~15 s and kube-proxy is host-wide), so the whole
+//! deployment is one test whose stages print their names and times. Without the node kit
+//! or root it prints one SKIPPED line, except under `CI=true`, where that is a failure.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use support::image;
+use support::knode::{self, Node};
+use support::{repo_root, Running};
+
+const NAMESPACE: &str = "propeller-system";
+const RESULT_WORKLOAD: &str = "localhost/propeller-job-result:t1";
+
+/// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the README.
+fn readme_steps(name: &str) -> String {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let begin = format!("<!-- in-cluster:{name}:begin -->");
+    let end = format!("<!-- in-cluster:{name}:end -->");
+    let start = readme
+        .find(&begin)
+        .unwrap_or_else(|| panic!("README has no {begin}"));
+    let stop = readme[start..]
+        .find(&end)
+        .unwrap_or_else(|| panic!("README has no {end}"));
+    let mut commands = String::new();
+    let mut in_code = false;
+    for line in readme[start..start + stop].lines() {
+        let line = line.trim();
+        if line.starts_with("```") {
+            in_code = !in_code;
+        } else if in_code {
+            commands.push_str(line);
+            commands.push('\n');
+        }
+    }
+    assert!(!commands.is_empty(), "README step {name} has no commands");
+    commands
+}
+
+/// Where helm and kubectl run: a scratch directory that sees the repository's `configs/`.
+struct Workspace {
+    dir: tempfile::TempDir,
+    helm: PathBuf,
+}
+
+impl Workspace {
+    fn new(helm: PathBuf) -> Self {
+        let dir = tempfile::tempdir().expect("scratch dir");
+        std::os::unix::fs::symlink(repo_root().join("configs"), dir.path().join("configs"))
+            .expect("link configs");
+        Workspace { dir, helm }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Runs shell commands (README steps) with kubectl and helm on the node.
+    fn run(&self, node: &Node, script: &str) -> String {
+        let helm_dir = self.helm.parent().expect("helm dir");
+        let path = format!(
+            "{}:{}",
+            helm_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let home = self.path().join("helm-home");
+        let out = Command::new("bash")
+            .args(["-euo", "pipefail", "-c", script])
+            .current_dir(self.path())
+            .env("KUBECONFIG", &node.kubeconfig)
+            .env("PATH", path)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .output()
+            .expect("run bash");
+        assert!(
+            out.status.success(),
+            "these steps failed:\n{script}\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+/// A stage of the run, printed with its duration.
+fn stage<T>(name: &str, f: impl FnOnce() -> T) -> T {
+    eprintln!("=== {name}");
+    let began = Instant::now();
+    let value = f();
+    eprintln!("=== {name}: done in {:.1} s", began.elapsed().as_secs_f64());
+    value
+}
+
+/// Builds the three images from the binaries the test run uses and imports them.
+fn build_images(node: &Node, scratch: &Path) {
+    let kit = knode::kit();
+    let bin = |name: &str| {
+        let mut dir = std::env::current_exe().expect("test path");
+        dir.pop();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
+        dir.join(name)
+    };
+    let empty = scratch.join("empty-dir");
+    std::fs::create_dir_all(&empty).expect("empty dir");
+    let images: [(&str, &str, BTreeMap<&str, PathBuf>); 2] = [
+        (
+            "configs/docker/propeller.Dockerfile",
+            "localhost/propeller:t1",
+            BTreeMap::from([("/out/propeller", bin("propeller"))]),
+        ),
+        (
+            "configs/docker/proplet.Dockerfile",
+            "localhost/proplet:t1",
+            BTreeMap::from([("/out/proplet", bin("proplet")), ("/out/state", empty)]),
+        ),
+    ];
+    for (dockerfile, reference, sources) in images {
+        let archive = scratch.join(format!("{}.tar", reference.replace(['/', ':'], "_")));
+        image::build(
+            &kit,
+            &repo_root().join(dockerfile),
+            &sources,
+            reference,
+            &archive,
+        )
+        .unwrap_or_else(|e| panic!("building {reference}: {e}"));
+        node.import_image(&archive);
+        let _ = std::fs::remove_file(&archive);
+    }
+    // The Job pods' workload: a test program, not one of ours to ship.
+    let archive = scratch.join("job-result.tar");
+    image::build_program(
+        &kit,
+        &bin("propeller-job-result"),
+        RESULT_WORKLOAD,
+        &archive,
+    )
+    .unwrap_or_else(|e| panic!("building {RESULT_WORKLOAD}: {e}"));
+    node.import_image(&archive);
+}
+
+/// The pod names of the operator, newest first.
+fn operator_pods(node: &Node) -> Vec<String> {
+    let names = node.kubectl_ok(&[
+        "-n",
+        NAMESPACE,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/component=operator",
+        "--sort-by=.metadata.creationTimestamp",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
+    ]);
+    names.lines().rev().map(str::to_owned).collect()
+}
+
+/// The host pid of the container process whose command line starts with `program`.
+fn container_process(program: &str, args: &str) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            (cmdline.starts_with(program) && cmdline.contains(args)).then_some(pid)
+        })
+}
+
+/// What a process runs as: (uid, no_new_privs, root filesystem read-only).
+fn process_confinement(pid: u32) -> (u32, bool, bool) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.split_whitespace().next().unwrap_or_default().to_owned())
+            .unwrap_or_default()
+    };
+    let uid: u32 = field("Uid:").parse().expect("uid");
+    let no_new_privs = field("NoNewPrivs:") == "1";
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("mountinfo");
+    let root_read_only = mounts
+        .lines()
+        .find(|l| l.split_whitespace().nth(4) == Some("/"))
+        .is_some_and(|l| {
+            l.split_whitespace()
+                .nth(5)
+                .is_some_and(|o| o.split(',').any(|f| f == "ro"))
+        });
+    (uid, no_new_privs, root_read_only)
+}
+
+fn assert_confined(what: &str, program: &str, args: &str) {
+    let pid = container_process(program, args)
+        .unwrap_or_else(|| panic!("no process of {what} ({program} {args}) on the host"));
+    let (uid, no_new_privs, read_only) = process_confinement(pid);
+    assert_eq!(uid, 65532, "{what} runs as uid {uid}");
+    assert!(no_new_privs, "{what} may gain privileges (NoNewPrivs 0)");
+    assert!(read_only, "{what}'s root filesystem is writable");
+    eprintln!("{what}: pid {pid}, uid 65532, no_new_privs, read-only root");
+}
+
+fn task_manifest(name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  name: {name}\n{spec}"
+    )
+}
+
+fn job_task(name: &str, args: &[&str], extra: &str) -> String {
+    let args = serde_json::to_string(args).expect("json");
+    task_manifest(
+        name,
+        &format!(
+            "  imageUrl: {RESULT_WORKLOAD}\n  cliArgs: {args}\n  preferredPropletType: k8s\n{extra}"
+        ),
+    )
+}
+
+fn phase_is(wanted: &'static str) -> impl Fn(&str) -> bool {
+    move |phase: &str| phase == wanted
+}
+
+/// Lets the Job pods of namespace `default` write the results the operator reads.
+const RESULT_WRITER_RBAC: &str = r#"apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: result-writer
+  namespace: default
+rules:
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, patch]
+- apiGroups: [""]
+  resources: [configmaps, secrets]
+  verbs: [create]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [patch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: result-writer
+  namespace: default
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: result-writer
+subjects:
+- kind: ServiceAccount
+  name: default
+  namespace: default
+"#;
+
+#[test]
+fn the_chart_images_and_agents_work_on_a_real_node() {
+    if let Some(why) = knode::unavailable() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true needs the in-cluster suite: {why}"
+        );
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let Some(helm) = support::envtest::helm_binary() else {
+        assert!(std::env::var("CI").is_err(), "CI=true needs helm");
+        eprintln!("SKIPPED: no helm (neither on PATH nor ../shared/envtest/helm.xz)");
+        return;
+    };
+    let work = Workspace::new(helm);
+    let node = stage("node up", Node::start);
+    eprintln!("node Ready after {:.1} s", node.started_in.as_secs_f64());
+    stage("images from the Dockerfiles", || {
+        build_images(&node, work.path())
+    });
+
+    // The README's install, with the local image instead of a registry's.
+    let install = readme_steps("install");
+    let local = install
+        .replace(
+            "image.repository=propeller",
+            "image.repository=localhost/propeller",
+        )
+        .replace("image.tag=latest", "image.tag=t1");
+    assert_ne!(
+        local, install,
+        "the README's install names no image to replace"
+    );
+    let operator = stage("helm install to a Ready operator", || {
+        work.run(&node, &local);
+        operator_pods(&node)
+            .into_iter()
+            .next()
+            .expect("an operator pod")
+    });
+    stage(
+        "leader election, /metrics and MQTT through the Service",
+        || {
+            node.wait_for(
+                &["-n", NAMESPACE, "lease", "propeller-leader"],
+                "{.spec.holderIdentity}",
+                Duration::from_secs(60),
+                |holder| holder == operator,
+            );
+            let cluster_ip = node.kubectl_ok(&[
+                "-n",
+                NAMESPACE,
+                "get",
+                "service",
+                "propeller",
+                "-o",
+                "jsonpath={.spec.clusterIP}",
+            ]);
+            let metrics = Command::new("curl")
+                .args(["-sf", "--max-time", "10"])
+                .arg(format!("http://{cluster_ip}:8080/metrics"))
+                .output()
+                .expect("curl");
+            let text = String::from_utf8_lossy(&metrics.stdout);
+            assert!(
+                metrics.status.success() && text.contains("propeller_"),
+                "/metrics through the Service: {text}"
+            );
+            // The broker answers on the Service's MQTT port: a login it does not know is refused
+            // (it closes the connection; the agents' logins below are the positive proof).
+            let refused = Command::new("mosquitto_pub")
+                .args([
+                    "-h",
+                    &cluster_ip,
+                    "-p",
+                    "1883",
+                    "-i",
+                    "nobody",
+                    "-u",
+                    "nobody",
+                ])
+                .args(["-P", "wrong", "-t", "x", "-m", "x", "-q", "1"])
+                .output()
+                .expect("mosquitto_pub");
+            let said = String::from_utf8_lossy(&refused.stderr).to_lowercase();
+            assert!(
+                !refused.status.success()
+                    && ["not authori", "refused", "connection was lost"]
+                        .iter()
+                        .any(|s| said.contains(s)),
+                "MQTT through the Service: {said}"
+            );
+            // In-cluster configuration: the pod has no kubeconfig, only its ServiceAccount.
+            let env = node.kubectl_ok(&[
+                "-n",
+                NAMESPACE,
+                "get",
+                "pod",
+                &operator,
+                "-o",
+                "jsonpath={.spec.containers[0].env[*].name} {.spec.serviceAccountName}",
+            ]);
+            assert!(!env.contains("KUBECONFIG"), "{env}");
+            assert!(env.ends_with(" propeller"), "{env}");
+        },
+    );
+    stage("the operator's pod is confined", || {
+        assert_confined("the operator", "/usr/local/bin/propeller", "run");
+    });
+
+    // The sample k8s proplet, pointed at the local agent image.
+    stage(
+        "a k8s proplet: its Deployment's pod dials the broker by DNS",
+        || {
+            let sample =
+                std::fs::read_to_string(repo_root().join("configs/samples/proplet-k8s.yaml"))
+                    .expect("sample");
+            let local = sample.replace("image: proplet:latest", "image: localhost/proplet:t1");
+            assert_ne!(local, sample, "the sample names no agent image to replace");
+            assert!(local.contains("mqttAddress: tcp://propeller.propeller-system.svc:1883"));
+            node.apply(&local);
+            node.wait_for(
+                &["proplet", "k8s-proplet"],
+                "{.status.phase}",
+                Duration::from_secs(120),
+                phase_is("Running"),
+            );
+            assert_confined("the k8s proplet's agent", "/usr/local/bin/proplet", "");
+        },
+    );
+
+    stage("tasks as Job pods: five result sources", || {
+        node.apply(RESULT_WRITER_RBAC);
+        for source in [
+            "job-annotation",
+            "termination-message",
+            "configmap",
+            "secret",
+            "pod-annotation",
+        ] {
+            let name = format!("from-{source}");
+            let expected = format!("result-{source}");
+            let began = Instant::now();
+            node.apply(&job_task(&name, &[source, &expected], ""));
+            node.wait_for(
+                &["-n", "default", "task", &name],
+                "{.status.phase}",
+                Duration::from_secs(90),
+                |phase| {
+                    assert_ne!(phase, "failed", "task {name} failed");
+                    phase == "completed"
+                },
+            );
+            let results = node.kubectl_ok(&[
+                "-n",
+                "default",
+                "get",
+                "task",
+                &name,
+                "-o",
+                "jsonpath={.status.results}",
+            ]);
+            assert_eq!(results, expected, "{source}");
+            eprintln!(
+                "{source}: create -> completed in {:.1} s",
+                began.elapsed().as_secs_f64()
+            );
+        }
+    });
+    stage("a failing Job and one past its timeout", || {
+        node.apply(&job_task("exits-3", &["none", "-", "--exit", "3"], ""));
+        node.apply(&job_task(
+            "too-slow",
+            &["none", "-", "--sleep", "600"],
+            "  timeoutSeconds: 5\n",
+        ));
+        for (name, says) in [("exits-3", "exited with code 3 (Error)"), ("too-slow", "")] {
+            node.wait_for(
+                &["-n", "default", "task", name],
+                "{.status.phase}",
+                Duration::from_secs(90),
+                phase_is("failed"),
+            );
+            let error = node.kubectl_ok(&[
+                "-n",
+                "default",
+                "get",
+                "task",
+                name,
+                "-o",
+                "jsonpath={.status.error}",
+            ]);
+            eprintln!("{name}: {error}");
+            assert!(error.contains(says), "{name}: {error}");
+            if name == "too-slow" {
+                let lower = error.to_lowercase();
+                assert!(
+                    lower.contains("deadline") || lower.contains("time"),
+                    "{name}: {error}"
+                );
+                // The Job's own deadline stops the workload too.
+                node.wait_for(
+                    &["-n", "default", "job", "too-slow-job"],
+                    "{.status.conditions[?(@.type==\"Failed\")].reason}",
+                    Duration::from_secs(60),
+                    |reason| reason == "DeadlineExceeded",
+                );
+            }
+        }
+    });
+
+    // A device outside the cluster, over TLS through a NodePort.
+    let (ca, cert, key) = support::envtest::serving_certificate_for(&[node.node_ip.as_str()]);
+    std::fs::write(work.path().join("ca.crt"), &ca).expect("ca");
+    std::fs::write(work.path().join("mqtt.crt"), &cert).expect("cert");
+    std::fs::write(work.path().join("mqtt.key"), &key).expect("key");
+    let node_port = stage("helm upgrade: TLS on a NodePort", || {
+        let output = work.run(&node, &readme_steps("devices"));
+        output.lines().last().unwrap_or_default().trim().to_owned()
+    });
+    assert!(node_port.parse::<u16>().is_ok(), "nodePort: {node_port:?}");
+    let state = tempfile::tempdir().expect("agent state");
+    let device = stage(
+        "a device outside the cluster: Running, then add -> 42",
+        || {
+            node.kubectl_ok(&[
+                "apply",
+                "-f",
+                &repo_root()
+                    .join("configs/samples/proplet-external.yaml")
+                    .display()
+                    .to_string(),
+            ]);
+            let began = Instant::now();
+            let mut agent = support::binary("proplet");
+            agent
+                .env(
+                    "PROPLET_MQTT_ADDRESS",
+                    format!("mqtts://{}:{node_port}", node.node_ip),
+                )
+                .env("PROPLET_MQTT_TLS_CA_CERT", work.path().join("ca.crt"))
+                .env("PROPLET_DOMAIN_ID", "default-domain")
+                .env("PROPLET_CHANNEL_ID", "default-channel")
+                .env("PROPLET_CLIENT_ID", "edge-device")
+                .env("PROPLET_CLIENT_KEY", "change-me-edge-device-key")
+                .env("PROPLET_STATE_DIR", state.path())
+                .env("PROPLET_LOG_LEVEL", "info");
+            let device = Running::spawn(agent);
+            node.wait_for(
+                &["proplet", "edge-device"],
+                "{.status.phase}",
+                Duration::from_secs(60),
+                phase_is("Running"),
+            );
+            eprintln!(
+                "edge-device Running {:.1} s after its agent started",
+                began.elapsed().as_secs_f64()
+            );
+            let add = std::fs::read_to_string(repo_root().join("configs/samples/task-add.yaml"))
+                .expect("task sample");
+            let pinned = format!("{add}  propletSelector:\n    propletId: edge-device\n");
+            let began = Instant::now();
+            node.apply(&pinned);
+            node.wait_for(
+                &["task", "wasm-add"],
+                "{.status.phase}",
+                Duration::from_secs(60),
+                phase_is("completed"),
+            );
+            eprintln!(
+                "wasm-add: create -> completed in {:.2} s",
+                began.elapsed().as_secs_f64()
+            );
+            let results = node.kubectl_ok(&[
+                "get",
+                "task",
+                "wasm-add",
+                "-o",
+                "jsonpath={.status.results}",
+            ]);
+            assert_eq!(results, "42");
+            device
+        },
+    );
+
+    stage(
+        "helm upgrade to a new image while tasks run: 0 lost, 0 doubled",
+        || {
+            let out = Command::new("ctr")
+                .arg("-a")
+                .arg(node.containerd_socket())
+                .args([
+                    "-n",
+                    "k8s.io",
+                    "images",
+                    "tag",
+                    "localhost/propeller:t1",
+                    "localhost/propeller:t2",
+                ])
+                .output()
+                .expect("ctr tag");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let spin = support::standalone::spin_module();
+            let tasks: Vec<String> = (0..20).map(|i| format!("during-upgrade-{i}")).collect();
+            let manifests: Vec<String> = tasks
+            .iter()
+            .map(|name| {
+                task_manifest(
+                    name,
+                    &format!(
+                        "  functionName: spin\n  file: {spin}\n  inputs: [400000000]\n  propletSelector:\n    propletId: edge-device\n"
+                    ),
+                )
+            })
+            .collect();
+            let _ = (device.stdout_so_far(), device.stderr_so_far());
+            node.apply(&manifests.join("---\n"));
+            let uids: Vec<(String, String)> = tasks
+                .iter()
+                .map(|name| {
+                    let uid = node.kubectl_ok(&[
+                        "-n",
+                        "default",
+                        "get",
+                        "task",
+                        name,
+                        "-o",
+                        "jsonpath={.metadata.uid}",
+                    ]);
+                    (name.clone(), uid)
+                })
+                .collect();
+            // Some tasks are running on the device when the old pod stops.
+            node.wait_for(
+                &["-n", "default", "task", &tasks[0]],
+                "{.status.phase}",
+                Duration::from_secs(60),
+                |p| p == "running" || p == "completed",
+            );
+            let unfinished = tasks
+                .iter()
+                .filter(|name| {
+                    node.kubectl_ok(&[
+                        "-n",
+                        "default",
+                        "get",
+                        "task",
+                        name,
+                        "-o",
+                        "jsonpath={.status.phase}",
+                    ]) != "completed"
+                })
+                .count();
+            eprintln!("{unfinished} of 20 tasks unfinished when the upgrade began");
+            assert!(
+                unfinished > 0,
+                "every task finished before the upgrade: make them longer"
+            );
+            let previous = operator_pods(&node);
+            work.run(
+            &node,
+            "helm upgrade propeller configs/helm/propeller -n propeller-system --reuse-values --set image.tag=t2\nkubectl -n propeller-system rollout status deploy/propeller --timeout=180s",
+        );
+            let now = operator_pods(&node);
+            let leader = now
+                .iter()
+                .find(|p| !previous.contains(p))
+                .expect("a new operator pod")
+                .clone();
+            let image = node.kubectl_ok(&[
+                "-n",
+                NAMESPACE,
+                "get",
+                "pod",
+                &leader,
+                "-o",
+                "jsonpath={.spec.containers[0].image}",
+            ]);
+            assert_eq!(image, "localhost/propeller:t2");
+            node.wait_for(
+                &["-n", NAMESPACE, "lease", "propeller-leader"],
+                "{.spec.holderIdentity}",
+                Duration::from_secs(60),
+                |holder| holder == leader,
+            );
+            for name in &tasks {
+                node.wait_for(
+                    &["-n", "default", "task", name],
+                    "{.status.phase}",
+                    Duration::from_secs(180),
+                    |phase| {
+                        assert_ne!(phase, "failed", "{name} failed across the upgrade");
+                        phase == "completed"
+                    },
+                );
+            }
+            // Each ran once on the device (the agent logs "task succeeded" with the task's uid).
+            std::thread::sleep(Duration::from_secs(1));
+            let lines: Vec<String> = device
+                .stdout_so_far()
+                .into_iter()
+                .chain(device.stderr_so_far())
+                .filter(|l| l.contains("task succeeded"))
+                .collect();
+            let mut runs: HashMap<&str, usize> = HashMap::new();
+            for (name, uid) in &uids {
+                runs.insert(
+                    name,
+                    lines.iter().filter(|l| l.contains(uid.as_str())).count(),
+                );
+            }
+            let not_once: Vec<_> = runs.iter().filter(|(_, n)| **n != 1).collect();
+            assert!(
+                not_once.is_empty(),
+                "tasks not run exactly once: {not_once:?}"
+            );
+            eprintln!("20 tasks across the upgrade: each completed, each run once on the device");
+        },
+    );
+
+    stage(
+        "deleting the k8s proplet removes its Deployment and pod",
+        || {
+            node.kubectl_ok(&[
+                "delete",
+                "proplet",
+                "k8s-proplet",
+                "--wait=true",
+                "--timeout=60s",
+            ]);
+            for kind in ["deployment", "pods"] {
+                node.wait_for(
+                    &[kind, "-l", "app.kubernetes.io/instance=k8s-proplet"],
+                    "{.items[*].metadata.name}",
+                    Duration::from_secs(60),
+                    str::is_empty,
+                );
+            }
+        },
+    );
+    stage(
+        "helm uninstall leaves no operator objects; the CRDs stay",
+        || {
+            work.run(&node, &readme_steps("uninstall"));
+            let left = node.kubectl_ok(&[
+                "get",
+                "deployments,services,serviceaccounts,roles,rolebindings,configmaps,secrets,leases",
+                "-n",
+                NAMESPACE,
+                "-o",
+                "name",
+            ]);
+            let left: Vec<&str> = left
+                .lines()
+                .filter(|l| {
+                    // Kubernetes' own: every namespace has these.
+                    !l.ends_with("/default")
+                        && !l.ends_with("/kube-root-ca.crt")
+                        && !l.contains("openshift-service-ca")
+                })
+                .collect();
+            assert!(left.is_empty(), "left in {NAMESPACE}: {left:?}");
+            let cluster_wide = node.kubectl_ok(&[
+                "get",
+                "clusterroles,clusterrolebindings",
+                "-l",
+                "app.kubernetes.io/instance=propeller",
+                "-o",
+                "name",
+            ]);
+            assert!(cluster_wide.is_empty(), "left: {cluster_wide}");
+            let crds = node.kubectl_ok(&["get", "crd", "-o", "name"]);
+            assert!(
+                crds.contains("tasks.propeller.propeller.absmach.eu"),
+                "{crds}"
+            );
+        },
+    );
+    drop(device);
+}
+
+#[test]
+fn the_dockerfiles_runtime_stage_is_what_the_test_images_reproduce() {
+    let root = repo_root();
+    let operator =
+        std::fs::read_to_string(root.join("configs/docker/propeller.Dockerfile")).unwrap();
+    let stage = image::runtime_stage(&operator).unwrap();
+    assert_eq!(stage.entrypoint, ["/usr/local/bin/propeller"]);
+    assert_eq!(stage.cmd, Some(vec!["run".to_owned()]));
+    assert_eq!(stage.user, "65532:65532");
+    assert_eq!(stage.exposed, [1883, 8883, 8080]);
+    let agent = std::fs::read_to_string(root.join("configs/docker/proplet.Dockerfile")).unwrap();
+    let stage = image::runtime_stage(&agent).unwrap();
+    assert_eq!(
+        stage.env,
+        [(
+            "PROPLET_STATE_DIR".to_owned(),
+            "/var/lib/proplet".to_owned()
+        )]
+    );
+    assert!(stage
+        .copies
+        .contains(&("/out/state".to_owned(), "/var/lib/proplet".to_owned())));
+}
+
+#[test]
+fn a_runtime_step_the_test_image_cannot_reproduce_is_refused() {
+    let err = image::runtime_stage(
+        "FROM rust AS builder\nRUN make\nFROM gcr.io/distroless/cc-debian12\nRUN apt-get install -y curl\n",
+    )
+    .unwrap_err();
+    assert!(err.contains("RUN cannot be reproduced"), "{err}");
+    let err = image::runtime_stage("FROM gcr.io/distroless/cc-debian12\nCOPY x /x\n").unwrap_err();
+    assert!(err.contains("COPY --from=builder"), "{err}");
+    let err = image::runtime_stage("FROM debian:bookworm-slim\n").unwrap_err();
+    assert!(err.contains("unknown to the reader"), "{err}");
+}
