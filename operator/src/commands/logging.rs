@@ -19,11 +19,13 @@ pub fn init() {
 
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`). rumqttd logs every
 /// closed connection at error level, so its logs are off unless `RUST_LOG` asks for them.
+/// Colours only on a terminal: a log file or a collector gets plain text.
 pub fn init_with(format: LogFormat) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttd=off"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => builder.try_init(),

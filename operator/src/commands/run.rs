@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -116,9 +117,12 @@ fn handler(health: Arc<Health>) -> Handler {
 
 /// Runs the operator until SIGTERM or Ctrl-C.
 pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
-    let client = kube::Client::try_default()
+    let config = kube::Config::infer()
         .await
-        .context("connecting to the Kubernetes API (in-cluster config or kubeconfig)")?;
+        .context("finding the Kubernetes API (in-cluster config or kubeconfig)")?;
+    let server = config.cluster_url.to_string();
+    let client = kube::Client::try_from(config)
+        .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?;
     let health = Arc::new(Health::default());
     let controller_metrics = Arc::new(ControllerMetrics::default());
     let logins = Logins {
@@ -153,12 +157,32 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| client.default_namespace().to_owned());
         let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into());
-        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &cmd.lease_name)
-            .with_namespace(namespace)
-            .with_identity(identity)
-            .build()
-            .await
-            .context("setting up leader election")?;
+        // The API server may not answer yet (a control plane starting, a network partition):
+        // keep trying, say why, and stop at once on SIGTERM or Ctrl-C.
+        let mut delay = Duration::from_millis(500);
+        let manager = loop {
+            let built =
+                kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &cmd.lease_name)
+                    .with_namespace(namespace.clone())
+                    .with_identity(identity.clone())
+                    .build()
+                    .await;
+            match built {
+                Ok(manager) => break manager,
+                Err(e) => warn!(
+                    %server,
+                    lease = %cmd.lease_name,
+                    error = %error_chain(&e),
+                    retry_in = ?delay,
+                    "cannot reach the Lease for leader election"
+                ),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.clone() => return Ok(()),
+            }
+            delay = (delay * 2).min(Duration::from_secs(10));
+        };
         let (mut leading, task) = manager.watch().await;
         info!(lease = %cmd.lease_name, "waiting to become the leader");
         // Health and metrics answer while waiting; readiness stays false.
@@ -293,4 +317,19 @@ fn filter_events(
         }
     });
     rx
+}
+
+/// An error and its causes on one line ("a: b: c"), for a log field.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let next = cause.to_string();
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = cause.source();
+    }
+    text
 }

@@ -53,6 +53,8 @@ pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-clea
 
 /// How often an object is looked at again with no event at all.
 pub const RESYNC: Duration = Duration::from_secs(300);
+/// How long the controllers may finish their reconciles after the stop signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Settings of the Kubernetes driver.
 #[derive(Debug, Clone)]
@@ -1036,13 +1038,29 @@ pub async fn run(
         shared.clone(),
     );
     info!("controllers running");
-    tokio::join!(
-        drive(proplets, "proplet"),
-        drive(tasks, "task"),
-        drive(jobs, "propellerjob"),
-        drive(federated, "federatedjob"),
-        drive(rounds, "traininground"),
-    );
+    let controllers = async {
+        tokio::join!(
+            drive(proplets, "proplet"),
+            drive(tasks, "task"),
+            drive(jobs, "propellerjob"),
+            drive(federated, "federatedjob"),
+            drive(rounds, "traininground"),
+        )
+    };
+    // A controller whose caches never filled (the API server unreachable since the start)
+    // holds its queued work until they do, and its graceful shutdown with it: past the grace
+    // period the process stops anyway, well inside a pod's termination grace period.
+    let overdue = async {
+        shutdown.clone().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        _ = controllers => {}
+        _ = overdue => warn!(
+            grace = ?SHUTDOWN_GRACE,
+            "controllers still busy after the stop signal (is the API server reachable?); stopping anyway"
+        ),
+    }
     router.abort();
     secrets.abort();
     credential_tick.abort();
