@@ -10,8 +10,10 @@ use propeller_broker::server::{BrokerEvent, EventKind, Publisher};
 use tracing::warn;
 
 use crate::crd::common::MetricsSample;
+use crate::crd::proplet::{Proplet, PropletType};
 use crate::crd::task::Task;
 use crate::decision::aggregation;
+use crate::decision::liveness::heartbeat_can_wait;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
 use crate::executor::TaskEffects;
@@ -62,6 +64,37 @@ impl DriverState {
     /// Fresh, empty state.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Whether a heartbeat from `proplet` (MQTT client `client_id`) can leave its reconcile
+    /// to the time the last one chose (see [`heartbeat_can_wait`]), in both drivers: no
+    /// reconcile and no status write for a routine heartbeat. `k8s` proplets take their
+    /// phase from their Deployment and are reconciled on every heartbeat.
+    pub fn heartbeat_waits(
+        &self,
+        proplet: &Proplet,
+        client_id: &str,
+        routine_interval: std::time::Duration,
+        now: DateTime<Utc>,
+    ) -> bool {
+        if proplet.spec.type_ != PropletType::External
+            || proplet.metadata.deletion_timestamp.is_some()
+        {
+            return false;
+        }
+        let key = format!(
+            "{}/{}",
+            proplet.metadata.namespace.as_deref().unwrap_or("default"),
+            proplet.metadata.name.as_deref().unwrap_or_default()
+        );
+        let last_write = lock(&self.proplet_writes).get(&key).copied();
+        heartbeat_can_wait(
+            proplet.status.as_ref(),
+            self.liveness.report(client_id).metadata.as_ref(),
+            last_write,
+            routine_interval,
+            now,
+        )
     }
 
     /// Records what a device reported and says which object should be reconciled. Never
@@ -287,5 +320,39 @@ mod tests {
         assert_eq!(observed.results.len(), 1);
         assert_eq!(observed.results[0].client_id, "pi-client");
         assert_eq!(observed.results[0].value["num_samples"], 4);
+    }
+
+    #[test]
+    fn a_routine_heartbeat_waits_in_both_drivers_until_its_refresh_is_due() {
+        let state = DriverState::new();
+        let proplet = |type_: &str, phase: &str| -> Proplet {
+            serde_json::from_value(json!({
+                "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+                "metadata": {"name": "pi", "namespace": "default"},
+                "spec": {"type": type_, "connectionConfig": {"mqttAddress": "tcp://x:1",
+                         "domainId": "d", "channelId": "c", "clientId": "pi-client", "clientKey": "k"},
+                         "k8s": {"image": "proplet:1"}},
+                "status": {"phase": phase}
+            }))
+            .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let now = Utc::now();
+        let interval = std::time::Duration::from_secs(500);
+        let running = proplet("external", "Running");
+        // Never written by this process: the heartbeat is reconciled (and written).
+        assert!(!state.heartbeat_waits(&running, "pi-client", interval, now));
+        lock(&state.proplet_writes).insert("default/pi".into(), now);
+        assert!(state.heartbeat_waits(&running, "pi-client", interval, now));
+        // Its refresh is due.
+        let later = now + chrono::Duration::seconds(501);
+        assert!(!state.heartbeat_waits(&running, "pi-client", interval, later));
+        // Not Running yet, or a k8s proplet (its phase comes from its Deployment).
+        assert!(!state.heartbeat_waits(
+            &proplet("external", "Initializing"),
+            "pi-client",
+            interval,
+            now
+        ));
+        assert!(!state.heartbeat_waits(&proplet("k8s", "Running"), "pi-client", interval, now));
     }
 }

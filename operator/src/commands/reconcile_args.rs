@@ -20,9 +20,10 @@ pub struct ReconcileArgs {
     /// Heartbeat-only status changes are written at most this often per proplet.
     #[arg(long, env = "PROPELLER_STATUS_FLUSH_INTERVAL", default_value = "5s", value_parser = parse_setting_duration)]
     pub status_flush_interval: Duration,
-    /// Kubernetes mode: heartbeat-only Proplet status writes per second across the whole
-    /// fleet (0: no cap). With many proplets each one's lastSeen is refreshed less often, so
-    /// the API server keeps room for phase changes, which are never held back.
+    /// Heartbeat-only Proplet status writes per second across the whole fleet (0: no cap).
+    /// With many proplets each one's lastSeen is refreshed less often, so the store (the
+    /// API server in Kubernetes mode) keeps room for phase changes, which are never held
+    /// back; a routine heartbeat causes no reconcile until its proplet's refresh is due.
     #[arg(
         long,
         env = "PROPELLER_HEARTBEAT_WRITES_PER_SECOND",

@@ -28,9 +28,9 @@ use tracing::{debug, info, warn};
 
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
-use crate::crd::proplet::{Proplet, PropletPhase, PropletType};
+use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
-use crate::decision::liveness::{heartbeat_can_wait, DeploymentObservation};
+use crate::decision::liveness::DeploymentObservation;
 use crate::decision::task::{
     active_tasks, awaits_job, observe_caches, plan as plan_task, Note, TaskSettings,
 };
@@ -707,7 +707,9 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
         Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
             Some(p) => {
                 let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
-                if !(heartbeat && heartbeat_waits(ctx, &p, &client_id, now)) {
+                let fleet = ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
+                let routine = ctx.settings.proplet.routine_interval(fleet);
+                if !(heartbeat && ctx.state.heartbeat_waits(&p, &client_id, routine, now)) {
                     let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
                 }
             }
@@ -735,31 +737,6 @@ fn trigger_tasks_of(ctx: &Shared, client_id: &str) {
             }
         }
     }
-}
-
-/// Whether an external proplet's heartbeat can wait for the reconcile its last one
-/// scheduled (see [`heartbeat_can_wait`]); `k8s` proplets take their phase from their
-/// Deployment and are reconciled on every heartbeat, as before.
-fn heartbeat_waits(
-    ctx: &Shared,
-    proplet: &Proplet,
-    client_id: &str,
-    now: chrono::DateTime<Utc>,
-) -> bool {
-    if proplet.spec.type_ != PropletType::External || proplet.metadata.deletion_timestamp.is_some()
-    {
-        return false;
-    }
-    let key = object_key(proplet);
-    let last_write = lock(&ctx.state.proplet_writes).get(&key).copied();
-    let fleet = ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
-    heartbeat_can_wait(
-        proplet.status.as_ref(),
-        ctx.state.liveness.report(client_id).metadata.as_ref(),
-        last_write,
-        ctx.settings.proplet.routine_interval(fleet),
-        now,
-    )
 }
 
 /// Forgets remembered writes the cache has caught up with, or whose object is gone (a

@@ -215,6 +215,11 @@ impl ObjectCache {
         self.read().proplets.values().cloned().collect()
     }
 
+    /// How many Proplets there are.
+    pub fn proplet_count(&self) -> usize {
+        self.read().proplets.len()
+    }
+
     /// Every Task, by namespace then name.
     pub fn tasks(&self) -> Vec<Arc<Task>> {
         self.read().tasks.values().cloned().collect()

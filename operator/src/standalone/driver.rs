@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
+use propeller_broker::server::{BrokerEvent, CredentialStore, EventKind, Publisher};
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::task::JoinSet;
@@ -423,11 +423,22 @@ impl Driver {
         if self.images.get().is_some_and(|i| i.handle_request(event)) {
             return;
         }
-        match self.state.record(event, Utc::now()) {
+        let now = Utc::now();
+        match self.state.record(event, now) {
             Concerns::Proplet(client_id) => {
                 let found = self.cache.proplet_by_client(&client_id);
                 match found {
-                    Some(p) => self.enqueue(Key::of(PROPLET, &p.metadata)),
+                    Some(p) => {
+                        let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
+                        let routine = self
+                            .settings
+                            .proplet
+                            .routine_interval(self.cache.proplet_count());
+                        if !(heartbeat && self.state.heartbeat_waits(&p, &client_id, routine, now))
+                        {
+                            self.enqueue(Key::of(PROPLET, &p.metadata));
+                        }
+                    }
                     None => debug!(client = %client_id, "liveness from a client with no Proplet"),
                 }
             }
@@ -667,9 +678,8 @@ impl Driver {
             last_write: lock(&self.state.proplet_writes).get(&map_key).copied(),
             report: self.state.liveness.report(&client_id),
             task_count: i64::from(self.cache.load(&key.namespace, &key.name)),
-            // The embedded store batches heartbeat-only writes into shared transactions, so
-            // they need no fleet-wide budget.
-            fleet_size: 0,
+            // The same fleet-wide budget for routine writes as in Kubernetes mode.
+            fleet_size: self.cache.proplet_count(),
         };
         let plan = plan_proplet(&proplet, &observed, &self.settings.proplet, now);
         let written = proplet.status.clone().unwrap_or_default();
