@@ -17,6 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build-release.sh
 BIN=target/release
+# PROPELLER_BIN: another propeller binary to measure (an earlier build, for before/after).
+PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 N=${1:-10000}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 LIMIT=$(ulimit -n)
@@ -36,7 +38,7 @@ cleanup() {
 trap cleanup EXIT
 source scripts/lib/harness.sh
 MQTT=$(free_port); API=$(free_port)
-RUST_LOG=warn,rumqttd=off "$BIN/propeller" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
+RUST_LOG=warn,rumqttd=off "$PROPELLER" standalone --data-dir "$WORK/data" --mqtt-listen "127.0.0.1:$MQTT" \
   --api-listen "127.0.0.1:$API" --liveliness-interval 10s --last-seen-threshold 30s \
   --status-flush-interval 5s >"$WORK/standalone.log" 2>&1 &
 PIDS+=($!)

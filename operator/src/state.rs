@@ -12,7 +12,6 @@ use tracing::warn;
 use crate::crd::common::MetricsSample;
 use crate::crd::proplet::{Proplet, PropletType};
 use crate::crd::task::Task;
-use crate::decision::aggregation;
 use crate::decision::liveness::heartbeat_can_wait;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
@@ -141,7 +140,8 @@ impl DriverState {
                     None => {
                         // Upstream's embedded agent names only the round and itself: hold
                         // the update until that participant's task of that round claims it.
-                        let round = aggregation::parse_round_id(update.round_id.as_str());
+                        let round =
+                            propeller_broker::protocol::round_number(update.round_id.as_str());
                         match round {
                             Some(round) => {
                                 lock(&self.unclaimed_updates).push((
@@ -208,7 +208,7 @@ impl DriverState {
             .spec
             .env
             .get("ROUND_ID")
-            .and_then(|r| aggregation::parse_round_id(r))
+            .and_then(|r| propeller_broker::protocol::round_number(r))
         else {
             return;
         };

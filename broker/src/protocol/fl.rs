@@ -97,18 +97,28 @@ pub enum FlRoundId {
     Text(String),
 }
 
+/// Reads a round number from `1`-style, `round-1`-style or `r1`-style text (case-insensitive,
+/// also `round_1`, `round1`, `r-1`, `r_1`): agents send `"round-1"` and `"r1"` where upstream
+/// expected a number. `None` unless the rest is a whole decimal number (`"4abc"`, `"r"`,
+/// `"-1"` have none). The one parser of round ids, for the broker and the operator.
+pub fn round_number(text: &str) -> Option<u64> {
+    let lower = text.trim().to_ascii_lowercase();
+    let digits = ["round-", "round_", "round", "r-", "r_", "r"]
+        .iter()
+        .find_map(|prefix| lower.strip_prefix(prefix))
+        .unwrap_or(&lower);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 impl FlRoundId {
-    /// The round number: the number itself, or the leading decimal digits of the text (after an
-    /// optional `round-` prefix); `None` when the text has none (e.g. `"r1"`).
+    /// The round number: the number itself, or the text's by [`round_number`].
     pub fn as_number(&self) -> Option<u64> {
         match self {
             Self::Number(n) => Some(*n),
-            Self::Text(t) => {
-                let t = t.trim();
-                let t = t.strip_prefix("round-").unwrap_or(t);
-                let end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-                t.get(..end).and_then(|digits| digits.parse().ok())
-            }
+            Self::Text(t) => round_number(t),
         }
     }
 
@@ -270,8 +280,9 @@ mod tests {
         assert_eq!(FlRoundId::Number(7).as_number(), Some(7));
         assert_eq!(FlRoundId::Text("12".into()).as_number(), Some(12));
         assert_eq!(FlRoundId::Text("round-3".into()).as_number(), Some(3));
-        assert_eq!(FlRoundId::Text("4abc".into()).as_number(), Some(4));
-        assert_eq!(FlRoundId::Text("r1".into()).as_number(), None);
+        assert_eq!(FlRoundId::Text("4abc".into()).as_number(), None);
+        assert_eq!(FlRoundId::Text("r1".into()).as_number(), Some(1));
+        assert_eq!(FlRoundId::Text("4".into()).as_number(), Some(4));
         assert_eq!(FlRoundId::Text(String::new()).as_number(), None);
         assert_eq!(FlRoundId::Text("r1".into()).to_string(), "r1");
         assert_eq!(FlRoundId::Number(9).to_string(), "9");

@@ -31,7 +31,7 @@ pub use control::{
     targets, InvokeRequest, MonitoringProfile, StartRequest, StopRequest, DEFAULT_STOP_STATE,
 };
 pub use error::{ChunkError, DecodeError, TopicError};
-pub use fl::{FlRoundId, FlRoundStart, FlUpdate, FlUpdateMessage};
+pub use fl::{round_number, FlRoundId, FlRoundStart, FlUpdate, FlUpdateMessage};
 pub use registry::{
     split_into_chunks, ChunkAssembler, ChunkIter, ChunkProgress, RegistryChunk, RegistryRequest,
     DEFAULT_RAW_CHUNK_SIZE,

@@ -104,7 +104,7 @@ impl UpdateEnvelope {
 pub struct ExpectedUpdate {
     /// FederatedJob experiment id (`FL_JOB_ID`); empty accepts whatever the sender says.
     pub job_id: String,
-    /// Round number (see [`parse_round_id`]); 0 means the round's id has no number, and then
+    /// Round number (see [`round_number`]); 0 means the round's id has no number, and then
     /// any sent round is accepted, as upstream does.
     pub round: u64,
     /// Proplet the participant's Task was dispatched to; empty accepts any sender.
@@ -293,20 +293,7 @@ impl fmt::Display for Algorithm {
 // Extraction
 // ---------------------------------------------------------------------------------------------
 
-/// Reads a round number from `1`-style, `round-1`-style or `r1`-style text (case-insensitive,
-/// also `round_1`, `round1`, `r-1`, `r_1`), because the Rust proplet sends `"round-1"` and
-/// `"r1"` where upstream expected a number. `None` when no number can be read.
-pub fn parse_round_id(text: &str) -> Option<u64> {
-    let lower = text.trim().to_ascii_lowercase();
-    let digits = ["round-", "round_", "round", "r-", "r_", "r"]
-        .iter()
-        .find_map(|prefix| lower.strip_prefix(prefix))
-        .unwrap_or(&lower);
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
-}
+use propeller_broker::protocol::round_number;
 
 /// Turns what a proplet reported as a task's results into a checked [`UpdateEnvelope`].
 ///
@@ -486,7 +473,7 @@ fn optional_string(
 fn round_from_value(value: &Value) -> Result<u64, EnvelopeError> {
     let parsed = match value {
         Value::Number(n) => whole_number(n),
-        Value::String(s) => parse_round_id(s),
+        Value::String(s) => round_number(s),
         _ => None,
     };
     parsed.ok_or_else(|| EnvelopeError::InvalidField {
@@ -1064,11 +1051,11 @@ mod tests {
     }
 
     #[test]
-    fn parse_round_id_reads_only_whole_numbers() {
-        assert_eq!(parse_round_id("round-12"), Some(12));
-        assert_eq!(parse_round_id("r7"), Some(7));
-        assert_eq!(parse_round_id("007"), Some(7));
-        assert_eq!(parse_round_id("round3"), Some(3));
+    fn round_number_reads_only_whole_numbers() {
+        assert_eq!(round_number("round-12"), Some(12));
+        assert_eq!(round_number("r7"), Some(7));
+        assert_eq!(round_number("007"), Some(7));
+        assert_eq!(round_number("round3"), Some(3));
         for bad in [
             "",
             "round-",
@@ -1080,7 +1067,7 @@ mod tests {
             "rr1",
             "round-18446744073709551616",
         ] {
-            assert_eq!(parse_round_id(bad), None, "{bad:?}");
+            assert_eq!(round_number(bad), None, "{bad:?}");
         }
     }
 

@@ -451,7 +451,8 @@ pub fn owned_rounds<'a>(
                 .any(|o| o.uid == uid)
         })
         .filter_map(|r| {
-            let n = u32::try_from(aggregation::parse_round_id(&r.spec.round_id)?).ok()?;
+            let n =
+                u32::try_from(propeller_broker::protocol::round_number(&r.spec.round_id)?).ok()?;
             let status = r.status.clone().unwrap_or_default();
             Some((n, (status.phase, status.aggregated_model_ref)))
         })
@@ -503,7 +504,7 @@ pub fn reconcile_round(
     }
 
     // Collect updates.
-    let round_number = aggregation::parse_round_id(&round.spec.round_id).unwrap_or(0);
+    let round_number = propeller_broker::protocol::round_number(&round.spec.round_id).unwrap_or(0);
     let mut updates: Vec<UpdateEnvelope> = Vec::new();
     let mut participants = Vec::new();
     let mut all_finished = true;

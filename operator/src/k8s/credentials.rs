@@ -12,9 +12,9 @@ use propeller_broker::server::{ChannelScope, Credential};
 use crate::crd::proplet::{ClientKeySource, Proplet};
 
 /// Decides when the credential table must be rebuilt: when the Proplets that feed it changed
-/// (one added, removed, being deleted, or a new spec generation), or when `max_age` passed,
-/// since Secrets are read rather than watched. Rebuilding reads every referenced Secret, so
-/// it must not happen on every heartbeat-driven reconcile.
+/// (one added, removed, being deleted, or a new spec generation), when a Secret changed
+/// (the driver calls [`RefreshGate::invalidate`]), or when `max_age` passed. Rebuilding
+/// reads every referenced Secret, so it must not happen on every heartbeat-driven reconcile.
 #[derive(Debug, Default)]
 pub struct RefreshGate {
     last: Mutex<Option<(Vec<GateInput>, Instant)>>,
@@ -140,6 +140,17 @@ pub fn credential_table(
     (table, problems)
 }
 
+/// The value of `key` in a Secret, as the API server would hand it out: `stringData`
+/// (which a write merges over `data`) first, then `data`. Both drivers read keys through
+/// this, whatever store the Secret came from.
+pub fn secret_entry(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Option<String> {
+    if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
+        return Some(text.clone());
+    }
+    let bytes = secret.data.as_ref()?.get(key)?;
+    String::from_utf8(bytes.0.clone()).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +183,22 @@ mod tests {
         gate.invalidate();
         assert!(gate.due([&a2, &b], hour), "a Secret change does");
         assert!(gate.due([&a2, &b], Duration::ZERO), "and so does age");
+    }
+
+    #[test]
+    fn a_secret_key_is_read_string_data_first_as_the_api_server_merges_it() {
+        let secret: k8s_openapi::api::core::v1::Secret =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "k"},
+                "data": {"key": "b2xk", "only-data": "ZnJvbS1kYXRh"},
+                "stringData": {"key": "new"}
+            }))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(secret_entry(&secret, "key").as_deref(), Some("new"));
+        assert_eq!(
+            secret_entry(&secret, "only-data").as_deref(),
+            Some("from-data")
+        );
+        assert_eq!(secret_entry(&secret, "missing"), None);
     }
 }

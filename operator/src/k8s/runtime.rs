@@ -372,14 +372,7 @@ impl Shared {
             .collect();
         let read = |ns: &str, name: &str, key: &str| {
             let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
-            if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
-                return String::from_utf8(v.0.clone()).ok();
-            }
-            secret
-                .string_data
-                .as_ref()
-                .and_then(|d| d.get(key))
-                .cloned()
+            super::credentials::secret_entry(&secret, key)
         };
         let (table, problems) = credential_table(&proplets, read);
         for problem in problems {

@@ -391,15 +391,8 @@ impl Driver {
             .collect();
         let read = |ns: &str, name: &str, key: &str| -> Option<String> {
             let secret = self.store.get(SECRET, ns, name).ok()??;
-            if let Some(v) = secret["stringData"][key].as_str() {
-                return Some(v.to_owned());
-            }
-            let encoded = secret["data"][key].as_str()?;
-            use base64::Engine;
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(encoded)
-                .ok()?;
-            String::from_utf8(bytes).ok()
+            let secret = serde_json::from_value(secret).ok()?;
+            crate::k8s::credentials::secret_entry(&secret, key)
         };
         let (table, problems) = credential_table(&proplets, read);
         for problem in problems {
