@@ -43,6 +43,51 @@ pub struct JobObservation {
     pub refs: BTreeMap<String, Option<TaskPhase>>,
 }
 
+impl JobObservation {
+    /// What `job` sees among `tasks` (its namespace's): its children by owner uid, and its
+    /// `taskRefs` by name. A Task listed twice counts as its last listing, so a caller can
+    /// put a fresher source after a staler one.
+    pub fn of<'a>(job: &PropellerJob, tasks: impl IntoIterator<Item = &'a Task>) -> Self {
+        let uid = job.metadata.uid.as_deref().unwrap_or_default();
+        let wanted: BTreeSet<&str> = job.spec.task_refs.iter().map(String::as_str).collect();
+        let mut observed = JobObservation {
+            children: BTreeMap::new(),
+            refs: job
+                .spec
+                .task_refs
+                .iter()
+                .map(|r| (r.clone(), None))
+                .collect(),
+        };
+        for task in tasks {
+            let name = task.metadata.name.clone().unwrap_or_default();
+            let phase = task.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            let owned = task
+                .metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == uid);
+            if owned {
+                observed.children.insert(name.clone(), phase);
+            }
+            if wanted.contains(name.as_str()) {
+                observed.refs.insert(name, Some(phase));
+            }
+        }
+        observed
+    }
+}
+
+/// The status to write after `plan`: the plan's, keeping the `createdAt` already written.
+pub fn status_to_write(old: &PropellerJobStatus, plan: &JobPlan) -> PropellerJobStatus {
+    let mut new = plan.status.clone();
+    if old.created_at.is_some() {
+        new.created_at = old.created_at;
+    }
+    new
+}
+
 /// What the executor must do for a job.
 #[derive(Debug, Clone)]
 pub struct JobPlan {
@@ -601,5 +646,65 @@ mod tests {
         let j = job(ExecutionMode::Parallel, vec![], &[]);
         let plan = reconcile(&j, &JobObservation::default(), now());
         assert_eq!(plan.status.phase, JobPhase::Completed);
+    }
+
+    #[test]
+    fn the_observation_finds_children_by_owner_and_refs_by_name_with_later_listings_winning() {
+        let j = job(
+            ExecutionMode::Parallel,
+            vec![spec("a", &[])],
+            &["mine", "absent"],
+        );
+        let task = |name: &str, owner: Option<&str>, phase: TaskPhase| {
+            let mut t = Task::new(name, TaskSpec::default());
+            t.metadata.owner_references = owner.map(|uid| {
+                vec![OwnerReference {
+                    uid: uid.into(),
+                    ..OwnerReference::default()
+                }]
+            });
+            t.status = Some(crate::crd::task::TaskStatus {
+                phase,
+                ..Default::default()
+            });
+            t
+        };
+        let stale = task("etl-a", Some("uid-1"), TaskPhase::Running);
+        let fresh = task("etl-a", Some("uid-1"), TaskPhase::Completed);
+        let other = task("etl-b", Some("uid-2"), TaskPhase::Running);
+        let referenced = task("mine", None, TaskPhase::Failed);
+        let seen = JobObservation::of(&j, [&stale, &other, &referenced, &fresh]);
+        assert_eq!(
+            seen.children,
+            BTreeMap::from([("etl-a".to_owned(), TaskPhase::Completed)])
+        );
+        assert_eq!(
+            seen.refs,
+            BTreeMap::from([
+                ("absent".to_owned(), None),
+                ("mine".to_owned(), Some(TaskPhase::Failed))
+            ])
+        );
+    }
+
+    #[test]
+    fn the_first_created_at_is_kept_whatever_the_plan_says() {
+        let j = job(ExecutionMode::Parallel, vec![spec("a", &[])], &[]);
+        let plan = reconcile(&j, &JobObservation::default(), now());
+        let first = PropellerJobStatus {
+            created_at: Some(now() - chrono::Duration::hours(1)),
+            ..PropellerJobStatus::default()
+        };
+        assert_eq!(status_to_write(&first, &plan).created_at, first.created_at);
+        let mut without = plan.clone();
+        without.status.created_at = None;
+        assert_eq!(
+            status_to_write(&first, &without).created_at,
+            first.created_at
+        );
+        assert_eq!(
+            status_to_write(&PropellerJobStatus::default(), &plan).created_at,
+            plan.status.created_at
+        );
     }
 }

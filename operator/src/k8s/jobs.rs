@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
@@ -21,18 +20,12 @@ use crate::decision::federated::{
     fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
     owned_rounds, reconcile_job, reconcile_round, FederatedObservation,
 };
-use crate::decision::propeller_job::{reconcile, JobObservation};
+use crate::decision::propeller_job::{reconcile, status_to_write, JobObservation};
 
 use super::patch::status_patch;
 use super::runtime::{ReconcileError, Shared, RESYNC};
 
 pub use crate::decision::federated::MODEL_KEY;
-
-fn owned_by(meta: &ObjectMeta, uid: &str) -> bool {
-    meta.owner_references
-        .as_ref()
-        .is_some_and(|refs| refs.iter().any(|r| r.uid == uid))
-}
 
 /// Creates `obj` unless it exists already (a retried reconcile).
 async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
@@ -91,35 +84,18 @@ pub async fn reconcile_propeller_job(
 
 async fn propeller_job_once(job: &PropellerJob, ctx: &Shared) -> Result<Action, ReconcileError> {
     let ns = job.namespace().unwrap_or_else(|| "default".into());
-    let uid = job.metadata.uid.clone().unwrap_or_default();
-    let tasks = ctx.job_tasks.state();
-    let in_ns = || {
-        tasks
+    // Referenced Tasks come from the Task controller's cache (they carry no job label); the
+    // children from the labelled watch that woke this reconcile, listed last as the fresher.
+    let all_tasks = ctx.tasks.state();
+    let children = ctx.job_tasks.state();
+    let observed = JobObservation::of(
+        job,
+        all_tasks
             .iter()
+            .chain(children.iter())
             .filter(|t| t.namespace().as_deref() == Some(ns.as_str()))
-    };
-    let observed = JobObservation {
-        children: in_ns()
-            .filter(|t| owned_by(&t.metadata, &uid))
-            .map(|t| {
-                (
-                    t.name_any(),
-                    t.status.as_ref().map(|s| s.phase).unwrap_or_default(),
-                )
-            })
-            .collect(),
-        refs: job
-            .spec
-            .task_refs
-            .iter()
-            .map(|name| {
-                let phase = in_ns()
-                    .find(|t| t.name_any() == *name)
-                    .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default());
-                (name.clone(), phase)
-            })
-            .collect(),
-    };
+            .map(|t| &**t),
+    );
     let plan = reconcile(job, &observed, Utc::now());
     let task_api: Api<Task> = Api::namespaced(ctx.client.clone(), &ns);
     for child in &plan.create {
@@ -127,10 +103,7 @@ async fn propeller_job_once(job: &PropellerJob, ctx: &Shared) -> Result<Action, 
     }
     let api: Api<PropellerJob> = Api::namespaced(ctx.client.clone(), &ns);
     let old = job.status.clone().unwrap_or_default();
-    let mut new = plan.status.clone();
-    if new.created_at.is_some() && old.created_at.is_some() {
-        new.created_at = old.created_at;
-    }
+    let new = status_to_write(&old, &plan);
     write_status(&api, job, &old, &new).await?;
     Ok(Action::requeue(RESYNC))
 }

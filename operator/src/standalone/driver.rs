@@ -8,7 +8,7 @@
 //! Reconciles read the objects they are not about from an [`ObjectCache`], and their own
 //! object from the store.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,7 +29,7 @@ use crate::decision::federated::{
     fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
     owned_rounds, reconcile_job as reconcile_federated, reconcile_round, FederatedObservation,
 };
-use crate::decision::propeller_job::{reconcile as reconcile_job, JobObservation};
+use crate::decision::propeller_job::{reconcile as reconcile_job, status_to_write, JobObservation};
 use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
 use crate::executor::{apply_task, BackendError, Dispatch, ObjectWriter};
 use crate::k8s::credentials::credential_table;
@@ -803,43 +803,14 @@ impl Driver {
         else {
             return Ok(None);
         };
-        let uid = job.metadata.uid.clone().unwrap_or_default();
         let tasks = self.cache.tasks_in(&key.namespace);
-        let phase = |t: &Task| t.status.as_ref().map(|s| s.phase).unwrap_or_default();
-        let observed = JobObservation {
-            children: tasks
-                .iter()
-                .filter(|t| {
-                    t.metadata
-                        .owner_references
-                        .iter()
-                        .flatten()
-                        .any(|o| o.uid == uid)
-                })
-                .map(|t| (t.metadata.name.clone().unwrap_or_default(), phase(t)))
-                .collect::<BTreeMap<_, _>>(),
-            refs: job
-                .spec
-                .task_refs
-                .iter()
-                .map(|name| {
-                    let found = tasks
-                        .iter()
-                        .find(|t| t.metadata.name.as_deref() == Some(name.as_str()))
-                        .map(|t| phase(t));
-                    (name.clone(), found)
-                })
-                .collect(),
-        };
+        let observed = JobObservation::of(&job, tasks.iter().map(|t| &**t));
         let plan = reconcile_job(&job, &observed, now);
         for child in &plan.create {
             self.create_or_keep(serde_json::to_value(child).unwrap_or(Value::Null))?;
         }
         let old = job.status.clone().unwrap_or_default();
-        let mut new = plan.status.clone();
-        if old.created_at.is_some() {
-            new.created_at = old.created_at;
-        }
+        let new = status_to_write(&old, &plan);
         self.write_status_if_changed(PROPELLER_JOB, &job.metadata, &old, &new)?;
         Ok(None)
     }
