@@ -9,7 +9,7 @@ use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
 use crate::crd::common::{MetricsSample, PropletResources};
-use crate::crd::proplet::{Proplet, PropletMetadata, PropletStatus, PropletType};
+use crate::crd::proplet::{Proplet, PropletMetadata, PropletPhase, PropletStatus, PropletType};
 use crate::decision::liveness::{
     evaluate_external, evaluate_k8s, significant_change, write_due, DeploymentObservation,
     ExternalObservation,
@@ -46,6 +46,27 @@ impl PropletSettings {
             Duration::from_secs_f64(fleet_size as f64 / f64::from(self.routine_writes_per_second));
         share.max(self.status_flush_interval)
     }
+}
+
+/// The Event a written phase change deserves, in both drivers: going Offline (a warning)
+/// and coming back; not a device's first Running (a fleet of 10,000 coming up would cost as
+/// many Event writes).
+pub fn phase_change_note(
+    before: Option<PropletPhase>,
+    after: PropletPhase,
+) -> Option<crate::decision::task::Note> {
+    let first_running = after == PropletPhase::Running
+        && before.is_none_or(|phase| phase == PropletPhase::Initializing);
+    (before != Some(after) && !first_running).then(|| crate::decision::task::Note {
+        warning: after == PropletPhase::Offline,
+        reason: "PhaseChanged",
+        message: format!("proplet is now {after}"),
+    })
+}
+
+/// Whether a written phase change gives the Tasks waiting for a proplet their chance.
+pub fn wakes_waiting_tasks(before: Option<PropletPhase>, after: PropletPhase) -> bool {
+    after == PropletPhase::Running && before != Some(PropletPhase::Running)
 }
 
 /// What the driver knows about a proplet beyond the object itself.
@@ -219,4 +240,26 @@ pub async fn apply(
         return Ok(Some(written));
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_changes_note_offline_and_returns_but_not_a_first_running() {
+        use PropletPhase::{Initializing, Offline, Running};
+        assert!(phase_change_note(None, Running).is_none());
+        assert!(phase_change_note(Some(Initializing), Running).is_none());
+        let offline = phase_change_note(Some(Running), Offline).expect("offline noted");
+        assert!(offline.warning);
+        assert_eq!(offline.message, "proplet is now Offline");
+        let back = phase_change_note(Some(Offline), Running).expect("return noted");
+        assert!(!back.warning);
+        assert!(phase_change_note(Some(Running), Running).is_none());
+        assert!(wakes_waiting_tasks(None, Running));
+        assert!(wakes_waiting_tasks(Some(Offline), Running));
+        assert!(!wakes_waiting_tasks(Some(Running), Running));
+        assert!(!wakes_waiting_tasks(Some(Running), Offline));
+    }
 }

@@ -508,8 +508,7 @@ async fn reconcile_proplet_inner(
                 ctx.metrics.observe_offline(late(now), late(Utc::now()));
             }
         }
-        if status.phase == PropletPhase::Running && before != Some(PropletPhase::Running) {
-            // Tasks waiting for a proplet get their chance now.
+        if super::proplet::wakes_waiting_tasks(before, status.phase) {
             for task in ctx.tasks.state() {
                 let waiting = task
                     .status
@@ -520,19 +519,8 @@ async fn reconcile_proplet_inner(
                 }
             }
         }
-        // A device's first Running is routine (a fleet of 10,000 coming up would cost as
-        // many Event writes); going Offline and coming back are worth a record.
-        let first_running = status.phase == PropletPhase::Running
-            && before.is_none_or(|phase| phase == PropletPhase::Initializing);
-        if before != Some(status.phase) && !first_running {
-            ctx.note_in_background(
-                proplet.object_ref(&()),
-                Note {
-                    warning: status.phase == PropletPhase::Offline,
-                    reason: "PhaseChanged",
-                    message: format!("proplet is now {}", status.phase),
-                },
-            );
+        if let Some(note) = super::proplet::phase_change_note(before, status.phase) {
+            ctx.note_in_background(proplet.object_ref(&()), note);
         }
     }
     let wait = plan

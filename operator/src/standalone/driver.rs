@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
-use crate::crd::proplet::{Proplet, PropletPhase};
+use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::federated::{
     fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
@@ -694,7 +694,8 @@ impl Driver {
                 .liveness
                 .clear_written(&client_id, &observed.external);
             lock(&self.state.proplet_writes).insert(map_key, now);
-            if status.phase == PropletPhase::Running && written.phase != PropletPhase::Running {
+            let before = proplet.status.as_ref().map(|s| s.phase);
+            if crate::k8s::proplet::wakes_waiting_tasks(before, status.phase) {
                 for task in self.cache.tasks_in(&key.namespace) {
                     let waiting = task
                         .status
@@ -707,11 +708,8 @@ impl Driver {
             }
             if written.phase != status.phase {
                 info!(proplet = %key.name, phase = %status.phase, "proplet phase");
-                let note = crate::decision::task::Note {
-                    warning: status.phase == PropletPhase::Offline,
-                    reason: "PhaseChanged",
-                    message: format!("proplet is now {}", status.phase),
-                };
+            }
+            if let Some(note) = crate::k8s::proplet::phase_change_note(before, status.phase) {
                 self.events
                     .record(PROPLET, &key.namespace, &key.name, &note, now);
             }
