@@ -55,9 +55,27 @@ pub trait ObjectWriter: Sync {
         }
     }
 
+    /// Runs `k8s` proplets' tasks as Jobs, for a backend that can.
+    type Jobs: JobRunner;
+
+    /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
+    fn jobs(&self) -> Option<&Self::Jobs>;
+}
+
+/// Running a task as a Kubernetes Job: a capability of the API-server backend only.
+pub trait JobRunner: Sync {
     /// Creates the ConfigMap and Job that run `task` on a `k8s` proplet.
     fn create_task_job(&self, task: &Task)
         -> impl Future<Output = Result<(), BackendError>> + Send;
+}
+
+/// The Job runner of a backend without Jobs: it has no values, so it never runs one.
+pub enum NoJobs {}
+
+impl JobRunner for NoJobs {
+    async fn create_task_job(&self, _: &Task) -> Result<(), BackendError> {
+        match *self {}
+    }
 }
 
 /// Why applying a Task plan stopped part-way (the next reconcile plans again from there).
@@ -72,6 +90,9 @@ pub enum TaskApplyError {
     /// A proplet's domain or channel cannot form a topic.
     #[error("topic: {0}")]
     Topic(#[from] TopicError),
+    /// The plan runs the task as a Job and the backend has none.
+    #[error("task {0} was assigned to a k8s proplet, whose tasks run as Jobs: only `propeller run` on Kubernetes has those")]
+    NoJobs(String),
 }
 
 /// The process-wide parts the executor uses besides the backend.
@@ -145,8 +166,10 @@ pub async fn apply_task<W: ObjectWriter>(
         fx.inbox.consume(uid, plan.consumed_results, metrics);
     }
     if plan.create_job {
-        writer
-            .create_task_job(task)
+        let jobs = writer
+            .jobs()
+            .ok_or_else(|| TaskApplyError::NoJobs(meta.name.clone().unwrap_or_default()))?;
+        jobs.create_task_job(task)
             .await
             .map_err(TaskApplyError::Backend)?;
     }

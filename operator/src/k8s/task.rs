@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::crd::task::Task;
 use crate::executor::{
-    apply_task, BackendError, Dispatch, ObjectWriter, TaskApplyError, TaskEffects,
+    apply_task, BackendError, Dispatch, JobRunner, ObjectWriter, TaskApplyError, TaskEffects,
 };
 
 use super::patch::{finalizers_patch, status_patch};
@@ -102,6 +102,14 @@ impl ObjectWriter for KubeTasks {
         Ok(self.record(version, updated))
     }
 
+    type Jobs = Self;
+
+    fn jobs(&self) -> Option<&Self> {
+        Some(self)
+    }
+}
+
+impl JobRunner for KubeTasks {
     async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
         Ok(super::task_job::create(&self.client, task).await?)
     }

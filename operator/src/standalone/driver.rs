@@ -31,7 +31,7 @@ use crate::decision::federated::{
 };
 use crate::decision::propeller_job::{reconcile as reconcile_job, status_to_write, JobObservation};
 use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
-use crate::executor::{apply_task, BackendError, Dispatch, ObjectWriter};
+use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, ObjectWriter};
 use crate::k8s::credentials::credential_table;
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
@@ -253,12 +253,10 @@ impl ObjectWriter for StoreTasks<'_> {
         Ok(version_of(&updated))
     }
 
-    async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
-        Err(format!(
-            "task {} was assigned to a k8s proplet; those run only under Kubernetes",
-            task.metadata.name.as_deref().unwrap_or_default()
-        )
-        .into())
+    type Jobs = NoJobs;
+
+    fn jobs(&self) -> Option<&NoJobs> {
+        None
     }
 }
 
