@@ -229,3 +229,38 @@ fn devices_asking_together_get_one_transfer_and_latecomers_another() {
         assert_eq!(server.transfers_sent(), 2);
     });
 }
+
+#[test]
+fn a_plain_http_registry_named_without_the_flag_gets_an_error_that_names_the_flag() {
+    let Some(registry) = Registry::start(None) else {
+        return;
+    };
+    assert!(
+        registry.ca_pem.is_none(),
+        "Registry::start serves plain HTTP"
+    );
+    registry.push("wasm/add:1", &add_module(1 << 10), Layout::WasmArtifact);
+    let cache = tempfile::tempdir().expect("cache dir");
+    // Trusting HTTPS for every registry, as a user who forgot --registry-plain-http.
+    let puller = Arc::new(
+        ImagePuller::new(PullerConfig {
+            max_bytes: 100 << 20,
+            timeout: Duration::from_secs(20),
+            plain_http: Vec::new(),
+            extra_ca_pem: None,
+            cache_dir: cache.path().to_owned(),
+            cache_bytes: 1 << 30,
+        })
+        .expect("puller"),
+    );
+    let image = format!("{}/wasm/add:1", registry.host);
+    let error = runtime()
+        .block_on(puller.resolve(&image, &RegistryLogins::default()))
+        .expect_err("an HTTPS pull from a plain-HTTP registry");
+    let text = error.to_string();
+    assert!(
+        text.contains("answered in plain HTTP")
+            && text.contains(&format!("--registry-plain-http {}", registry.host)),
+        "{text}"
+    );
+}

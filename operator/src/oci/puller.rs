@@ -84,6 +84,14 @@ pub enum ImageError {
         /// The limit.
         secs: u64,
     },
+    /// The registry answered the TLS handshake in plain HTTP.
+    #[error("pulling {reference} failed: the registry {registry} answered in plain HTTP, not HTTPS; if it serves plain HTTP on purpose (a development registry), start propeller with --registry-plain-http {registry}")]
+    PlainHttp {
+        /// The reference.
+        reference: String,
+        /// The registry's `host:port`.
+        registry: String,
+    },
     /// The image cache failed.
     #[error("image cache: {0}")]
     Cache(String),
@@ -477,10 +485,21 @@ fn classify(reference: &str, error: OciDistributionError) -> ImageError {
             reference,
             reason: error.to_string(),
         },
-        OciDistributionError::RequestError(e) => ImageError::Registry {
-            reference,
-            reason: error_chain(&e),
-        },
+        OciDistributionError::RequestError(e) => {
+            let reason = error_chain(&e);
+            // rustls reads an HTTP answer to its ClientHello as a record of a type TLS
+            // does not have.
+            if reason.contains("InvalidContentType") {
+                let registry = super::reference::parse(&reference)
+                    .map(|r| r.registry().to_owned())
+                    .unwrap_or_default();
+                return ImageError::PlainHttp {
+                    reference,
+                    registry,
+                };
+            }
+            ImageError::Registry { reference, reason }
+        }
         other => ImageError::Registry {
             reference,
             reason: other.to_string(),
