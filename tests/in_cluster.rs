@@ -21,6 +21,8 @@ use support::{repo_root, Running};
 
 const NAMESPACE: &str = "propeller-system";
 const RESULT_WORKLOAD: &str = "localhost/propeller-job-result:t1";
+/// The devices' agents, cross-built by `scripts/build-agent-cross.sh` (profile dev here).
+const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"];
 
 /// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the README.
 fn readme_steps(name: &str) -> String {
@@ -552,6 +554,54 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
             ]);
             assert_eq!(results, "42");
             device
+        },
+    );
+
+    stage(
+        "the agents as users flash them: aarch64 and armv7 under qemu, through the NodePort",
+        || {
+            let agents: Vec<PathBuf> = CROSS_TARGETS
+                .iter()
+                .map(|t| repo_root().join(format!("target/{t}/debug/proplet")))
+                .collect();
+            let missing: Vec<String> = agents
+                .iter()
+                .filter(|a| !a.is_file())
+                .map(|a| a.display().to_string())
+                .collect();
+            if !missing.is_empty() {
+                assert!(
+                    std::env::var("PROPELLER_QEMU_AGENTS").as_deref() != Ok("required"),
+                    "PROPELLER_QEMU_AGENTS=required but no agent at {missing:?} \
+                 (AGENT_PROFILE=dev scripts/build-agent-cross.sh builds them)"
+                );
+                eprintln!(
+                "skipped: no cross-built agents at {missing:?} (AGENT_PROFILE=dev scripts/build-agent-cross.sh)"
+            );
+                return;
+            }
+            let out = Command::new(repo_root().join("scripts/check-agents-qemu.sh"))
+                .args(["--no-build", "--broker"])
+                .arg(format!("mqtts://{}:{node_port}", node.node_ip))
+                .current_dir(repo_root())
+                .env("KUBECONFIG", &node.kubeconfig)
+                .env("AGENT_PROFILE", "dev")
+                .env("PROPLET_MQTT_TLS_CA_CERT", work.path().join("ca.crt"))
+                .output()
+                .expect("run scripts/check-agents-qemu.sh");
+            let report = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            eprintln!("{report}");
+            assert!(out.status.success(), "scripts/check-agents-qemu.sh failed");
+            for target in CROSS_TARGETS {
+                assert!(
+                    report.contains(&format!("PASS {target}")),
+                    "{target}: {report}"
+                );
+            }
         },
     );
 
