@@ -641,6 +641,8 @@ impl Agent {
         }
     }
 
+    /// Runs one start request; its logs carry the task's id and run (the span `task`).
+    #[tracing::instrument(name = "task", skip_all, fields(task_id = %request.id, run = ?request.run))]
     async fn on_start(self: Arc<Self>, request: StartRequest) {
         let arrived = std::time::Instant::now();
         if !request.is_for(&self.config.client_id) {

@@ -294,21 +294,9 @@ impl ControlPlane {
 
     /// Runs `kubectl` as the admin with `input` on stdin.
     pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> Output {
-        let mut child = self
-            .kubectl()
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run kubectl");
-        child
-            .stdin
-            .take()
-            .expect("piped stdin")
-            .write_all(input.as_bytes())
-            .expect("write kubectl input");
-        child.wait_with_output().expect("kubectl output")
+        let mut cmd = self.kubectl();
+        cmd.args(args);
+        output_with_input(cmd, input)
     }
 
     /// Installs the CRDs from `configs/crd` and waits until the API serves them.
@@ -435,6 +423,23 @@ fn unpack_shared_assets() -> Result<PathBuf, String> {
         std::fs::rename(&partial, &target).map_err(|e| e.to_string())?;
     }
     Ok(out)
+}
+
+/// Runs `cmd` with `input` on its stdin; its output.
+pub fn output_with_input(mut cmd: Command, input: &str) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(input.as_bytes())
+        .expect("write the command's input");
+    child.wait_with_output().expect("the command's output")
 }
 
 /// A CA and a serving certificate for 127.0.0.1 and localhost, as PEM (ca, cert, key).

@@ -145,22 +145,9 @@ impl Node {
 
     /// Runs kubectl with `input` on stdin.
     pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> Output {
-        use std::io::Write;
-        let mut child = self
-            .kubectl()
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run kubectl");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(input.as_bytes())
-            .expect("write to kubectl");
-        child.wait_with_output().expect("kubectl output")
+        let mut cmd = self.kubectl();
+        cmd.args(args);
+        super::envtest::output_with_input(cmd, input)
     }
 
     /// Applies a manifest given as text; panics on failure.

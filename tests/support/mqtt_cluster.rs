@@ -1,7 +1,7 @@
 #![allow(dead_code)]
 //! Real 3-node MQTT broker clusters for tests: RabbitMQ 3.10 (`rabbitmq_mqtt` with the HTTP
-//! auth backend) and NATS 2.9 (JetStream + MQTT), following the measurements in
-//! `shared/spec/mqtt-clusters.md`.
+//! auth backend) and NATS 2.9 (JetStream + MQTT), set up as the README's "Scaling out"
+//! describes.
 //!
 //! Every server listens on loopback ports chosen with [`free_port`], keeps its files in a
 //! fresh temporary directory and is stopped by pid when the cluster is dropped (also on
@@ -477,8 +477,8 @@ impl RabbitCluster {
                 return skip(
                     "RabbitMQ",
                     &why,
-                    "Install it with `apt-get install rabbitmq-server` (see \
-                     shared/spec/mqtt-clusters.md for keeping the package from starting a \
+                    "Install it with `apt-get install rabbitmq-server` (scripts/test.sh \
+                     does, with a policy-rc.d that keeps the package from starting a \
                      system node).",
                 )
             }

@@ -1,9 +1,9 @@
-//! Cross-module tests: the upstream example payloads from the specifications, encoder output
-//! checked key by key, error reporting, round trips and property tests.
+//! Cross-module tests: the example payloads upstream documents, encoder output checked key by
+//! key, error reporting, round trips and property tests.
 //!
-//! Payloads marked "verbatim" are copied unchanged from `upstream-proplet.md` or
-//! `upstream-operator.md`. Where a spec elides a value (`…` inside base64, `<base64>`), the
-//! verbatim text is shown to fail on exactly that key, and a completed copy is decoded.
+//! Payloads marked "verbatim" are copied unchanged from the messages upstream's proplet and Go
+//! operator document. Where such an example elides a value (`…` inside base64, `<base64>`),
+//! the verbatim text is shown to fail on exactly that key, and a completed copy is decoded.
 
 use std::collections::BTreeMap;
 
@@ -43,7 +43,7 @@ fn s(x: &str) -> String {
     x.to_owned()
 }
 
-// ---------------------------------------------------------------- upstream-proplet.md §3.1
+// ---------------------------------------------------------------- upstream proplet's messages
 
 #[test]
 fn proplet_3_1_discovery_verbatim() {
@@ -111,7 +111,7 @@ fn last_wills_are_offline_notices_not_heartbeats() {
             namespace: Some(s("embedded")),
         })
     );
-    // Go operator's will (upstream-operator.md §3.1) carries channel_id, which is ignored.
+    // Go operator's will (upstream's Go operator) carries channel_id, which is ignored.
     let operator = r#"{"status":"offline","proplet_id":"operator-1","channel_id":"ch"}"#;
     assert!(matches!(
         dec(TopicKind::Alive, operator),
@@ -931,7 +931,7 @@ fn fl_updates_from_every_sender() {
         round_id: seg("1"),
         proplet_id: seg("edge-1"),
     };
-    // upstream-operator.md §4.9 member envelope, verbatim.
+    // Upstream's FL member envelope, verbatim.
     let member = r#"{"job_id":"exp1","round_id":1,"global_version":"v0","proplet_id":"edge-1","num_samples":100,"update_b64":"WzAuMSwwLjJd","metrics":{"loss":0.31},"format":"json-f64"}"#;
     let Inbound::FlUpdate(m) = dec(kind.clone(), member) else {
         panic!("not an FL update");

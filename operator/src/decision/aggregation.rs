@@ -1,6 +1,6 @@
 //! Federated-learning updates: the envelope, its extraction from task results, and aggregation.
 //!
-//! Upstream (upstream-operator.md §4.9, §8.1) could never collect an update: it looked for the
+//! Upstream (upstream's Go operator) could never collect an update: it looked for the
 //! envelope only in a JSON *object*, while results were stored as strings; it parsed the Rust
 //! proplet's `"round_id":"round-1"` as 0; it demanded a `job_id` the proplet never sends; and it
 //! ignored `aggregator.algorithm`, letting the first update's format pick the algorithm. This
@@ -940,7 +940,7 @@ mod tests {
         }
     }
 
-    /// The object the Rust proplet sends as `results` for an FL task (upstream-proplet.md §3.8).
+    /// The object the Rust proplet sends as `results` for an FL task (upstream's proplet).
     fn rust_proplet_results(round_id: Value) -> Value {
         json!({
             "task_id": "t-1",

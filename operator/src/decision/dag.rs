@@ -1,6 +1,6 @@
 //! Task dependency (DAG) rules: when a Task may run, when it is skipped, and cycle detection.
 //!
-//! The readiness rules follow upstream-operator.md §4.3. Unlike upstream, cycle detection and
+//! The readiness rules follow upstream's Go operator Unlike upstream, cycle detection and
 //! topological ordering are meant to be *used* (bug 13): a Task on a dependency cycle would
 //! otherwise stay pending forever, so the Task reconciler asks [`cycle_through`] and reports it.
 //!
@@ -43,7 +43,7 @@ const MAX_NAMES_IN_REASON: usize = 5;
 /// Decides whether a Task with these `depends_on` entries and this `run_if` may run.
 ///
 /// `phase_of` looks a dependency up by name in the Task's namespace (`None` = not found).
-/// Rules (upstream-operator.md §4.3): wait until every dependency exists and is terminal; then
+/// Rules (upstream's Go operator): wait until every dependency exists and is terminal; then
 /// `runIf: success` skips if any dependency failed, and `runIf: failure` skips if none failed.
 /// A Task without dependencies is always ready, whatever its `runIf`.
 pub fn evaluate<F>(depends_on: &[String], run_if: RunIf, phase_of: F) -> Readiness

@@ -1,7 +1,7 @@
 //! Kubernetes-safe names for the objects the operator creates.
 //!
 //! Upstream built child names by plain concatenation (`<job>-<task>`, `round-<n>-<job>`, …) with
-//! no sanitising and no length check (upstream-operator.md §4.11, §8.6 bug 43), so a long or
+//! no sanitising and no length check (upstream's Go operator), so a long or
 //! oddly spelled parent made object creation fail. Every child name goes through this module
 //! instead: a valid input is kept as it is; otherwise it is lowercased, characters outside
 //! `[a-z0-9-]` become `-`, runs of `-` collapse, leading and trailing `-` are trimmed, and a name

@@ -1,6 +1,7 @@
-//! Proplet selection for a Task: filter, score, pick (seed "Proplet Selection" and "Scheduler").
+//! Proplet selection for a Task: filter, score, pick, as upstream's Go operator does, with the
+//! fixes below.
 //!
-//! Fixes relative to upstream (upstream-operator.md §4.5, §8.2 bug 16):
+//! Fixes relative to upstream (upstream's Go operator):
 //! * candidates are sorted by name before scoring, so the choice never depends on cache order;
 //! * the round-robin position is kept **per namespace** in an explicit [`RoundRobinState`] that
 //!   the caller owns and may persist, instead of one unlocked process-wide counter;
@@ -140,7 +141,7 @@ pub enum ScheduleError {
 /// which always happens, with least-loaded scoring, so it parses to [`Strategy::LeastLoaded`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Strategy {
-    /// The seed's default: the candidate after the last selected one scores 0.1, others 1.0.
+    /// Upstream's default: the candidate after the last selected one scores 0.1, others 1.0.
     #[default]
     RoundRobin,
     /// Score = number of active tasks; the least busy proplet wins.

@@ -1,4 +1,4 @@
-//! The task phase machine of the seed, and the events that drive it.
+//! The task phase machine (upstream's phases and transitions), and the events that drive it.
 //!
 //! | from        | allowed next states                          |
 //! |-------------|----------------------------------------------|
@@ -159,7 +159,7 @@ mod tests {
     use proptest::prelude::*;
     use TaskPhase::*;
 
-    /// The seed's table, written out independently of [`allowed`].
+    /// The transition table, written out independently of [`allowed`].
     const TABLE: &[(TaskPhase, &[TaskPhase])] = &[
         (Pending, &[Scheduled, Running, Completed, Failed, Skipped]),
         (Scheduled, &[Running, Completed, Failed, Skipped]),

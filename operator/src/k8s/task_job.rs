@@ -1,6 +1,6 @@
 //! Tasks on `k8s` proplets run as Kubernetes Jobs: the ConfigMap `<task>-config` with the
 //! task's settings, the Job `<task>-job` running `spec.imageUrl`, and the result taken from
-//! the first place that has one, in the seed's order: a Job annotation, the container's
+//! the first place that has one, in the order upstream's Go operator reads them: a Job annotation, the container's
 //! termination message, the `<job>-result` ConfigMap, the `<job>-result` Secret, a Pod
 //! annotation.
 
@@ -175,7 +175,7 @@ pub fn job_finished(job: &Job) -> Option<Result<(), String>> {
     })
 }
 
-/// The result, from the first source that has one, in the seed's order.
+/// The result, from the first source that has one, in upstream's order.
 pub fn extract_result(
     job: &Job,
     pods: &[Pod],

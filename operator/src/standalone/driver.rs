@@ -588,6 +588,13 @@ impl Driver {
         }
     }
 
+    /// One reconcile of `key`, in a span named as kube-runtime names its own ("reconciling
+    /// object"), so both drivers' logs say which object a line is about.
+    #[tracing::instrument(
+        name = "reconciling object",
+        skip_all,
+        fields(object.kind = %key.kind, object.namespace = %key.namespace, object.name = %key.name)
+    )]
     async fn reconcile(self: &Arc<Self>, key: &Key) {
         let started = std::time::Instant::now();
         let now = Utc::now();
@@ -598,14 +605,14 @@ impl Driver {
             // redb's write lock and an `fsync`: keep that off the runtime threads.
             PROPELLER_JOB | FEDERATED_JOB | TRAINING_ROUND => {
                 let (driver, key) = (Arc::clone(self), key.clone());
-                tokio::task::spawn_blocking(move || driver.reconcile_job(&key, now))
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(
-                            StoreError::Database(format!("the reconcile did not finish: {e}"))
-                                .into(),
-                        )
-                    })
+                let span = tracing::Span::current();
+                tokio::task::spawn_blocking(move || {
+                    span.in_scope(|| driver.reconcile_job(&key, now))
+                })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(StoreError::Database(format!("the reconcile did not finish: {e}")).into())
+                })
             }
             _ => Ok(None),
         };
