@@ -158,33 +158,12 @@ fn run_without_a_reachable_api_server_says_why_and_stops_on_a_signal() {
         if leader {
             cmd.args(["--leader-elect", "--lease-namespace", "default"]);
         }
-        let mut child = cmd.spawn().unwrap();
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "propeller run (leader election {leader}) exited instead of retrying: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
+        stops_on(
+            cmd.spawn().unwrap(),
+            &format!("propeller run (leader election {leader})"),
+            signal,
+            std::time::Duration::from_secs(8),
         );
-        let sent = std::time::Instant::now();
-        Command::new("kill")
-            .args([format!("-{signal}"), child.id().to_string()])
-            .status()
-            .unwrap();
-        let deadline = sent + std::time::Duration::from_secs(8);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                panic!(
-                    "propeller run (leader election {leader}) still running 8 s after SIG{signal}: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        assert!(status.success(), "exit status {status}");
         let mut text = String::new();
         std::fs::File::open(&log)
             .unwrap()
@@ -201,5 +180,104 @@ fn run_without_a_reachable_api_server_says_why_and_stops_on_a_signal() {
                 "the log names neither the server nor the cause:\n{text}"
             );
         }
+    }
+}
+
+/// Sends `signal` to a started child and waits up to `limit` for it to exit successfully.
+fn stops_on(mut child: std::process::Child, what: &str, signal: &str, limit: std::time::Duration) {
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "{what} exited before SIG{signal}"
+    );
+    Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{what} after SIG{signal}: {status}");
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} still running {limit:?} after SIG{signal}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The agent, `propeller standalone` and `propeller broker` stop within seconds of SIGTERM or
+/// SIGINT, the first two while the broker they dial does not answer.
+#[test]
+fn every_mode_stops_on_a_signal_while_its_peer_is_unreachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let credentials = dir.path().join("credentials.toml");
+    std::fs::write(
+        &credentials,
+        "[[client]]\nid = \"svc\"\nkey = \"svc-key\"\nrole = \"service\"\n",
+    )
+    .unwrap();
+    for signal in ["TERM", "INT"] {
+        let quiet = |cmd: &mut Command| {
+            cmd.stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null());
+        };
+        let mut agent = support::binary("proplet");
+        agent
+            .env("PROPLET_MQTT_ADDRESS", format!("tcp://127.0.0.1:{closed}"))
+            .env("PROPLET_DOMAIN_ID", "d")
+            .env("PROPLET_CHANNEL_ID", "c")
+            .env("PROPLET_CLIENT_ID", "x")
+            .env("PROPLET_CLIENT_KEY", "k")
+            .env(
+                "PROPLET_STATE_DIR",
+                dir.path().join(format!("agent-{signal}")),
+            );
+        quiet(&mut agent);
+        stops_on(
+            agent.spawn().unwrap(),
+            "the agent (broker unreachable)",
+            signal,
+            std::time::Duration::from_secs(5),
+        );
+        let mut standalone = propeller();
+        standalone
+            .args([
+                "standalone",
+                "--api-listen",
+                "127.0.0.1:0",
+                "--device-auth",
+                "none",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path().join(format!("standalone-{signal}")))
+            .arg("--mqtt-broker")
+            .arg(format!("mqtt://127.0.0.1:{closed}"));
+        quiet(&mut standalone);
+        stops_on(
+            standalone.spawn().unwrap(),
+            "propeller standalone (external broker unreachable)",
+            signal,
+            std::time::Duration::from_secs(5),
+        );
+        let mut broker = propeller();
+        broker
+            .args(["broker", "--mqtt-listen", "127.0.0.1:0", "--credentials"])
+            .arg(&credentials);
+        quiet(&mut broker);
+        stops_on(
+            broker.spawn().unwrap(),
+            "propeller broker",
+            signal,
+            std::time::Duration::from_secs(5),
+        );
     }
 }
