@@ -632,8 +632,33 @@ async fn reconcile_task_inner(task: &Task, ctx: &Shared) -> Result<Action, Recon
     Ok(Action::requeue(wait))
 }
 
-fn error_policy<K>(_: Arc<K>, error: &ReconcileError, _: Arc<Shared>) -> Action {
-    warn!(%error, "reconcile failed; retrying");
+impl ReconcileError {
+    /// Whether the API server refused a write because the object changed since it was read
+    /// (409 Conflict): routine under load, answered by reading it again.
+    fn is_conflict(&self) -> bool {
+        let conflict =
+            |e: &kube::Error| matches!(e, kube::Error::Api(status) if status.code == 409);
+        match self {
+            ReconcileError::Api(e) => conflict(e),
+            ReconcileError::Task(TaskApplyError::Backend(e)) => {
+                e.downcast_ref::<kube::Error>().is_some_and(conflict)
+            }
+            ReconcileError::Task(_) => false,
+        }
+    }
+}
+
+fn error_policy<K: kube::Resource>(
+    object: Arc<K>,
+    error: &ReconcileError,
+    _: Arc<Shared>,
+) -> Action {
+    let name = object.meta().name.as_deref().unwrap_or_default();
+    if error.is_conflict() {
+        debug!(object = %name, "the object changed while it was reconciled; reconciling it again");
+        return Action::requeue(Duration::from_millis(200));
+    }
+    warn!(object = %name, %error, "reconcile failed; retrying in 2 s");
     Action::requeue(Duration::from_secs(2))
 }
 
@@ -1048,4 +1073,26 @@ fn tokio_stream_of<T: Send + 'static>(
     futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        let status: kube::core::Status =
+            serde_json::from_value(serde_json::json!({"code": code, "reason": "Conflict"}))
+                .unwrap_or_else(|e| panic!("{e}"));
+        kube::Error::Api(Box::new(status))
+    }
+
+    #[test]
+    fn a_conflict_is_told_apart_from_other_failures_however_it_arrives() {
+        assert!(ReconcileError::Api(api_error(409)).is_conflict());
+        assert!(!ReconcileError::Api(api_error(500)).is_conflict());
+        let through_a_plan =
+            ReconcileError::Task(TaskApplyError::Backend(Box::new(api_error(409))));
+        assert!(through_a_plan.is_conflict());
+        assert!(!ReconcileError::Task(TaskApplyError::NoJobs("t".into())).is_conflict());
+    }
 }
