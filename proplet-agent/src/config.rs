@@ -8,6 +8,14 @@ use std::time::Duration;
 use clap::Parser;
 pub use propeller_broker::protocol::{AddressError, BrokerAddress};
 
+mod addresses;
+mod file;
+mod values;
+
+pub use addresses::*;
+use file::*;
+pub use values::*;
+
 /// A configuration problem, naming the setting at fault.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
@@ -52,99 +60,6 @@ pub enum ConfigError {
         /// What is wrong with it.
         problem: AddressError,
     },
-}
-
-/// `"tcp://x:1": bad port` for a single address (as before lists were accepted);
-/// `entry 2 of 3, "tcp://x:1": bad port` in a list.
-fn describe_entry(entry: usize, count: usize, value: &str, problem: &AddressError) -> String {
-    match (count, problem) {
-        (0 | 1, AddressError::Empty) => format!("{problem}"),
-        (1, _) => format!("{value:?}: {problem}"),
-        (_, AddressError::Empty) => format!("entry {entry} of {count}: {problem}"),
-        _ => format!("entry {entry} of {count}, {value:?}: {problem}"),
-    }
-}
-
-/// The brokers the agent may use, in the order given; never empty. The agent connects to the
-/// first and moves round-robin to the next one whenever a connection fails or drops.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BrokerAddresses(Vec<BrokerAddress>);
-
-impl BrokerAddresses {
-    /// The list, or `None` when it is empty.
-    pub fn new(addresses: Vec<BrokerAddress>) -> Option<Self> {
-        (!addresses.is_empty()).then_some(Self(addresses))
-    }
-
-    /// A list of one.
-    pub fn single(address: BrokerAddress) -> Self {
-        Self(vec![address])
-    }
-
-    /// Parses a list of entries (a comma-separated setting already split, or a TOML array),
-    /// naming `origin` and the bad entry in an error.
-    pub fn parse<S: AsRef<str>>(entries: &[S], origin: &str) -> Result<Self, ConfigError> {
-        let count = entries.len();
-        let bad = |entry: usize, value: &str, problem: AddressError| ConfigError::Address {
-            origin: origin.to_owned(),
-            entry,
-            count,
-            value: value.trim().to_owned(),
-            problem,
-        };
-        if count == 0 {
-            return Err(bad(0, "", AddressError::Empty));
-        }
-        entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| BrokerAddress::parse(e.as_ref()).map_err(|p| bad(i + 1, e.as_ref(), p)))
-            .collect::<Result<Vec<_>, _>>()
-            .map(Self)
-    }
-
-    /// Parses `tcp://a:1883,tcp://b:1883` (spaces around entries ignored).
-    pub fn parse_list(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        Self::parse(&text.split(',').collect::<Vec<_>>(), origin)
-    }
-
-    /// The first broker, tried first.
-    pub fn primary(&self) -> &BrokerAddress {
-        &self.0[0]
-    }
-
-    /// All brokers, in order.
-    pub fn as_slice(&self) -> &[BrokerAddress] {
-        &self.0
-    }
-
-    /// How many there are (at least one).
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Always false: the list is never empty.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// The first broker that uses TLS, if any.
-    pub fn first_tls(&self) -> Option<&BrokerAddress> {
-        self.0.iter().find(|a| a.tls)
-    }
-}
-
-impl std::fmt::Display for BrokerAddresses {
-    /// The addresses, comma-separated.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (i, address) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(",")?;
-            }
-            write!(f, "{address}")?;
-        }
-        Ok(())
-    }
 }
 
 /// `proplet`: runs WebAssembly tasks sent by Propeller over MQTT.
@@ -694,164 +609,6 @@ fn http_serving(
         serving.ports = first..=last;
     }
     Ok(serving)
-}
-
-/// `a, b,,c` → `[a, b, c]`; nothing for unset.
-fn comma_list(text: Option<String>) -> Vec<String> {
-    text.map(|t| {
-        t.split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect()
-    })
-    .unwrap_or_default()
-}
-
-/// `1`, `true`, `yes`, `on` and their opposites, in any case.
-fn parse_bool(text: &str) -> Option<bool> {
-    match text.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Some(true),
-        "0" | "false" | "no" | "off" => Some(false),
-        _ => None,
-    }
-}
-
-fn invalid(name: &str, message: &str) -> ConfigError {
-    ConfigError::Invalid {
-        name: name.to_owned(),
-        message: message.to_owned(),
-    }
-}
-
-/// Values of the TOML file: either top-level keys or a `[proplet]` section (upstream layout).
-/// Scalars and lists are kept as text (a list joined with commas); lists are also kept as
-/// given, for the settings that take one item per entry.
-#[derive(Debug, Default)]
-struct FileValues {
-    text: HashMap<String, String>,
-    lists: HashMap<String, Vec<toml::Value>>,
-}
-
-impl FileValues {
-    fn get(&self, key: &str) -> Option<String> {
-        self.text.get(key).cloned().filter(|v| !v.is_empty())
-    }
-
-    /// `mqtt_address` as a string (comma-separated) or a list of strings; `None` when unset
-    /// (or an empty string, as for every other key).
-    fn brokers(&self, path: Option<&Path>) -> Option<Result<BrokerAddresses, ConfigError>> {
-        const KEY: &str = "mqtt_address";
-        let origin = format!(
-            "`{KEY}` in config file {}",
-            path.map(|p| p.display().to_string()).unwrap_or_default()
-        );
-        if let Some(items) = self.lists.get(KEY) {
-            let count = items.len();
-            let mut entries = Vec::with_capacity(count);
-            for (i, item) in items.iter().enumerate() {
-                match item.as_str() {
-                    Some(text) => entries.push(text),
-                    None => {
-                        return Some(Err(ConfigError::Address {
-                            origin,
-                            entry: i + 1,
-                            count,
-                            value: item.to_string(),
-                            problem: AddressError::NotText,
-                        }))
-                    }
-                }
-            }
-            return Some(BrokerAddresses::parse(&entries, &origin));
-        }
-        self.get(KEY)
-            .map(|text| BrokerAddresses::parse_list(&text, &origin))
-    }
-}
-
-fn load_file(path: &Path) -> Result<FileValues, ConfigError> {
-    let shown = path.display().to_string();
-    let file_error = |message: String| ConfigError::File {
-        path: shown.clone(),
-        message,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-    let table: toml::Table =
-        toml::from_str(&text).map_err(|e| file_error(e.message().to_owned()))?;
-    let section = match table.get("proplet") {
-        Some(toml::Value::Table(t)) => t.clone(),
-        Some(_) => return Err(file_error("`proplet` must be a table".into())),
-        None => table,
-    };
-    let mut values = FileValues::default();
-    for (key, value) in section {
-        let text = match value {
-            toml::Value::String(s) => s,
-            toml::Value::Integer(i) => i.to_string(),
-            toml::Value::Float(f) => f.to_string(),
-            toml::Value::Boolean(b) => b.to_string(),
-            toml::Value::Array(items) => {
-                let joined = items
-                    .iter()
-                    .map(|i| {
-                        i.as_str()
-                            .map(str::to_owned)
-                            .unwrap_or_else(|| i.to_string())
-                    })
-                    .collect::<Vec<_>>()
-                    .join(",");
-                values.lists.insert(key.clone(), items);
-                joined
-            }
-            _ => {
-                return Err(file_error(format!(
-                    "`{key}` must be a string, number or list"
-                )))
-            }
-        };
-        values.text.insert(key, text);
-    }
-    Ok(values)
-}
-
-/// Parses `10` (seconds, as upstream agents read it) or a Go-style duration (`10s`,
-/// `500ms`, `1m30s`).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    propeller_broker::protocol::parse_setting_duration(text)
-}
-
-/// Parses a count or size: `1000`, `64Mi`, `1Gi`, `512Ki`.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (number, factor) = if let Some(n) = t.strip_suffix("Ki") {
-        (n, 1u64 << 10)
-    } else if let Some(n) = t.strip_suffix("Mi") {
-        (n, 1 << 20)
-    } else if let Some(n) = t.strip_suffix("Gi") {
-        (n, 1 << 30)
-    } else {
-        (t, 1)
-    };
-    number
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(factor))
-        .ok_or_else(|| format!("{text:?} is not a whole number (suffixes Ki, Mi, Gi allowed)"))
-}
-
-/// Splits a broker URL into host, port and whether TLS is asked for.
-pub fn parse_address(address: &str) -> Result<(String, u16, bool), ConfigError> {
-    BrokerAddress::parse(address)
-        .map(|a| (a.host, a.port, a.tls))
-        .map_err(|problem| ConfigError::Address {
-            origin: "PROPLET_MQTT_ADDRESS".into(),
-            entry: 1,
-            count: 1,
-            value: address.trim().to_owned(),
-            problem,
-        })
 }
 
 #[cfg(test)]
