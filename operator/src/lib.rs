@@ -1,8 +1,8 @@
-//! Propeller operator: the custom resource types, the pure decision core that every driver
-//! executes, and the Kubernetes driver.
+//! Propeller operator: the Kubernetes and standalone drivers of the core's plans
+//! (`propeller-core`, re-exported here as `crd` and `decision`), the Task executor, the image
+//! puller and the validation of objects.
 
-pub mod crd;
-pub mod decision;
+pub use propeller_core::{crd, decision};
 pub mod executor;
 pub mod inbox;
 pub mod k8s;

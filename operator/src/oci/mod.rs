@@ -13,7 +13,7 @@ pub mod cache;
 pub mod credentials;
 pub mod metrics;
 pub mod puller;
-pub mod reference;
+pub use propeller_core::image_reference as reference;
 pub mod responder;
 
 use std::collections::HashMap;

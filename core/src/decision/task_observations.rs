@@ -81,7 +81,7 @@ pub fn needs_image_resolution(task: &Task) -> bool {
             .spec
             .image_url
             .as_deref()
-            .and_then(crate::oci::reference::registry_reference)
+            .and_then(crate::image_reference::registry_reference)
             .is_some()
 }
 

@@ -4,7 +4,7 @@
 //! puller. An `http://` or `https://` URL is fetched by the device itself; anything else
 //! non-empty is a registry reference (an `oci://` prefix is accepted and dropped).
 
-use oci_client::Reference;
+use oci_spec::distribution::Reference;
 
 /// Scheme prefix some users write before a registry reference.
 const OCI_SCHEME: &str = "oci://";

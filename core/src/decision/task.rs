@@ -180,7 +180,7 @@ pub fn start_request_pinned(
 ) -> StartRequest {
     let mut request = start_request(task, target);
     let pinned = image_digest.zip(task.spec.image_url.as_deref());
-    if let Some(pinned) = pinned.and_then(|(d, url)| crate::oci::reference::pinned(url, d)) {
+    if let Some(pinned) = pinned.and_then(|(d, url)| crate::image_reference::pinned(url, d)) {
         request.image_url = Some(pinned);
     }
     request
