@@ -3,10 +3,12 @@
 //! puller and the validation of objects.
 
 pub use propeller_core::{crd, decision};
+pub mod credentials;
 pub mod executor;
 pub mod inbox;
 pub mod k8s;
 pub mod metrics;
+pub mod observations;
 pub mod oci;
 pub mod standalone;
 pub mod state;

@@ -17,7 +17,7 @@ use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
 use crate::executor::TaskEffects;
 use crate::inbox::{DispatchLedger, LiveSessions, Queued, TaskInbox};
-use crate::k8s::observations::ObservationStore;
+use crate::observations::ObservationStore;
 
 /// In-memory driver state: device reports not yet written, starts already sent, and the
 /// scheduler's rotation.

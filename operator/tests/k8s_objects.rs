@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::core::v1::EnvVar;
 use propeller_operator::crd::Proplet;
-use propeller_operator::k8s::credentials::credential_table;
+use propeller_operator::credentials::credential_table;
 use propeller_operator::k8s::deployment::{proplet_deployment, DeploymentError};
 use serde_json::json;
 

@@ -15,7 +15,7 @@ use kube::Api;
 use propeller_broker::external::nats_config::render_authorization;
 use propeller_broker::server::{load_credentials_file, Credential, CredentialStore};
 use propeller_operator::crd::proplet::{ClientKeySource, Proplet};
-use propeller_operator::k8s::credentials::credential_table;
+use propeller_operator::credentials::credential_table;
 use tracing::{info, warn};
 
 /// How often the rendered file is compared with the credential table.

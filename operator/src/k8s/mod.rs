@@ -1,10 +1,8 @@
-//! The Kubernetes driver: desired objects, the broker's credential table, and the executors
-//! that apply the decision core's plans through kube-rs.
+//! The Kubernetes driver: the executors that apply the core's plans through kube-rs, the
+//! Jobs of `k8s` proplets' tasks, and the runtime that drives one Controller per kind.
 
-pub mod credentials;
-pub mod deployment;
+pub use crate::decision::deployment;
 pub mod jobs;
-pub mod observations;
 pub mod patch;
 pub mod proplet;
 pub mod pull_secrets;

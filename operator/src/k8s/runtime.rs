@@ -37,13 +37,13 @@ use crate::decision::task::{
 use crate::executor::Dispatch;
 use crate::state::{lock, Concerns, DriverState};
 
-use super::credentials::{credential_table, RefreshGate};
 use super::deployment::PROPLET_LABEL;
 use super::patch::finalizers_patch;
 use super::proplet::{
     apply as apply_proplet, plan as plan_proplet, PropletObservations, PropletSettings,
 };
 use super::task::{apply as apply_task, TaskWrites};
+use crate::credentials::{credential_table, RefreshGate};
 use crate::executor::TaskApplyError;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
@@ -372,7 +372,7 @@ impl Shared {
             .collect();
         let read = |ns: &str, name: &str, key: &str| {
             let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
-            super::credentials::secret_entry(&secret, key)
+            crate::credentials::secret_entry(&secret, key)
         };
         let (table, problems) = credential_table(&proplets, read);
         for problem in problems {

@@ -25,6 +25,7 @@ use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
+use crate::credentials::credential_table;
 use crate::decision::federated::{
     fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
     owned_rounds, reconcile_job as reconcile_federated, reconcile_round, FederatedObservation,
@@ -32,7 +33,6 @@ use crate::decision::federated::{
 use crate::decision::propeller_job::{reconcile as reconcile_job, status_to_write, JobObservation};
 use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
 use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, ObjectWriter};
-use crate::k8s::credentials::credential_table;
 use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
 use crate::k8s::runtime::PROPLET_FINALIZER;
 use crate::metrics::ControllerMetrics;
@@ -390,7 +390,7 @@ impl Driver {
         let read = |ns: &str, name: &str, key: &str| -> Option<String> {
             let secret = self.store.get(SECRET, ns, name).ok()??;
             let secret = serde_json::from_value(secret).ok()?;
-            crate::k8s::credentials::secret_entry(&secret, key)
+            crate::credentials::secret_entry(&secret, key)
         };
         let (table, problems) = credential_table(&proplets, read);
         for problem in problems {

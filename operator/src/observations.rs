@@ -16,7 +16,7 @@ use crate::crd::common::{MetricsSample, PropletResources};
 use crate::crd::proplet::PropletMetadata;
 use crate::decision::liveness::{ExternalObservation, ALIVE_HISTORY_LEN};
 
-use super::proplet::DeviceReport;
+use crate::decision::proplet::DeviceReport;
 
 /// Pending liveness observations and the latest device reports, per MQTT client id.
 #[derive(Debug, Default)]

@@ -1,0 +1,226 @@
+//! The Proplet reconcile step: a pure plan from (proplet, observations, now). The drivers
+//! apply it (the Kubernetes one by server-side apply of the Deployment and a status patch).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::apps::v1::Deployment;
+
+use crate::crd::common::{MetricsSample, PropletResources};
+use crate::crd::proplet::{Proplet, PropletMetadata, PropletPhase, PropletStatus, PropletType};
+use crate::decision::liveness::{
+    evaluate_external, evaluate_k8s, significant_change, write_due, DeploymentObservation,
+    ExternalObservation,
+};
+
+use super::deployment::{proplet_deployment, DeploymentError};
+
+/// Operator settings that shape the Proplet plan.
+#[derive(Debug, Clone, Copy)]
+pub struct PropletSettings {
+    /// An external proplet is Offline once its latest heartbeat is older than this.
+    pub last_seen_threshold: Duration,
+    /// Heartbeat-only changes are written at most this often.
+    pub status_flush_interval: Duration,
+    /// Heartbeat-only writes per second across all proplets (0: no cap). Each proplet's
+    /// refresh interval stretches to its fair share of this budget, so a large fleet's
+    /// refreshes cannot saturate the API server and delay the writes that matter (a proplet
+    /// going Offline), which are never capped.
+    pub routine_writes_per_second: u32,
+}
+
+impl PropletSettings {
+    /// How often one proplet's heartbeat-only changes are written in a fleet of
+    /// `fleet_size`: the flush interval, or longer when the fleet's share of the routine
+    /// budget is smaller.
+    pub fn routine_interval(&self, fleet_size: usize) -> Duration {
+        if self.routine_writes_per_second == 0 {
+            return self.status_flush_interval;
+        }
+        let share =
+            Duration::from_secs_f64(fleet_size as f64 / f64::from(self.routine_writes_per_second));
+        share.max(self.status_flush_interval)
+    }
+}
+
+/// The Event a written phase change deserves, in both drivers: going Offline (a warning)
+/// and coming back; not a device's first Running (a fleet of 10,000 coming up would cost as
+/// many Event writes).
+pub fn phase_change_note(
+    before: Option<PropletPhase>,
+    after: PropletPhase,
+) -> Option<crate::decision::task::Note> {
+    let first_running = after == PropletPhase::Running
+        && before.is_none_or(|phase| phase == PropletPhase::Initializing);
+    (before != Some(after) && !first_running).then(|| crate::decision::task::Note {
+        warning: after == PropletPhase::Offline,
+        reason: "PhaseChanged",
+        message: format!("proplet is now {after}"),
+    })
+}
+
+/// Whether a written phase change gives the Tasks waiting for a proplet their chance.
+pub fn wakes_waiting_tasks(before: Option<PropletPhase>, after: PropletPhase) -> bool {
+    after == PropletPhase::Running && before != Some(PropletPhase::Running)
+}
+
+/// What the driver knows about a proplet beyond the object itself.
+#[derive(Debug, Clone, Default)]
+pub struct PropletObservations {
+    /// Broker events not yet reflected in the status (external proplets).
+    pub external: ExternalObservation,
+    /// The watched Deployment (`k8s` proplets); `None` when it does not exist.
+    pub deployment: Option<DeploymentObservation>,
+    /// When this driver last wrote the status.
+    pub last_write: Option<DateTime<Utc>>,
+    /// The latest description and figures the device reported.
+    pub report: DeviceReport,
+    /// Tasks scheduled or running on the proplet now (`status.taskCount`).
+    pub task_count: i64,
+    /// How many proplets the driver holds (they share the routine-write budget).
+    pub fleet_size: usize,
+}
+
+/// The latest description and resource figures a device reported; each replaces the last.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceReport {
+    /// From discovery or a heartbeat that carried metadata.
+    pub metadata: Option<PropletMetadata>,
+    /// From the latest heartbeat or proplet-metrics message.
+    pub metrics: Option<MetricsSample>,
+    /// Memory the device has free, from its total memory and memory use.
+    pub available: Option<PropletResources>,
+}
+
+/// What to do for one proplet now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PropletPlan {
+    /// The Deployment to apply (`k8s` proplets).
+    pub deployment: Option<Deployment>,
+    /// The status to write, when a write is due.
+    pub status: Option<PropletStatus>,
+    /// When to look again without any new event (an external proplet going Offline).
+    pub requeue_at: Option<DateTime<Utc>>,
+    /// Why the Deployment could not be built, for an Event and the log.
+    pub problem: Option<DeploymentError>,
+    /// The status write only refreshes heartbeat figures: it may be put off when the API
+    /// server is busy, unlike a phase or condition change.
+    pub routine: bool,
+}
+
+impl PropletPlan {
+    /// Asks for another look at `at` at the latest.
+    pub fn look_again_by(&mut self, at: DateTime<Utc>) {
+        self.requeue_at = Some(self.requeue_at.map_or(at, |t| t.min(at)));
+    }
+}
+
+/// Decides the proplet's Deployment and status at `now`.
+pub fn plan(
+    proplet: &Proplet,
+    observed: &PropletObservations,
+    settings: &PropletSettings,
+    now: DateTime<Utc>,
+) -> PropletPlan {
+    let written = proplet.status.clone().unwrap_or_default();
+    let mut desired = written.clone();
+    let generation = proplet.metadata.generation;
+    let mut plan = PropletPlan {
+        deployment: None,
+        status: None,
+        requeue_at: None,
+        problem: None,
+        routine: false,
+    };
+    match proplet.spec.type_ {
+        PropletType::K8s => {
+            match proplet_deployment(proplet) {
+                Ok(deployment) => plan.deployment = Some(deployment),
+                Err(problem) => plan.problem = Some(problem),
+            }
+            let deployment = observed.deployment.unwrap_or_default();
+            evaluate_k8s(&mut desired, &deployment, generation, now);
+        }
+        PropletType::External => {
+            plan.requeue_at = evaluate_external(
+                &mut desired,
+                &observed.external,
+                settings.last_seen_threshold,
+                generation,
+                now,
+            );
+        }
+    }
+    let report = &observed.report;
+    if report.metadata.is_some() {
+        desired.metadata = report.metadata.clone();
+    }
+    if report.metrics.is_some() {
+        desired.latest_metrics = report.metrics.clone();
+    }
+    match proplet.spec.type_ {
+        PropletType::K8s => {
+            let spec = proplet.spec.resources.as_ref();
+            let quantity = |key: &str| spec.and_then(|r| r.get(key)).map(|q| q.0.clone());
+            let from_spec = PropletResources {
+                cpu: quantity("cpu"),
+                memory: quantity("memory"),
+                ..PropletResources::default()
+            };
+            if from_spec != PropletResources::default() {
+                desired.available_resources = Some(from_spec);
+            }
+        }
+        PropletType::External => {
+            if report.available.is_some() {
+                desired.available_resources = report.available.clone();
+            }
+        }
+    }
+    desired.observed_generation = generation;
+    // Load moves with every task transition: like heartbeat figures it is written at most
+    // once per flush interval, so a burst of tasks does not become a burst of writes.
+    desired.task_count = observed.task_count;
+    let routine_interval = settings.routine_interval(observed.fleet_size);
+    if write_due(
+        &written,
+        &desired,
+        observed.last_write,
+        routine_interval,
+        now,
+    ) {
+        plan.routine = !significant_change(&written, &desired);
+        plan.status = Some(desired);
+    } else if written != desired {
+        let flush = chrono::Duration::from_std(routine_interval).unwrap_or(chrono::Duration::MAX);
+        if let Some(due) = observed
+            .last_write
+            .and_then(|at| at.checked_add_signed(flush))
+        {
+            plan.look_again_by(due);
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_changes_note_offline_and_returns_but_not_a_first_running() {
+        use PropletPhase::{Initializing, Offline, Running};
+        assert!(phase_change_note(None, Running).is_none());
+        assert!(phase_change_note(Some(Initializing), Running).is_none());
+        let offline = phase_change_note(Some(Running), Offline).expect("offline noted");
+        assert!(offline.warning);
+        assert_eq!(offline.message, "proplet is now Offline");
+        let back = phase_change_note(Some(Offline), Running).expect("return noted");
+        assert!(!back.warning);
+        assert!(phase_change_note(Some(Running), Running).is_none());
+        assert!(wakes_waiting_tasks(None, Running));
+        assert!(wakes_waiting_tasks(Some(Offline), Running));
+        assert!(!wakes_waiting_tasks(Some(Running), Running));
+        assert!(!wakes_waiting_tasks(Some(Running), Offline));
+    }
+}
