@@ -32,7 +32,7 @@ pub async fn start(
     data_dir: &Path,
     verbose: bool,
 ) -> anyhow::Result<tokio::process::Child> {
-    let key = super::standalone::random_hex(16)?;
+    let key = super::random::random_hex(16)?;
     let mut docs = Vec::new();
     for text in QUICKSTART {
         docs.extend(parse_manifest(text).map_err(anyhow::Error::msg)?);

@@ -101,21 +101,13 @@ impl ClientArgs {
     }
 }
 
-pub(crate) fn random_hex(bytes: usize) -> anyhow::Result<String> {
-    let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .context("reading /dev/urandom")?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
-}
-
 /// The API token, created (owner-only) on first start.
 fn token(dir: &Path) -> anyhow::Result<String> {
     let path = dir.join(TOKEN_FILE);
     if let Ok(existing) = std::fs::read_to_string(&path) {
         return Ok(existing.trim().to_owned());
     }
-    let token = random_hex(24)?;
+    let token = super::random::random_hex(24)?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
