@@ -1,0 +1,213 @@
+//! Planning a scheduled or running Task: its device's report, results, time limits, stops,
+//! and a start sent again after a restart.
+
+use super::*;
+
+/// A scheduled task: dispatch it, or, once this process has dispatched it, treat it as the
+/// running task it is and write `running` only when its result is overdue.
+pub(super) fn plan_scheduled(
+    task: &Task,
+    observed: &TaskObservations,
+    settings: &TaskSettings,
+    now: DateTime<Utc>,
+    desired: &mut TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    if runs_as_job(observed, desired) {
+        if observed.job.is_some() {
+            mark_running(task, desired, now);
+            plan_running(task, observed, settings, now, desired, plan);
+        } else {
+            dispatch(task, observed, settings, now, desired, plan);
+        }
+        return;
+    }
+    let Some(sent) = observed.dispatched_at else {
+        // Not sent by this process: a first reconcile after the assignment was written, or
+        // a restart. A start sent again reaches an agent that already has the run; it answers
+        // with the result it has instead of running the task twice.
+        dispatch(task, observed, settings, now, desired, plan);
+        return;
+    };
+    let mut running = desired.clone();
+    mark_running(task, &mut running, sent);
+    plan_running(task, observed, settings, now, &mut running, plan);
+    let overdue = later(sent, settings.running_write_delay);
+    let consumed = plan.consumed_results > 0 || plan.consumed_metrics;
+    if running.phase.is_terminal() || consumed || now >= overdue {
+        *desired = running;
+    } else {
+        look_again_by(plan, overdue);
+    }
+}
+
+pub(super) fn plan_running(
+    task: &Task,
+    observed: &TaskObservations,
+    settings: &TaskSettings,
+    now: DateTime<Utc>,
+    desired: &mut TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    let gen = task.metadata.generation;
+    if let Some(m) = &observed.metrics {
+        desired.latest_metrics = Some(m.clone());
+        plan.consumed_metrics = true;
+    }
+    if runs_as_job(observed, desired) {
+        match &observed.job {
+            Some(JobOutcome::Succeeded { result }) => {
+                desired.results = Some(Value::String(result.clone().unwrap_or_default()));
+                finish(desired, TaskPhase::Completed, None, gen, now);
+            }
+            Some(JobOutcome::Failed { message }) => {
+                finish(desired, TaskPhase::Failed, Some(message.clone()), gen, now);
+            }
+            Some(JobOutcome::Running) | None => {}
+        }
+    }
+    let targets = targets_of(desired);
+    let broadcast = !desired.broadcast_proplets.is_empty();
+    let finished_by_job = desired.phase.is_terminal();
+    for (i, result) in observed.results.iter().enumerate() {
+        plan.consumed_results = i + 1;
+        if finished_by_job {
+            continue;
+        }
+        let Some(from) = targets
+            .iter()
+            .find(|name| client_of(observed, name) == result.client_id)
+        else {
+            plan.notes.push(Note::warning(
+                "ResultIgnored",
+                format!(
+                    "result from {} ignored: the task was not sent there",
+                    result.client_id
+                ),
+            ));
+            continue;
+        };
+        let error = result.error.clone().filter(|e| !e.is_empty());
+        if broadcast {
+            let mut per = match desired.results.take() {
+                Some(Value::Object(map)) => map,
+                _ => Map::new(),
+            };
+            let mut entry = Map::new();
+            entry.insert("results".into(), result.value.clone());
+            if let Some(e) = &error {
+                entry.insert("error".into(), Value::String(e.clone()));
+            }
+            per.insert(from.clone(), Value::Object(entry));
+            let answered = targets.iter().all(|t| per.contains_key(t));
+            let failures: Vec<String> = per
+                .iter()
+                .filter_map(|(k, v)| {
+                    v.get("error")
+                        .and_then(Value::as_str)
+                        .map(|e| format!("{k}: {e}"))
+                })
+                .collect();
+            desired.results = Some(Value::Object(per));
+            if answered {
+                if failures.is_empty() {
+                    finish(desired, TaskPhase::Completed, None, gen, now);
+                } else {
+                    finish(
+                        desired,
+                        TaskPhase::Failed,
+                        Some(failures.join("; ")),
+                        gen,
+                        now,
+                    );
+                }
+                break;
+            }
+        } else {
+            desired.results = Some(result.value.clone());
+            match error {
+                None => finish(desired, TaskPhase::Completed, None, gen, now),
+                Some(e) => finish(desired, TaskPhase::Failed, Some(e), gen, now),
+            }
+            break;
+        }
+    }
+    if desired.phase.is_terminal() {
+        // A success is in the status (phase, result, the Completed condition) and on every
+        // watch; only a failure also gets an Event, so a burst of tasks costs the API server
+        // no Event per success.
+        if desired.phase != TaskPhase::Completed {
+            plan.notes.push(Note::warning(
+                "Failed",
+                desired.error.clone().unwrap_or_default(),
+            ));
+        }
+        if task.spec.is_recurring {
+            if let Some(at) = rerun_at(&task.spec, desired, now) {
+                desired.next_run = Some(at);
+                plan.requeue_at = Some(at);
+            }
+        }
+        return;
+    }
+    if task.spec.daemon {
+        return;
+    }
+    let limit = task
+        .spec
+        .timeout_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map_or(settings.default_timeout, Duration::from_secs);
+    let started = desired.started_at.unwrap_or(now);
+    // A limit beyond the representable calendar (e.g. `--task-timeout` set absurdly high to
+    // mean "never") has no deadline, rather than overflowing the addition.
+    let Some(deadline) = chrono::Duration::from_std(limit)
+        .ok()
+        .and_then(|d| started.checked_add_signed(d))
+    else {
+        return;
+    };
+    if now >= deadline {
+        let message = format!("no result within the time limit of {}s", limit.as_secs());
+        for name in &targets {
+            if let Some(target) = view(observed, name) {
+                plan.stops.push(stop_for(task, target));
+            }
+        }
+        finish(desired, TaskPhase::Failed, Some(message.clone()), gen, now);
+        plan.notes.push(Note::warning("TimedOut", message));
+    } else {
+        plan.requeue_at = Some(deadline);
+        resend_after_restart(task, observed, desired, plan);
+    }
+}
+
+/// A run recorded as `running` that this process never started was started by a process
+/// that is gone, and its result may have died with it (received, not yet written). The start
+/// goes again, numbered with the same run: our agent answers a run it finished with the
+/// result it kept and ignores a start of a run in progress, so nothing runs twice. Broadcast
+/// runs ask again only the proplets that have not answered.
+pub(super) fn resend_after_restart(
+    task: &Task,
+    observed: &TaskObservations,
+    desired: &TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    if observed.dispatched_at.is_some() || runs_as_job(observed, desired) {
+        return;
+    }
+    let answered = match &desired.results {
+        Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
+        _ => None,
+    };
+    for name in targets_of(desired) {
+        if answered.is_some_and(|per| per.contains_key(&name)) {
+            continue;
+        }
+        if let Some(target) =
+            view(observed, &name).filter(|t| t.candidate.proplet_type != PropletType::K8s)
+        {
+            plan.starts.push(start_for(task, target, desired));
+        }
+    }
+}
