@@ -276,6 +276,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn round_number_reads_only_whole_numbers() {
+        assert_eq!(round_number("round-12"), Some(12));
+        assert_eq!(round_number("r7"), Some(7));
+        assert_eq!(round_number("007"), Some(7));
+        assert_eq!(round_number("round3"), Some(3));
+        for bad in [
+            "",
+            "round-",
+            "r",
+            "-1",
+            "+1",
+            "1a",
+            "round-1.5",
+            "rr1",
+            "round-18446744073709551616",
+        ] {
+            assert_eq!(round_number(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn round_id_numbers() {
         assert_eq!(FlRoundId::Number(7).as_number(), Some(7));
         assert_eq!(FlRoundId::Text("12".into()).as_number(), Some(12));
