@@ -1,0 +1,294 @@
+//! What the Kubernetes reconcilers share: the client, the caches of the watches, the
+//! driver state, the triggers, and the memory of this process's own writes.
+
+use super::*;
+
+/// State shared by the reconcilers and the event router.
+pub struct Shared {
+    /// API client.
+    pub client: Client,
+    /// Driver settings.
+    pub settings: Settings,
+    /// Sends commands to devices.
+    pub publisher: Publisher,
+    /// Device reports not yet written, starts sent, scheduler rotation.
+    pub state: DriverState,
+    /// When the credential table needs rebuilding.
+    pub credential_gate: RefreshGate,
+    /// Cached Proplets.
+    pub proplets: Store<Proplet>,
+    /// Cached Tasks.
+    pub tasks: Store<Task>,
+    /// Cached Tasks that PropellerJobs created: filled by the watch that wakes their
+    /// reconciles, so a reconcile sees the change that woke it.
+    pub job_tasks: Store<Task>,
+    /// Cached Tasks that TrainingRounds created, the same way.
+    pub round_tasks: Store<Task>,
+    /// Cached proplet Deployments.
+    pub deployments: Store<Deployment>,
+    /// Cached Secrets (proplet keys are read from here, never fetched one by one).
+    pub secrets: Store<Secret>,
+    /// Proplet of each MQTT client id, rebuilt with the credential table, so a heartbeat
+    /// finds its Proplet without scanning all of them.
+    pub(super) clients: std::sync::RwLock<HashMap<String, ObjectRef<Proplet>>>,
+    /// Broker logins derived from Proplets.
+    pub credentials: Arc<CredentialStore>,
+    /// Emits Kubernetes Events.
+    pub recorder: Recorder,
+    /// Asks the Task controller to reconcile a task.
+    pub task_trigger: UnboundedSender<ObjectRef<Task>>,
+    /// Asks the Proplet controller to reconcile a proplet.
+    pub proplet_trigger: UnboundedSender<ObjectRef<Proplet>>,
+    /// Asks the TrainingRound controller to reconcile a round.
+    pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
+    /// Reconcile counters.
+    pub metrics: Arc<ControllerMetrics>,
+    /// Registry resolution and chunk serving (`None`: OCI images are not served).
+    pub images: Option<Arc<Images>>,
+    /// What each Proplet's last status write returned, until the cache shows it.
+    pub(super) proplet_echo: std::sync::Mutex<HashMap<String, WrittenStatus>>,
+    /// What the last apply wrote to each Task, until the cache shows it.
+    pub(super) task_echo: std::sync::Mutex<HashMap<String, TaskWrites>>,
+    /// Bounds the Events published off the reconcile path (each is an API call, and
+    /// kube's client opens a connection per concurrent call).
+    pub(super) background_events: Arc<tokio::sync::Semaphore>,
+}
+
+/// A Proplet status write the cache may not show yet.
+pub(super) struct WrittenStatus {
+    /// The version the write was planned from: a cached object still at this version has
+    /// not seen the write.
+    pub(super) based_on: Option<String>,
+    /// The version the write produced.
+    pub(super) version: Option<String>,
+    /// The status as written.
+    pub(super) status: Option<crate::crd::proplet::PropletStatus>,
+}
+
+/// Events published at once off the reconcile path.
+pub(super) const BACKGROUND_EVENTS: usize = 4;
+
+/// The caches a [`Shared`] reads.
+pub struct Caches {
+    /// Proplets.
+    pub proplets: Store<Proplet>,
+    /// Tasks.
+    pub tasks: Store<Task>,
+    /// Tasks carrying a PropellerJob's label.
+    pub job_tasks: Store<Task>,
+    /// Tasks carrying a TrainingRound's label.
+    pub round_tasks: Store<Task>,
+    /// Proplet Deployments.
+    pub deployments: Store<Deployment>,
+    /// Secrets (proplet keys).
+    pub secrets: Store<Secret>,
+}
+
+/// The receiving ends of the reconcile triggers.
+pub struct Triggers {
+    /// Tasks to reconcile.
+    pub tasks: UnboundedReceiver<ObjectRef<Task>>,
+    /// Proplets to reconcile.
+    pub proplets: UnboundedReceiver<ObjectRef<Proplet>>,
+    /// Rounds to reconcile.
+    pub rounds: UnboundedReceiver<ObjectRef<TrainingRound>>,
+}
+
+impl Shared {
+    /// Fresh shared state over `caches`, with empty stores and new trigger channels.
+    pub fn new(
+        client: Client,
+        settings: Settings,
+        publisher: Publisher,
+        credentials: Arc<CredentialStore>,
+        metrics: Arc<ControllerMetrics>,
+        reporter: Option<String>,
+        caches: Caches,
+    ) -> (Self, Triggers) {
+        let (task_tx, task_rx) = unbounded_channel();
+        let (proplet_tx, proplet_rx) = unbounded_channel();
+        let (round_tx, round_rx) = unbounded_channel();
+        let shared = Shared {
+            recorder: Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "propeller".into(),
+                    instance: reporter,
+                },
+            ),
+            client,
+            settings,
+            publisher,
+            state: DriverState::new(),
+            credential_gate: RefreshGate::default(),
+            proplets: caches.proplets,
+            tasks: caches.tasks,
+            job_tasks: caches.job_tasks,
+            round_tasks: caches.round_tasks,
+            deployments: caches.deployments,
+            secrets: caches.secrets,
+            clients: std::sync::RwLock::new(HashMap::new()),
+            credentials,
+            task_trigger: task_tx,
+            proplet_trigger: proplet_tx,
+            round_trigger: round_tx,
+            metrics,
+            images: None,
+            proplet_echo: std::sync::Mutex::new(HashMap::new()),
+            task_echo: std::sync::Mutex::new(HashMap::new()),
+            background_events: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_EVENTS)),
+        };
+        let triggers = Triggers {
+            tasks: task_rx,
+            proplets: proplet_rx,
+            rounds: round_rx,
+        };
+        (shared, triggers)
+    }
+
+    pub(super) fn active_tasks(&self, proplet: &Proplet) -> u32 {
+        let tasks = self.tasks.state();
+        active_tasks(proplet, tasks.iter().map(|t| &**t))
+    }
+
+    pub(super) fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
+        let indexed = self
+            .clients
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(client_id)
+            .cloned();
+        match indexed.and_then(|r| self.proplets.get(&r)) {
+            Some(p) if p.client_id() == client_id => Some(p),
+            // Not indexed yet (the table is rebuilt on a tick): look through all of them.
+            _ => self.proplets.find(|p| p.client_id() == client_id),
+        }
+    }
+
+    pub(super) fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
+        self.tasks.find(|t| t.metadata.uid.as_deref() == Some(uid))
+    }
+
+    pub(super) async fn note(
+        &self,
+        reference: &k8s_openapi::api::core::v1::ObjectReference,
+        note: &Note,
+    ) {
+        let event = Event {
+            type_: if note.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: note.reason.to_owned(),
+            note: Some(note.message.chars().take(1000).collect()),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, reference).await {
+            debug!(%e, reason = note.reason, "could not record an event");
+        }
+    }
+
+    /// Records `note` without holding up the caller: the Event is published by a task of its
+    /// own, at most [`BACKGROUND_EVENTS`] at once. A proplet's phase change is written first
+    /// and its Event follows, so 1,000 proplets going Offline together are not each held
+    /// for two API calls.
+    pub(super) fn note_in_background(
+        self: &Arc<Self>,
+        reference: k8s_openapi::api::core::v1::ObjectReference,
+        note: Note,
+    ) {
+        let ctx = self.clone();
+        tokio::spawn(async move {
+            let Ok(_slot) = ctx.background_events.clone().acquire_owned().await else {
+                return;
+            };
+            ctx.note(&reference, &note).await;
+        });
+    }
+
+    /// The cached `proplet`, or, when the cache has not yet seen this driver's last status
+    /// write to it, the cached object with that write's status and version. Without this,
+    /// a reconcile right after a write planned from the old status and wrote (and noted)
+    /// the same change again.
+    pub(super) fn newest(&self, key: &str, proplet: Proplet) -> Proplet {
+        let mut echo = lock(&self.proplet_echo);
+        match echo.get(key) {
+            Some(w) if w.based_on == proplet.metadata.resource_version => {
+                let mut newer = proplet;
+                newer.metadata.resource_version = w.version.clone();
+                newer.status = w.status.clone();
+                newer
+            }
+            Some(_) => {
+                echo.remove(key);
+                proplet
+            }
+            None => proplet,
+        }
+    }
+
+    /// The cached `task`, or what this driver last wrote to it when the cache still shows a
+    /// version those writes replaced.
+    pub(super) fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        let key = object_key(&*task);
+        let mut echo = lock(&self.task_echo);
+        let Some(writes) = echo.get(&key) else {
+            return task;
+        };
+        let cached = task.metadata.resource_version.as_deref();
+        if cached.is_some_and(|v| writes.superseded.iter().any(|s| s == v))
+            && writes.latest.metadata.uid == task.metadata.uid
+        {
+            return Arc::new(writes.latest.clone());
+        }
+        echo.remove(&key);
+        task
+    }
+
+    pub(super) fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
+        let key = object_key(task);
+        lock(&self.task_echo).insert(key, writes);
+    }
+
+    /// Rebuilds the broker's credential table and the client index from the cached
+    /// Proplets and Secrets, when either changed (or at least every [`RESYNC`]).
+    pub fn refresh_credentials(&self) {
+        let cached = self.proplets.state();
+        if !self
+            .credential_gate
+            .due(cached.iter().map(|p| &**p), RESYNC)
+        {
+            return;
+        }
+        let proplets: Vec<Proplet> = cached
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| (**p).clone())
+            .collect();
+        let read = |ns: &str, name: &str, key: &str| {
+            let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
+            crate::credentials::secret_entry(&secret, key)
+        };
+        let (table, problems) = credential_table(&proplets, read);
+        for problem in problems {
+            warn!(proplet = %problem.proplet, "{}", problem.message);
+        }
+        self.credentials.replace_all(table);
+        let index = proplets
+            .iter()
+            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(p)))
+            .collect();
+        *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
+    }
+}
+
+/// `namespace/name`: how the driver's per-object memories are keyed.
+pub(super) fn object_key(object: &impl ResourceExt) -> String {
+    format!(
+        "{}/{}",
+        object.namespace().unwrap_or_else(|| "default".into()),
+        object.name_any()
+    )
+}
