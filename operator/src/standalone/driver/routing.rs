@@ -1,0 +1,125 @@
+//! What wakes a reconcile in standalone mode: broker events (recorded in the driver state,
+//! never a store write), stored changes and their related objects; and the credential table.
+
+use super::*;
+
+impl Driver {
+    /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the
+    /// Proplets changed (see [`ObjectCache::credential_epoch`]), when `force`d (a Secret
+    /// changed) or when the table is older than [`CREDENTIAL_MAX_AGE`].
+    pub fn refresh_credentials(&self, force: bool) {
+        let epoch = self.cache.credential_epoch();
+        {
+            let mut built = lock(&self.credentials_built);
+            let fresh =
+                built.is_some_and(|(seen, at)| seen == epoch && at.elapsed() < CREDENTIAL_MAX_AGE);
+            if fresh && !force {
+                return;
+            }
+            *built = Some((epoch, Instant::now()));
+        }
+        let proplets: Vec<Proplet> = self
+            .cache
+            .proplets()
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| p.as_ref().clone())
+            .collect();
+        let read = |ns: &str, name: &str, key: &str| -> Option<String> {
+            let secret = self.store.get(SECRET, ns, name).ok()??;
+            let secret = serde_json::from_value(secret).ok()?;
+            crate::credentials::secret_entry(&secret, key)
+        };
+        let (table, problems) = credential_table(&proplets, read);
+        for problem in problems {
+            warn!(proplet = %problem.proplet, "{}", problem.message);
+        }
+        self.credentials.replace_all(table);
+    }
+
+    /// Queues the tasks that occupy the proplet with MQTT client id `client_id`.
+    pub(super) fn enqueue_tasks_of(&self, client_id: &str) {
+        if let Some(p) = self.cache.proplet_by_client(client_id) {
+            let key = Key::of(PROPLET, &p.metadata);
+            for task in self.cache.occupants(&key.namespace, &key.name) {
+                self.enqueue(Key::new(TASK, &key.namespace, &task));
+            }
+        }
+    }
+
+    /// Records a broker event and queues the object it concerns.
+    pub fn route_event(&self, event: &BrokerEvent) {
+        if self.images.get().is_some_and(|i| i.handle_request(event)) {
+            return;
+        }
+        let now = Utc::now();
+        match self.state.record(event, now) {
+            Concerns::Proplet(client_id) => {
+                let found = self.cache.proplet_by_client(&client_id);
+                match found {
+                    Some(p) => {
+                        let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
+                        let routine = self
+                            .settings
+                            .proplet
+                            .routine_interval(self.cache.proplet_count());
+                        if !(heartbeat && self.state.heartbeat_waits(&p, &client_id, routine, now))
+                        {
+                            self.enqueue(Key::of(PROPLET, &p.metadata));
+                        }
+                    }
+                    None => debug!(client = %client_id, "liveness from a client with no Proplet"),
+                }
+            }
+            Concerns::Task(uid) => match self.cache.task_by_uid(&uid) {
+                Some(t) => self.enqueue(Key::of(TASK, &t.metadata)),
+                None => debug!(task = %uid, "report for a task not stored yet; it waits"),
+            },
+            Concerns::TasksOf(client_id) => self.enqueue_tasks_of(&client_id),
+            Concerns::Rejoined(client_id) => {
+                if let Some(p) = self.cache.proplet_by_client(&client_id) {
+                    self.enqueue(Key::of(PROPLET, &p.metadata));
+                }
+                self.enqueue_tasks_of(&client_id);
+            }
+            Concerns::Nothing => {}
+        }
+    }
+
+    /// Queues what a stored change affects besides the object itself.
+    pub(super) fn related(&self, key: &Key) {
+        match key.kind.as_str() {
+            TASK => {
+                if let Some(task) = self.cache.task(&key.namespace, &key.name) {
+                    for owner in task.metadata.owner_references.iter().flatten() {
+                        self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
+                    }
+                    if let Some(proplet) = task
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.assigned_proplet.clone())
+                    {
+                        self.enqueue(Key::new(PROPLET, &key.namespace, &proplet));
+                    }
+                }
+                for other in self.cache.dependents(&key.namespace, &key.name) {
+                    self.enqueue(Key::new(TASK, &key.namespace, &other));
+                }
+            }
+            // Rebuilt on the next credential tick: a burst of new Proplets costs one rebuild,
+            // not one per Proplet.
+            SECRET => self.secrets_changed.store(true, AtomicOrdering::Relaxed),
+            TRAINING_ROUND => {
+                if let Ok(Some(round)) =
+                    self.store
+                        .get_typed::<TrainingRound>(TRAINING_ROUND, &key.namespace, &key.name)
+                {
+                    for owner in round.metadata.owner_references.iter().flatten() {
+                        self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The Task executor's writes into the store (one transaction for finalizers and status),
+//! and the record of this driver's own writes, so their watch events wake nothing.
+
+use super::*;
+
+/// Writes Tasks into the embedded store.
+pub(super) struct StoreTasks<'a> {
+    pub(super) store: &'a ObjectStore,
+}
+
+/// The latest version each Proplet's reconcile wrote itself. Its watch event is not a reason
+/// to reconcile again: the Proplet plan already asked for its next look (the offline check,
+/// a deferred flush), which halves the reconciles of heartbeating proplets. Task plans still
+/// rely on seeing their own writes (the time limit is planned from the written start), so
+/// Tasks are not recorded here.
+#[derive(Default)]
+pub(super) struct OwnWrites(Mutex<HashMap<Key, u64>>);
+
+impl OwnWrites {
+    pub(super) fn record(&self, kind: &str, meta: &ObjectMeta, written: &Value) {
+        if let Some(version) = version_of(written).and_then(|v| v.parse().ok()) {
+            lock(&self.0).insert(Key::of(kind, meta), version);
+        }
+    }
+
+    /// Whether `version` is the last write the key's own reconcile made (forgotten once
+    /// asked).
+    pub(super) fn is_own(&self, key: &Key, version: u64) -> bool {
+        let mut own = lock(&self.0);
+        if own.get(key) == Some(&version) {
+            own.remove(key);
+            return true;
+        }
+        false
+    }
+}
+
+impl ObjectWriter for StoreTasks<'_> {
+    async fn set_finalizers(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        version: Option<&str>,
+    ) -> Result<Option<String>, BackendError> {
+        let key = Key::of(TASK, meta);
+        let updated = self
+            .store
+            .set_finalizers_async(
+                TASK,
+                &key.namespace,
+                &key.name,
+                finalizers.to_vec(),
+                version,
+            )
+            .await?;
+        Ok(version_of(&updated))
+    }
+
+    async fn write_status(
+        &self,
+        meta: &ObjectMeta,
+        _old: &Value,
+        new: &Value,
+        version: Option<&str>,
+    ) -> Result<Option<String>, BackendError> {
+        let key = Key::of(TASK, meta);
+        let updated = self
+            .store
+            .write_status_async(TASK, &key.namespace, &key.name, new.clone(), version)
+            .await?;
+        Ok(version_of(&updated))
+    }
+
+    async fn set_finalizers_and_status(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        _old: &Value,
+        new: &Value,
+        version: Option<&str>,
+    ) -> Result<Option<String>, BackendError> {
+        let key = Key::of(TASK, meta);
+        let updated = self
+            .store
+            .set_finalizers_and_status_async(
+                TASK,
+                &key.namespace,
+                &key.name,
+                finalizers.to_vec(),
+                new.clone(),
+                version,
+            )
+            .await?;
+        Ok(version_of(&updated))
+    }
+
+    type Jobs = NoJobs;
+
+    fn jobs(&self) -> Option<&NoJobs> {
+        None
+    }
+}
+
+pub(super) fn version_of(obj: &Value) -> Option<String> {
+    obj["metadata"]["resourceVersion"]
+        .as_str()
+        .map(str::to_owned)
+}
+
+pub(super) fn refs<K>(objects: &[Arc<K>]) -> Vec<&K> {
+    objects.iter().map(Arc::as_ref).collect()
+}
