@@ -961,3 +961,81 @@ fn get_w_prints_the_table_then_a_line_per_change_as_it_happens() {
     // Its last lines: the finalizer's removal, then the deletion.
     assert!(watch.stdout_line("second").starts_with("second"));
 }
+
+/// SIGTERM in the middle of a burst: `propeller standalone` and a busy agent each stop within
+/// a few seconds, and what was stored stays (a restart finds every task).
+#[test]
+fn standalone_and_a_busy_agent_stop_within_seconds_of_sigterm_mid_burst() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut server, api, port) = support::start_standalone(dir.path(), &[]);
+    support::standalone::apply_text(
+        &api,
+        dir.path(),
+        "pi.yaml",
+        &support::device_manifest("pi", &port),
+    );
+    let state = tempfile::tempdir().expect("agent state");
+    let mut agent = support::device_agent("pi", &port, state.path());
+    support::standalone::wait_for_object_phase(&api, dir.path(), "proplet", "pi", "Running");
+    let spin = support::standalone::spin_module();
+    let manifests: Vec<String> = (0..200)
+        .map(|i| {
+            format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: burst-{i}\nspec:\n  name: burst-{i}\n  functionName: spin\n  file: {spin}\n  inputs: [20000000]\n"
+            )
+        })
+        .collect();
+    support::standalone::apply_text(&api, dir.path(), "burst.yaml", &manifests.join("---\n"));
+    // Mid-burst: the first results are in, most tasks are not.
+    let all = support::standalone::finished_tasks_within(
+        &api,
+        dir.path(),
+        &["burst-0"],
+        std::time::Duration::from_secs(30),
+    );
+    let finished = all
+        .values()
+        .filter(|t| t["status"]["phase"].as_str() == Some("completed"))
+        .count();
+    eprintln!("{finished} of 200 tasks completed when SIGTERM was sent");
+    assert!(finished < 200, "the burst was over before SIGTERM: make the tasks longer");
+    for (what, process) in [
+        ("propeller standalone", &mut server),
+        ("the agent", &mut agent),
+    ] {
+        let sent = std::time::Instant::now();
+        std::process::Command::new("kill")
+            .args(["-TERM", &process.child.id().to_string()])
+            .status()
+            .expect("kill");
+        loop {
+            if let Ok(Some(status)) = process.child.try_wait() {
+                assert!(status.success(), "{what} after SIGTERM: {status}");
+                break;
+            }
+            assert!(
+                sent.elapsed() < std::time::Duration::from_secs(5),
+                "{what} still running 5 s after SIGTERM mid-burst"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        eprintln!(
+            "{what} stopped {:.2} s after SIGTERM",
+            sent.elapsed().as_secs_f64()
+        );
+    }
+    // Nothing accepted was lost: a restart lists all 200.
+    let (_server, api, _) = support::start_standalone(dir.path(), &[]);
+    let tasks = support::standalone::get_json(&api, dir.path(), &["get", "task"]);
+    let count = tasks.as_array().map_or(0, |items| {
+        items
+            .iter()
+            .filter(|t| {
+                t["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("burst-"))
+            })
+            .count()
+    });
+    assert_eq!(count, 200, "{tasks}");
+}
