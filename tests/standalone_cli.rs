@@ -998,7 +998,10 @@ fn standalone_and_a_busy_agent_stop_within_seconds_of_sigterm_mid_burst() {
         .filter(|t| t["status"]["phase"].as_str() == Some("completed"))
         .count();
     eprintln!("{finished} of 200 tasks completed when SIGTERM was sent");
-    assert!(finished < 200, "the burst was over before SIGTERM: make the tasks longer");
+    assert!(
+        finished < 200,
+        "the burst was over before SIGTERM: make the tasks longer"
+    );
     for (what, process) in [
         ("propeller standalone", &mut server),
         ("the agent", &mut agent),
