@@ -190,22 +190,8 @@ fn stops_on(mut child: std::process::Child, what: &str, signal: &str, limit: std
         child.try_wait().unwrap().is_none(),
         "{what} exited before SIG{signal}"
     );
-    Command::new("kill")
-        .args([format!("-{signal}"), child.id().to_string()])
-        .status()
-        .unwrap();
-    let deadline = std::time::Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "{what} after SIG{signal}: {status}");
-            return;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{what} still running {limit:?} after SIG{signal}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    let (status, _) = support::signal_and_wait(&mut child, what, signal, limit);
+    assert!(status.success(), "{what} after SIG{signal}: {status}");
 }
 
 /// The agent, `propeller standalone` and `propeller broker` stop within seconds of SIGTERM or

@@ -1006,26 +1006,14 @@ fn standalone_and_a_busy_agent_stop_within_seconds_of_sigterm_mid_burst() {
         ("propeller standalone", &mut server),
         ("the agent", &mut agent),
     ] {
-        let sent = std::time::Instant::now();
-        std::process::Command::new("kill")
-            .args(["-TERM", &process.child.id().to_string()])
-            .status()
-            .expect("kill");
-        loop {
-            if let Ok(Some(status)) = process.child.try_wait() {
-                assert!(status.success(), "{what} after SIGTERM: {status}");
-                break;
-            }
-            assert!(
-                sent.elapsed() < std::time::Duration::from_secs(5),
-                "{what} still running 5 s after SIGTERM mid-burst"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        eprintln!(
-            "{what} stopped {:.2} s after SIGTERM",
-            sent.elapsed().as_secs_f64()
+        let (status, took) = support::signal_and_wait(
+            &mut process.child,
+            what,
+            "TERM",
+            std::time::Duration::from_secs(5),
         );
+        assert!(status.success(), "{what} after SIGTERM: {status}");
+        eprintln!("{what} stopped {:.2} s after SIGTERM", took.as_secs_f64());
     }
     // Nothing accepted was lost: a restart lists all 200.
     let (_server, api, _) = support::start_standalone(dir.path(), &[]);

@@ -4,6 +4,7 @@
 
 pub use propeller_core::{crd, decision};
 pub mod credentials;
+pub mod errors;
 pub mod executor;
 pub mod inbox;
 pub mod k8s;

@@ -13,6 +13,7 @@ use crate::crd::common::MetricsSample;
 use crate::crd::proplet::{Proplet, PropletType};
 use crate::crd::task::Task;
 use crate::decision::liveness::heartbeat_can_wait;
+use crate::decision::proplet::PropletSettings;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
 use crate::executor::TaskEffects;
@@ -65,18 +66,21 @@ impl DriverState {
         Self::default()
     }
 
-    /// Whether a heartbeat from `proplet` (MQTT client `client_id`) can leave its reconcile
-    /// to the time the last one chose (see [`heartbeat_can_wait`]), in both drivers: no
-    /// reconcile and no status write for a routine heartbeat. `k8s` proplets take their
-    /// phase from their Deployment and are reconciled on every heartbeat.
+    /// Whether `event`, a heartbeat from `proplet`, can leave its reconcile to the time the
+    /// last one chose (see [`heartbeat_can_wait`]), in both drivers: no reconcile and no
+    /// status write for a routine heartbeat. The routine refresh interval comes from the
+    /// fleet's size (`fleet_size`, asked only for heartbeats). Other events, and `k8s`
+    /// proplets (their phase comes from their Deployment), never wait.
     pub fn heartbeat_waits(
         &self,
+        event: &BrokerEvent,
         proplet: &Proplet,
-        client_id: &str,
-        routine_interval: std::time::Duration,
+        settings: &PropletSettings,
+        fleet_size: impl FnOnce() -> usize,
         now: DateTime<Utc>,
     ) -> bool {
-        if proplet.spec.type_ != PropletType::External
+        if !matches!(event.kind, EventKind::Heartbeat(_))
+            || proplet.spec.type_ != PropletType::External
             || proplet.metadata.deletion_timestamp.is_some()
         {
             return false;
@@ -89,9 +93,9 @@ impl DriverState {
         let last_write = lock(&self.proplet_writes).get(&key).copied();
         heartbeat_can_wait(
             proplet.status.as_ref(),
-            self.liveness.report(client_id).metadata.as_ref(),
+            self.liveness.report(&event.client_id).metadata.as_ref(),
             last_write,
-            routine_interval,
+            settings.routine_interval(fleet_size()),
             now,
         )
     }
@@ -337,22 +341,33 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"))
         };
         let now = Utc::now();
-        let interval = std::time::Duration::from_secs(500);
+        let settings = PropletSettings {
+            last_seen_threshold: std::time::Duration::from_secs(30),
+            status_flush_interval: std::time::Duration::from_secs(500),
+            routine_writes_per_second: 0,
+        };
+        let heartbeat = BrokerEvent {
+            client_id: "pi-client".into(),
+            domain: None,
+            channel: None,
+            kind: EventKind::Heartbeat(propeller_broker::protocol::Heartbeat {
+                proplet_id: "pi-client".into(),
+                namespace: None,
+                metadata: None,
+                metrics: None,
+            }),
+        };
+        let waits = |p: &Proplet, at| state.heartbeat_waits(&heartbeat, p, &settings, || 1, at);
         let running = proplet("external", "Running");
         // Never written by this process: the heartbeat is reconciled (and written).
-        assert!(!state.heartbeat_waits(&running, "pi-client", interval, now));
+        assert!(!waits(&running, now));
         lock(&state.proplet_writes).insert("default/pi".into(), now);
-        assert!(state.heartbeat_waits(&running, "pi-client", interval, now));
+        assert!(waits(&running, now));
         // Its refresh is due.
         let later = now + chrono::Duration::seconds(501);
-        assert!(!state.heartbeat_waits(&running, "pi-client", interval, later));
+        assert!(!waits(&running, later));
         // Not Running yet, or a k8s proplet (its phase comes from its Deployment).
-        assert!(!state.heartbeat_waits(
-            &proplet("external", "Initializing"),
-            "pi-client",
-            interval,
-            now
-        ));
-        assert!(!state.heartbeat_waits(&proplet("k8s", "Running"), "pi-client", interval, now));
+        assert!(!waits(&proplet("external", "Initializing"), now));
+        assert!(!waits(&proplet("k8s", "Running"), now));
     }
 }

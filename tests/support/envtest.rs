@@ -513,11 +513,16 @@ fn ephemeral_port_range() -> (u16, u16) {
 /// Makes the kernel kill `cmd`'s process when the thread that started it dies, so a test
 /// killed by its runner (timeout, SIGKILL) leaves no servers behind.
 pub fn pdeathsig(cmd: &mut Command) {
+    pdeathsig_with(cmd, libc::SIGKILL);
+}
+
+/// [`pdeathsig`] with another signal, for a process that must clean up after itself.
+pub fn pdeathsig_with(cmd: &mut Command, signal: libc::c_int) {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

@@ -66,7 +66,7 @@ impl Node {
             .stderr(Stdio::piped());
         // SIGTERM, not SIGKILL, if the test process dies: node-up.sh then removes its
         // bridge, rules and mounts.
-        pdeath_term(&mut cmd);
+        super::envtest::pdeathsig_with(&mut cmd, libc::SIGTERM);
         let mut child = cmd.spawn().expect("start node-up.sh");
         let stderr = child.stderr.take().expect("piped stderr");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -221,18 +221,5 @@ impl Drop for Node {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-fn pdeath_term(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
     }
 }

@@ -209,16 +209,33 @@ impl Running {
     /// Asks the process to stop with SIGTERM (so it can stop its own children) and waits up
     /// to [`WAIT`] for it to exit.
     pub fn terminate(&mut self) {
-        let pid = self.child.id().to_string();
-        let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        let deadline = std::time::Instant::now() + WAIT;
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let pid = self.child.id();
+        signal_and_wait(&mut self.child, &format!("process {pid}"), "TERM", WAIT);
+    }
+}
+
+/// Sends SIG`signal` (`TERM`, `INT`, ...) to `child` and waits up to `limit` for it to exit;
+/// its exit status and how long that took. Panics naming `what` (after killing it) if it is
+/// still running then.
+pub fn signal_and_wait(
+    child: &mut Child,
+    what: &str,
+    signal: &str,
+    limit: Duration,
+) -> (std::process::ExitStatus, Duration) {
+    let sent = std::time::Instant::now();
+    let _ = Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return (status, sent.elapsed());
         }
-        panic!("process {pid} did not stop within {WAIT:?} of SIGTERM");
+        if sent.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what} still running {limit:?} after SIG{signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -172,7 +172,7 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
                 Err(e) => warn!(
                     %server,
                     lease = %cmd.lease_name,
-                    error = %error_chain(&e),
+                    error = %propeller_operator::errors::error_chain(&e),
                     retry_in = ?delay,
                     "cannot reach the Lease for leader election"
                 ),
@@ -317,19 +317,4 @@ fn filter_events(
         }
     });
     rx
-}
-
-/// An error and its causes on one line ("a: b: c"), for a log field.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let next = cause.to_string();
-        if !text.ends_with(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = cause.source();
-    }
-    text
 }

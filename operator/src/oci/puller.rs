@@ -486,7 +486,7 @@ fn classify(reference: &str, error: OciDistributionError) -> ImageError {
             reason: error.to_string(),
         },
         OciDistributionError::RequestError(e) => {
-            let reason = error_chain(&e);
+            let reason = crate::errors::error_chain(&e);
             // rustls reads an HTTP answer to its ClientHello as a record of a type TLS
             // does not have.
             if reason.contains("InvalidContentType") {
@@ -505,17 +505,6 @@ fn classify(reference: &str, error: OciDistributionError) -> ImageError {
             reason: other.to_string(),
         },
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// A writer that refuses to grow past `limit` bytes (a registry may send more than the

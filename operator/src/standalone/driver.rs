@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use propeller_broker::server::{BrokerEvent, CredentialStore, EventKind, Publisher};
+use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::task::JoinSet;

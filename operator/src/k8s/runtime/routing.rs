@@ -53,10 +53,11 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
     match ctx.state.record(event, now) {
         Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
             Some(p) => {
-                let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
-                let fleet = ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
-                let routine = ctx.settings.proplet.routine_interval(fleet);
-                if !(heartbeat && ctx.state.heartbeat_waits(&p, &client_id, routine, now)) {
+                let fleet = || ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
+                if !ctx
+                    .state
+                    .heartbeat_waits(event, &p, &ctx.settings.proplet, fleet, now)
+                {
                     let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
                 }
             }

@@ -58,13 +58,9 @@ impl Driver {
                 let found = self.cache.proplet_by_client(&client_id);
                 match found {
                     Some(p) => {
-                        let heartbeat = matches!(event.kind, EventKind::Heartbeat(_));
-                        let routine = self
-                            .settings
-                            .proplet
-                            .routine_interval(self.cache.proplet_count());
-                        if !(heartbeat && self.state.heartbeat_waits(&p, &client_id, routine, now))
-                        {
+                        let fleet = || self.cache.proplet_count();
+                        let settings = &self.settings.proplet;
+                        if !self.state.heartbeat_waits(event, &p, settings, fleet, now) {
                             self.enqueue(Key::of(PROPLET, &p.metadata));
                         }
                     }
