@@ -13,7 +13,7 @@ use propeller_broker::server::{BrokerError, Publisher};
 use serde_json::Value;
 
 use crate::crd::task::{Task, TASK_FINALIZER};
-use crate::decision::task::{FinalizerChange, TaskPlan};
+use crate::decision::task::{FinalizerChange, JobOutcome, TaskPlan};
 use crate::inbox::{DispatchLedger, LiveSessions, TaskInbox};
 
 /// An error of the object backend (API server or embedded store).
@@ -67,6 +67,12 @@ pub trait JobRunner: Sync {
     /// Creates the ConfigMap and Job that run `task` on a `k8s` proplet.
     fn create_task_job(&self, task: &Task)
         -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// How the Job running `task` is doing (`None`: there is no such Job).
+    fn observe_task_job(
+        &self,
+        task: &Task,
+    ) -> impl Future<Output = Result<Option<JobOutcome>, BackendError>> + Send;
 }
 
 /// The Job runner of a backend without Jobs: it has no values, so it never runs one.
@@ -74,6 +80,10 @@ pub enum NoJobs {}
 
 impl JobRunner for NoJobs {
     async fn create_task_job(&self, _: &Task) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    async fn observe_task_job(&self, _: &Task) -> Result<Option<JobOutcome>, BackendError> {
         match *self {}
     }
 }

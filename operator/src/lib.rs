@@ -3,6 +3,7 @@
 //! puller and the validation of objects.
 
 pub use propeller_core::{crd, decision};
+pub mod controller;
 pub mod credentials;
 pub mod errors;
 pub mod executor;

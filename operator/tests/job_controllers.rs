@@ -13,8 +13,9 @@ use propeller_operator::crd::federated::{FederatedJob, TrainingRound};
 use propeller_operator::crd::job::PropellerJob;
 use propeller_operator::crd::task::Task;
 use propeller_operator::decision::aggregation::{decode_vector, encode_json_f64, UpdateEnvelope};
-use propeller_operator::k8s::jobs::{
-    reconcile_federated_job, reconcile_propeller_job, reconcile_training_round, MODEL_KEY,
+use propeller_operator::decision::federated::MODEL_KEY;
+use propeller_operator::k8s::runtime::{
+    reconcile_federated_job, reconcile_propeller_job, reconcile_training_round,
 };
 use serde_json::{json, Value};
 

@@ -268,9 +268,9 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
             })
             .get()
     };
-    assert_eq!(gauge(&shared.metrics.tasks, "scheduled"), 1);
-    assert_eq!(gauge(&shared.metrics.tasks, "pending"), 0);
-    assert_eq!(gauge(&shared.metrics.proplets, "Running"), 1);
+    assert_eq!(gauge(&shared.common.metrics.tasks, "scheduled"), 1);
+    assert_eq!(gauge(&shared.common.metrics.tasks, "pending"), 0);
+    assert_eq!(gauge(&shared.common.metrics.proplets, "Running"), 1);
     device
         .publish(
             "control/proplet/results",
@@ -289,7 +289,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
         assert_eq!(r, ObjectRef::new("add").within("iot"));
     }
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
-    assert_eq!(shared.state.inbox.waiting_tasks(), 1);
+    assert_eq!(shared.common.state.inbox.waiting_tasks(), 1);
     reconcile_task(Arc::new(current), shared.clone())
         .await
         .unwrap();
@@ -309,11 +309,11 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     assert_eq!(done.body["status"]["results"], "42");
     assert!(done.body["status"]["finishedAt"].is_string());
     assert_eq!(
-        shared.state.inbox.waiting_tasks(),
+        shared.common.state.inbox.waiting_tasks(),
         0,
         "the written result is consumed"
     );
-    assert!(shared.metrics.reconciles("task", true) >= 3);
+    assert!(shared.common.metrics.reconciles("task", true) >= 3);
     let _ = done.query.len();
     broker.shutdown();
 }
@@ -443,7 +443,7 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
         kind: EventKind::FlUpdate(Box::new(update)),
     };
     route_event(&event, &h.shared);
-    let (results, _) = h.shared.state.inbox.peek("task-uid-1");
+    let (results, _) = h.shared.common.state.inbox.peek("task-uid-1");
     assert_eq!(results.len(), 1);
     assert_eq!(results[0].client_id, "edge");
     assert_eq!(results[0].value["job_id"], "mnist");
@@ -482,7 +482,7 @@ async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
     ];
     let h = common::Harness::start(client, proplets, vec![]).await;
     let mut triggers = h.triggers;
-    h.shared.state.liveness.record(
+    h.shared.common.state.liveness.record(
         &BrokerEvent {
             client_id: "beating".into(),
             domain: Some("d1".into()),

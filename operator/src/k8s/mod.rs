@@ -2,7 +2,6 @@
 //! Jobs of `k8s` proplets' tasks, and the runtime that drives one Controller per kind.
 
 pub use crate::decision::deployment;
-pub mod jobs;
 pub mod patch;
 pub mod proplet;
 pub mod pull_secrets;

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::Utc;
 use futures::StreamExt;
@@ -26,38 +26,36 @@ use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
+use crate::controller::Common;
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::{Proplet, PropletPhase};
-use crate::crd::task::{Task, TaskPhase};
+use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
-use crate::decision::task::{
-    active_tasks, awaits_job, observe_caches, plan as plan_task, Note, TaskSettings,
-};
-use crate::executor::Dispatch;
-use crate::state::{lock, Concerns, DriverState};
+use crate::decision::task::{active_tasks, observe_caches, Note, TaskSettings};
+use crate::executor::{Dispatch, TaskApplyError};
+use crate::state::lock;
 
 use super::deployment::PROPLET_LABEL;
 use super::patch::finalizers_patch;
-use super::proplet::{
-    apply as apply_proplet, plan as plan_proplet, PropletObservations, PropletSettings,
-};
+use super::proplet::{apply as apply_proplet, PropletSettings};
 use super::task::{apply as apply_task, TaskWrites};
 use crate::credentials::{credential_table, RefreshGate};
-use crate::executor::TaskApplyError;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 
+mod cluster;
 mod reconcile;
 mod routing;
 mod shared;
 
+pub use cluster::KubeJobs;
 pub use reconcile::*;
 pub use routing::*;
 pub use shared::*;
 
-/// Finalizer that lets the operator revoke a deleted Proplet's broker login.
-pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-cleanup";
+pub use crate::controller::proplet::PROPLET_FINALIZER;
+pub use crate::controller::ReconcileError;
 
 /// How often an object is looked at again with no event at all.
 pub const RESYNC: Duration = Duration::from_secs(300);
@@ -73,17 +71,6 @@ pub struct Settings {
     pub proplet: PropletSettings,
     /// Task plan settings.
     pub task: TaskSettings,
-}
-
-/// Why a reconcile failed; the controller retries with backoff.
-#[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
-    /// An API call failed.
-    #[error(transparent)]
-    Api(#[from] kube::Error),
-    /// Applying a Task plan failed.
-    #[error(transparent)]
-    Task(#[from] TaskApplyError),
 }
 
 fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -253,10 +240,11 @@ pub async fn run(
         Some(rt.reporter),
         caches,
     );
-    let mut shared = shared;
-    shared.images = rt.images;
+    if let Some(images) = rt.images {
+        let _ = shared.common.images.set(images);
+    }
     let shared = Arc::new(shared);
-    if let Some(images) = &shared.images {
+    if let Some(images) = shared.common.images() {
         let weak = Arc::downgrade(&shared);
         images.on_resolved(move |uid| {
             if let Some(shared) = weak.upgrade() {
@@ -335,11 +323,7 @@ pub async fn run(
     // be sent to this watch too, for nothing.
     .owns_stream(job_task_events)
     .graceful_shutdown_on(shutdown.clone())
-    .run(
-        super::jobs::reconcile_propeller_job,
-        error_policy,
-        shared.clone(),
-    );
+    .run(reconcile_propeller_job, error_policy, shared.clone());
     let federated = Controller::new(
         scoped::<FederatedJob>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -350,11 +334,7 @@ pub async fn run(
         watcher::Config::default(),
     )
     .graceful_shutdown_on(shutdown.clone())
-    .run(
-        super::jobs::reconcile_federated_job,
-        error_policy,
-        shared.clone(),
-    );
+    .run(reconcile_federated_job, error_policy, shared.clone());
     let rounds = Controller::new(
         scoped::<TrainingRound>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -363,11 +343,7 @@ pub async fn run(
     .owns_stream(round_task_events)
     .reconcile_on(tokio_stream_of(triggers.rounds))
     .graceful_shutdown_on(shutdown.clone())
-    .run(
-        super::jobs::reconcile_training_round,
-        error_policy,
-        shared.clone(),
-    );
+    .run(reconcile_training_round, error_policy, shared.clone());
     info!("controllers running");
     let controllers = async {
         tokio::join!(
@@ -421,26 +397,4 @@ fn tokio_stream_of<T: Send + 'static>(
     futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn api_error(code: u16) -> kube::Error {
-        let status: kube::core::Status =
-            serde_json::from_value(serde_json::json!({"code": code, "reason": "Conflict"}))
-                .unwrap_or_else(|e| panic!("{e}"));
-        kube::Error::Api(Box::new(status))
-    }
-
-    #[test]
-    fn a_conflict_is_told_apart_from_other_failures_however_it_arrives() {
-        assert!(ReconcileError::Api(api_error(409)).is_conflict());
-        assert!(!ReconcileError::Api(api_error(500)).is_conflict());
-        let through_a_plan =
-            ReconcileError::Task(TaskApplyError::Backend(Box::new(api_error(409))));
-        assert!(through_a_plan.is_conflict());
-        assert!(!ReconcileError::Task(TaskApplyError::NoJobs("t".into())).is_conflict());
-    }
 }

@@ -9,14 +9,17 @@ use serde_json::Value;
 
 use crate::crd::task::Task;
 use crate::executor::{
-    apply_task, BackendError, Dispatch, JobRunner, ObjectWriter, TaskApplyError, TaskEffects,
+    apply_task, BackendError, Dispatch, ObjectWriter, TaskApplyError, TaskEffects,
 };
+
+use super::runtime::KubeJobs;
 
 use super::patch::{finalizers_patch, status_patch};
 
 /// Writes Tasks through the API server.
 pub struct KubeTasks {
     client: kube::Client,
+    jobs: KubeJobs,
     written: Mutex<Option<TaskWrites>>,
 }
 
@@ -33,10 +36,11 @@ pub struct TaskWrites {
 }
 
 impl KubeTasks {
-    /// A writer using `client`.
-    pub fn new(client: kube::Client) -> Self {
+    /// A writer using `client`, running Jobs with `jobs`.
+    pub fn new(client: kube::Client, jobs: KubeJobs) -> Self {
         Self {
             client,
+            jobs,
             written: Mutex::new(None),
         }
     }
@@ -102,27 +106,22 @@ impl ObjectWriter for KubeTasks {
         Ok(self.record(version, updated))
     }
 
-    type Jobs = Self;
+    type Jobs = KubeJobs;
 
-    fn jobs(&self) -> Option<&Self> {
-        Some(self)
-    }
-}
-
-impl JobRunner for KubeTasks {
-    async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
-        Ok(super::task_job::create(&self.client, task).await?)
+    fn jobs(&self) -> Option<&KubeJobs> {
+        Some(&self.jobs)
     }
 }
 
 /// Applies a Task plan through the API server; also returns what it wrote.
 pub async fn apply(
     client: &kube::Client,
+    jobs: &KubeJobs,
     task: &Task,
     plan: &crate::decision::task::TaskPlan,
     fx: &TaskEffects<'_>,
 ) -> Result<(Dispatch, Option<TaskWrites>), TaskApplyError> {
-    let writer = KubeTasks::new(client.clone());
+    let writer = KubeTasks::new(client.clone(), jobs.clone());
     let dispatch = apply_task(&writer, task, plan, fx).await?;
     Ok((dispatch, writer.into_writes()))
 }

@@ -19,31 +19,22 @@ use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::task::JoinSet;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
-use crate::crd::federated::{FederatedJob, TrainingRound};
-use crate::crd::job::PropellerJob;
+use crate::controller::Common;
 use crate::crd::proplet::Proplet;
-use crate::crd::task::{Task, TaskPhase};
 use crate::credentials::credential_table;
-use crate::decision::federated::{
-    fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
-    owned_rounds, reconcile_job as reconcile_federated, reconcile_round, FederatedObservation,
-};
-use crate::decision::propeller_job::{reconcile as reconcile_job, status_to_write, JobObservation};
-use crate::decision::task::{awaits_job, observe_indexed, plan as plan_task, TaskSettings};
-use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, ObjectWriter};
-use crate::k8s::proplet::{plan as plan_proplet, PropletObservations, PropletSettings};
-use crate::k8s::runtime::PROPLET_FINALIZER;
+use crate::decision::task::TaskSettings;
+use crate::k8s::proplet::PropletSettings;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
-use crate::state::{lock, Concerns, DriverState};
+use crate::state::{lock, DriverState};
 
 use super::cache::ObjectCache;
 use super::events::EventLog;
 use super::store::{ObjectStore, StoreError};
 
-mod jobs;
+mod cluster;
 mod reconcile;
 mod routing;
 mod writer;
@@ -71,8 +62,6 @@ const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 /// How often Proplet and Secret changes are folded into the broker's credential table. A
 /// new Proplet's device can log in at most this long after the Proplet is stored.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
-/// How often a task whose start waits for its device looks again.
-const DEVICE_WAIT: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 /// Reconciles in flight at once. They mostly wait for the store's group commit, so several
 /// share each `fsync`.
@@ -121,39 +110,14 @@ impl Key {
     }
 }
 
-/// Why a standalone reconcile failed; it is retried.
-#[derive(Debug, thiserror::Error)]
-pub enum DriverError {
-    /// The store refused or failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// Applying a Task plan failed.
-    #[error(transparent)]
-    Task(#[from] crate::executor::TaskApplyError),
-}
-
-impl DriverError {
-    /// A conditional write lost to a newer version: worth retrying at once, not after a delay.
-    fn is_conflict(&self) -> bool {
-        match self {
-            DriverError::Store(e) => matches!(e, StoreError::Conflict { .. }),
-            DriverError::Task(crate::executor::TaskApplyError::Backend(e)) => {
-                matches!(e.downcast_ref(), Some(StoreError::Conflict { .. }))
-            }
-            DriverError::Task(_) => false,
-        }
-    }
-}
-
 /// The standalone reconcilers and their shared state.
 pub struct Driver {
     store: ObjectStore,
-    publisher: Publisher,
-    settings: StandaloneSettings,
-    /// In-memory state shared with the broker side.
-    pub state: DriverState,
+    /// What both drivers hold alike: driver state, publisher, plan settings, counters, images.
+    common: Common,
+    /// How often every proplet is looked at without events.
+    sweep: Duration,
     credentials: Arc<CredentialStore>,
-    metrics: Arc<ControllerMetrics>,
     queue: UnboundedSender<Key>,
     queued: Mutex<HashSet<Key>>,
     events: Arc<EventLog>,
@@ -165,8 +129,6 @@ pub struct Driver {
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
-    /// Registry resolution and chunk serving, once attached.
-    images: std::sync::OnceLock<Arc<Images>>,
 }
 
 impl Driver {
@@ -184,11 +146,9 @@ impl Driver {
         let cache = ObjectCache::attach(&store)?;
         let driver = Arc::new(Self {
             store,
-            publisher,
-            settings,
-            state: DriverState::new(),
+            common: Common::new(publisher, settings.proplet, settings.task, metrics),
+            sweep: settings.sweep,
             credentials,
-            metrics,
             queue,
             queued: Mutex::new(HashSet::new()),
             events,
@@ -197,7 +157,6 @@ impl Driver {
             timers: Mutex::new(HashMap::new()),
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
-            images: std::sync::OnceLock::new(),
         });
         Ok((driver, rx))
     }
@@ -213,7 +172,12 @@ impl Driver {
                 }
             }
         });
-        let _ = self.images.set(images);
+        let _ = self.common.images.set(images);
+    }
+
+    /// In-memory state shared with the broker side.
+    pub fn state(&self) -> &DriverState {
+        &self.common.state
     }
 
     /// The store the driver writes.
@@ -259,7 +223,7 @@ impl Driver {
     pub fn count_phases(&self) {
         let proplets = self.cache.proplets();
         let tasks = self.cache.tasks();
-        self.metrics.count_phases(
+        self.common.metrics.count_phases(
             proplets.iter().map(Arc::as_ref),
             tasks.iter().map(Arc::as_ref),
         );
@@ -275,7 +239,7 @@ impl Driver {
         self.refresh_credentials(true);
         self.enqueue_everything();
         let mut changes = self.store.subscribe();
-        let mut sweep = tokio::time::interval(self.settings.sweep.max(Duration::from_secs(1)));
+        let mut sweep = tokio::time::interval(self.sweep.max(Duration::from_secs(1)));
         let mut credential_tick = tokio::time::interval(CREDENTIAL_TICK);
         let mut running: JoinSet<()> = JoinSet::new();
         let mut in_flight: HashMap<tokio::task::Id, Key> = HashMap::new();

@@ -183,6 +183,15 @@ impl ObjectStore {
             .map(|applied| applied.object)
     }
 
+    /// [`ObjectStore::create_child`] for async callers (see
+    /// [`ObjectStore::write_status_async`]).
+    pub async fn create_child_async(&self, obj: Value) -> Result<Value, StoreError> {
+        let key = Key::of(&obj)?;
+        self.write_async(move |tx| tx.apply(&key, obj, true))
+            .await
+            .map(|applied| applied.object)
+    }
+
     /// The object `kind` `namespace`/`name`, if it exists.
     pub fn get(
         &self,

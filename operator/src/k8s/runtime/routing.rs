@@ -1,5 +1,6 @@
-//! From broker events to reconciles: each event is recorded in the driver state and wakes
-//! the reconcile of the object it concerns, never calling the API server itself.
+//! Kubernetes mode's periodic wakes (the liveness tick), the broker's events handed to the
+//! shared routing (`crate::controller::routing`), and the gauges and remembered writes kept
+//! from the caches.
 
 use super::*;
 
@@ -16,7 +17,7 @@ pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<S
 /// instead queued those deadlines behind 10,000 reconciles (Offline seen 4.5 s late at the
 /// median). Returns how many were triggered.
 pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
-    let threshold = chrono::Duration::from_std(ctx.settings.proplet.last_seen_threshold)
+    let threshold = chrono::Duration::from_std(ctx.common.proplet.last_seen_threshold)
         .unwrap_or(chrono::Duration::MAX);
     let mut triggered = 0;
     for proplet in ctx.proplets.state() {
@@ -27,6 +28,7 @@ pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
             continue;
         }
         let seen = ctx
+            .common
             .state
             .liveness
             .last_heartbeat(proplet.client_id())
@@ -44,47 +46,7 @@ pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
 
 /// Handles one broker event: record it, then trigger the object it concerns.
 pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
-    if let Some(images) = &ctx.images {
-        if images.handle_request(event) {
-            return;
-        }
-    }
-    let now = Utc::now();
-    match ctx.state.record(event, now) {
-        Concerns::Proplet(client_id) => match ctx.proplet_by_client(&client_id) {
-            Some(p) => {
-                let fleet = || ctx.clients.read().unwrap_or_else(|e| e.into_inner()).len();
-                if !ctx
-                    .state
-                    .heartbeat_waits(event, &p, &ctx.settings.proplet, fleet, now)
-                {
-                    let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
-                }
-            }
-            None => debug!(client = %client_id, "liveness from a client with no Proplet"),
-        },
-        Concerns::Task(uid) => trigger_task(ctx, &uid),
-        Concerns::TasksOf(client_id) => trigger_tasks_of(ctx, &client_id),
-        Concerns::Rejoined(client_id) => {
-            if let Some(p) = ctx.proplet_by_client(&client_id) {
-                let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*p));
-            }
-            trigger_tasks_of(ctx, &client_id);
-        }
-        Concerns::Nothing => {}
-    }
-}
-
-/// Triggers the tasks that occupy the proplet with MQTT client id `client_id`.
-pub(super) fn trigger_tasks_of(ctx: &Shared, client_id: &str) {
-    if let Some(p) = ctx.proplet_by_client(client_id) {
-        let name = p.name_any();
-        for task in ctx.tasks.state() {
-            if task.namespace() == p.namespace() && crate::decision::task::occupies(&task, &name) {
-                let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
-            }
-        }
-    }
+    crate::controller::routing::route_event(ctx, event);
 }
 
 /// Forgets remembered writes the cache has caught up with, or whose object is gone (a
@@ -113,15 +75,17 @@ pub fn prune_echoes(ctx: &Shared) {
 pub fn count_phases(ctx: &Shared) {
     let proplets = ctx.proplets.state();
     let tasks = ctx.tasks.state();
-    ctx.metrics
+    ctx.common
+        .metrics
         .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
 }
 
+/// Triggers the Task with this UID, once the cache has it.
 pub(super) fn trigger_task(ctx: &Shared, uid: &str) {
     match ctx.task_by_uid(uid) {
         Some(task) => {
             let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
         }
-        None => debug!(task = %uid, "report for a task not in the cache yet; it waits"),
+        None => debug!(task = %uid, "a resolved image for a task not in the cache"),
     }
 }

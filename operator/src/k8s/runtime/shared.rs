@@ -7,12 +7,10 @@ use super::*;
 pub struct Shared {
     /// API client.
     pub client: Client,
-    /// Driver settings.
-    pub settings: Settings,
-    /// Sends commands to devices.
-    pub publisher: Publisher,
-    /// Device reports not yet written, starts sent, scheduler rotation.
-    pub state: DriverState,
+    /// What both drivers hold alike: driver state, publisher, plan settings, counters, images.
+    pub common: Common,
+    /// Runs `k8s` proplets' tasks as Jobs.
+    pub(super) jobs: KubeJobs,
     /// When the credential table needs rebuilding.
     pub credential_gate: RefreshGate,
     /// Cached Proplets.
@@ -41,10 +39,6 @@ pub struct Shared {
     pub proplet_trigger: UnboundedSender<ObjectRef<Proplet>>,
     /// Asks the TrainingRound controller to reconcile a round.
     pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
-    /// Reconcile counters.
-    pub metrics: Arc<ControllerMetrics>,
-    /// Registry resolution and chunk serving (`None`: OCI images are not served).
-    pub images: Option<Arc<Images>>,
     /// What each Proplet's last status write returned, until the cache shows it.
     pub(super) proplet_echo: std::sync::Mutex<HashMap<String, WrittenStatus>>,
     /// What the last apply wrote to each Task, until the cache shows it.
@@ -116,10 +110,9 @@ impl Shared {
                     instance: reporter,
                 },
             ),
+            jobs: KubeJobs::new(client.clone()),
             client,
-            settings,
-            publisher,
-            state: DriverState::new(),
+            common: Common::new(publisher, settings.proplet, settings.task, metrics),
             credential_gate: RefreshGate::default(),
             proplets: caches.proplets,
             tasks: caches.tasks,
@@ -132,8 +125,6 @@ impl Shared {
             task_trigger: task_tx,
             proplet_trigger: proplet_tx,
             round_trigger: round_tx,
-            metrics,
-            images: None,
             proplet_echo: std::sync::Mutex::new(HashMap::new()),
             task_echo: std::sync::Mutex::new(HashMap::new()),
             background_events: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_EVENTS)),
@@ -144,11 +135,6 @@ impl Shared {
             rounds: round_rx,
         };
         (shared, triggers)
-    }
-
-    pub(super) fn active_tasks(&self, proplet: &Proplet) -> u32 {
-        let tasks = self.tasks.state();
-        active_tasks(proplet, tasks.iter().map(|t| &**t))
     }
 
     pub(super) fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
@@ -169,8 +155,9 @@ impl Shared {
         self.tasks.find(|t| t.metadata.uid.as_deref() == Some(uid))
     }
 
-    pub(super) async fn note(
-        &self,
+    /// Publishes `note` as an Event about `reference` (a failure is logged, not returned).
+    pub(super) async fn publish_note(
+        recorder: &Recorder,
         reference: &k8s_openapi::api::core::v1::ObjectReference,
         note: &Note,
     ) {
@@ -185,27 +172,9 @@ impl Shared {
             action: "Reconcile".to_owned(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, reference).await {
+        if let Err(e) = recorder.publish(&event, reference).await {
             debug!(%e, reason = note.reason, "could not record an event");
         }
-    }
-
-    /// Records `note` without holding up the caller: the Event is published by a task of its
-    /// own, at most [`BACKGROUND_EVENTS`] at once. A proplet's phase change is written first
-    /// and its Event follows, so 1,000 proplets going Offline together are not each held
-    /// for two API calls.
-    pub(super) fn note_in_background(
-        self: &Arc<Self>,
-        reference: k8s_openapi::api::core::v1::ObjectReference,
-        note: Note,
-    ) {
-        let ctx = self.clone();
-        tokio::spawn(async move {
-            let Ok(_slot) = ctx.background_events.clone().acquire_owned().await else {
-                return;
-            };
-            ctx.note(&reference, &note).await;
-        });
     }
 
     /// The cached `proplet`, or, when the cache has not yet seen this driver's last status

@@ -1,7 +1,8 @@
-//! What wakes a reconcile in standalone mode: broker events (recorded in the driver state,
-//! never a store write), stored changes and their related objects; and the credential table.
+//! What wakes a reconcile in standalone mode: broker events (through the shared routing),
+//! stored changes and their related objects; and the credential table.
 
 use super::*;
+use crate::crd::federated::TrainingRound;
 
 impl Driver {
     /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the
@@ -37,49 +38,9 @@ impl Driver {
         self.credentials.replace_all(table);
     }
 
-    /// Queues the tasks that occupy the proplet with MQTT client id `client_id`.
-    pub(super) fn enqueue_tasks_of(&self, client_id: &str) {
-        if let Some(p) = self.cache.proplet_by_client(client_id) {
-            let key = Key::of(PROPLET, &p.metadata);
-            for task in self.cache.occupants(&key.namespace, &key.name) {
-                self.enqueue(Key::new(TASK, &key.namespace, &task));
-            }
-        }
-    }
-
     /// Records a broker event and queues the object it concerns.
     pub fn route_event(&self, event: &BrokerEvent) {
-        if self.images.get().is_some_and(|i| i.handle_request(event)) {
-            return;
-        }
-        let now = Utc::now();
-        match self.state.record(event, now) {
-            Concerns::Proplet(client_id) => {
-                let found = self.cache.proplet_by_client(&client_id);
-                match found {
-                    Some(p) => {
-                        let fleet = || self.cache.proplet_count();
-                        let settings = &self.settings.proplet;
-                        if !self.state.heartbeat_waits(event, &p, settings, fleet, now) {
-                            self.enqueue(Key::of(PROPLET, &p.metadata));
-                        }
-                    }
-                    None => debug!(client = %client_id, "liveness from a client with no Proplet"),
-                }
-            }
-            Concerns::Task(uid) => match self.cache.task_by_uid(&uid) {
-                Some(t) => self.enqueue(Key::of(TASK, &t.metadata)),
-                None => debug!(task = %uid, "report for a task not stored yet; it waits"),
-            },
-            Concerns::TasksOf(client_id) => self.enqueue_tasks_of(&client_id),
-            Concerns::Rejoined(client_id) => {
-                if let Some(p) = self.cache.proplet_by_client(&client_id) {
-                    self.enqueue(Key::of(PROPLET, &p.metadata));
-                }
-                self.enqueue_tasks_of(&client_id);
-            }
-            Concerns::Nothing => {}
-        }
+        crate::controller::routing::route_event(self, event);
     }
 
     /// Queues what a stored change affects besides the object itself.

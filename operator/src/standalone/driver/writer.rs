@@ -2,6 +2,7 @@
 //! and the record of this driver's own writes, so their watch events wake nothing.
 
 use super::*;
+use crate::executor::{BackendError, NoJobs, ObjectWriter};
 
 /// Writes Tasks into the embedded store.
 pub(super) struct StoreTasks<'a> {

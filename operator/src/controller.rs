@@ -1,0 +1,461 @@
+//! Each controller written once. The Proplet, Task, PropellerJob, FederatedJob and
+//! TrainingRound reconciles, and the routing of broker events to them, are generic over the
+//! [`Cluster`] they run against: the API server through kube-rs (`k8s::runtime`) or the
+//! embedded store (`standalone::driver`).
+//!
+//! ```text
+//!  MQTT (embedded broker or external cluster)
+//!     │ BrokerEvent
+//!     ▼
+//!  routing::route_event ── records the report in DriverState, never writes
+//!     │ Cluster::wake(Wake)
+//!     ▼
+//!  the driver's queue (kube-runtime Controller | standalone work queue)
+//!     │ one object at a time, never two reconciles of one object at once
+//!     ▼
+//!  proplet / task / jobs::reconcile ── reads the caches, plans with propeller-core
+//!     │ Cluster::{apply_proplet, apply_task, create_once, write_status, note}
+//!     ▼
+//!  API server | redb store  ──watch──▶ the driver's queue
+//! ```
+//!
+//! A driver supplies the queue that calls these functions, the caches they read and the
+//! writes they make; what is read, planned, written, noted and woken is decided here, once.
+//! Each reconcile returns when it wants to look again ([`Next`]); failures go through one
+//! [`retry_policy`].
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use propeller_broker::server::Publisher;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
+use crate::decision::liveness::DeploymentObservation;
+use crate::decision::proplet::{PropletPlan, PropletSettings};
+use crate::decision::task::{Note, TaskObservations, TaskPlan, TaskSettings};
+use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError, TaskEffects};
+use crate::metrics::ControllerMetrics;
+use crate::oci::Images;
+use crate::state::DriverState;
+
+pub mod finalizer;
+pub mod jobs;
+pub mod proplet;
+pub mod routing;
+pub mod task;
+
+/// A namespaced resource either backend stores: the five custom resources and ConfigMaps.
+pub trait Stored:
+    kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + Clone
+    + Serialize
+    + DeserializeOwned
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Stored for K where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// An object by namespace and name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectName {
+    /// Namespace (`default` when the object had none).
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+impl ObjectName {
+    /// `namespace`/`name`.
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+
+    /// The name of `object`.
+    pub fn of(object: &impl kube::Resource) -> Self {
+        let meta = object.meta();
+        Self::new(
+            meta.namespace.as_deref().unwrap_or("default"),
+            meta.name.as_deref().unwrap_or_default(),
+        )
+    }
+}
+
+impl std::fmt::Display for ObjectName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A reconcile to run, asked for by another reconcile or by a broker event.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Wake {
+    /// A Proplet's.
+    Proplet(ObjectName),
+    /// A Task's.
+    Task(ObjectName),
+    /// A TrainingRound's.
+    TrainingRound(ObjectName),
+}
+
+/// When a reconcile wants to look at its object again without an event (`None`: only when
+/// something changes, or at the driver's slow resync).
+pub type Next = Option<DateTime<Utc>>;
+
+/// The parts both drivers hold the same way: the in-memory state the MQTT side records
+/// into, the publisher of commands, the plans' settings and the counters.
+pub struct Common {
+    /// Device reports not yet written, starts sent, scheduler rotation.
+    pub state: DriverState,
+    /// Sends commands to devices.
+    pub publisher: Publisher,
+    /// Proplet plan settings.
+    pub proplet: PropletSettings,
+    /// Task plan settings.
+    pub task: TaskSettings,
+    /// Reconcile counters.
+    pub metrics: Arc<ControllerMetrics>,
+    /// Registry resolution and chunk serving, once attached (`None`: images are not served).
+    pub images: OnceLock<Arc<Images>>,
+}
+
+impl Common {
+    /// Fresh state with these settings.
+    pub fn new(
+        publisher: Publisher,
+        proplet: PropletSettings,
+        task: TaskSettings,
+        metrics: Arc<ControllerMetrics>,
+    ) -> Self {
+        Self {
+            state: DriverState::new(),
+            publisher,
+            proplet,
+            task,
+            metrics,
+            images: OnceLock::new(),
+        }
+    }
+
+    /// The image service, when one is attached.
+    pub fn images(&self) -> Option<&Arc<Images>> {
+        self.images.get()
+    }
+
+    /// What the Task executor uses besides the backend.
+    pub fn effects(&self) -> TaskEffects<'_> {
+        self.state.effects(&self.publisher)
+    }
+}
+
+/// What a driver offers the controllers: its object backend, its caches and its queue.
+pub trait Cluster: Send + Sync {
+    /// Runs `k8s` proplets' tasks as Jobs, for a backend that can.
+    type Jobs: JobRunner;
+
+    /// Whether the driver itself wakes a changed Task's related objects (its owner, its
+    /// proplet, its dependents) from its change stream, as the embedded store's does for
+    /// every write. When `false`, the Task controller wakes them after its own writes.
+    const WAKES_RELATED_ON_CHANGE: bool;
+
+    /// The parts both drivers hold alike.
+    fn common(&self) -> &Common;
+
+    // --- the object backend
+
+    /// The object `name` of kind `K`, read from the backend (not a cache).
+    fn get<K: Stored>(
+        &self,
+        name: &ObjectName,
+    ) -> impl Future<Output = Result<Option<K>, BackendError>> + Send;
+
+    /// Every object of kind `K` in `namespace`, read from the backend.
+    fn list<K: Stored>(
+        &self,
+        namespace: &str,
+    ) -> impl Future<Output = Result<Vec<K>, BackendError>> + Send;
+
+    /// Creates `object` unless it exists already (a retried reconcile created it).
+    fn create_once<K: Stored>(
+        &self,
+        object: &K,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Replaces `object`'s status `old` (as written) with `new`, conditionally on the
+    /// version `object` was read at.
+    fn write_status<K: Stored>(
+        &self,
+        object: &K,
+        old: &Value,
+        new: &Value,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Sets `object`'s finalizers to exactly `finalizers`, conditionally on the version it
+    /// was read at; returns the new version.
+    fn set_finalizers<K: Stored>(
+        &self,
+        object: &K,
+        finalizers: &[String],
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
+
+    /// Applies a Proplet plan's writes: its Deployment (`k8s` proplets) and its status.
+    fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &PropletPlan,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Applies a Task plan through the shared executor (see [`crate::executor::apply_task`]).
+    fn apply_task(
+        &self,
+        task: &Task,
+        plan: &TaskPlan,
+    ) -> impl Future<Output = Result<Dispatch, TaskApplyError>> + Send;
+
+    /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
+    fn jobs(&self) -> Option<&Self::Jobs>;
+
+    // --- the caches
+
+    /// The readiness of a `k8s` proplet's Deployment, if the backend has Deployments.
+    fn deployment_of(&self, proplet: &Proplet) -> Option<DeploymentObservation>;
+
+    /// Tasks occupying `proplet` (scheduled or running on it).
+    fn load_of(&self, proplet: &Proplet) -> u32;
+
+    /// Names of the tasks occupying `proplet`.
+    fn tasks_on(&self, proplet: &Proplet) -> Vec<String>;
+
+    /// Proplets known to this process.
+    fn fleet_size(&self) -> usize;
+
+    /// The Proplet whose device logs in as `client_id`.
+    fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>>;
+
+    /// The Task with this UID.
+    fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>>;
+
+    /// The Tasks of `namespace`.
+    fn tasks_in(&self, namespace: &str) -> Vec<Arc<Task>>;
+
+    /// Every Proplet.
+    fn proplets(&self) -> Vec<Arc<Proplet>>;
+
+    /// The Tasks PropellerJobs created in `namespace`, when the driver caches them apart
+    /// from [`Cluster::tasks_in`] (fresher: from the watch that woke the job's reconcile).
+    fn job_children(&self, namespace: &str) -> Vec<Arc<Task>>;
+
+    /// The Tasks TrainingRounds created, from the cache that woke the round's reconcile.
+    fn round_children(&self) -> Vec<Arc<Task>>;
+
+    /// Names of the Tasks of `namespace` that depend on `name`.
+    fn dependents(&self, name: &ObjectName) -> Vec<String>;
+
+    /// What the scheduler and the DAG need to know about `task`'s surroundings.
+    fn observe_task(&self, task: &Task) -> TaskObservations;
+
+    // --- the queue and the record
+
+    /// Asks for a reconcile.
+    fn wake(&self, wake: Wake);
+
+    /// Records `note` on `object` (a Kubernetes Event, or standalone's event log).
+    fn note<K: Stored>(&self, object: &K, note: &Note) -> impl Future<Output = ()> + Send;
+
+    /// Records `note` without holding up the caller.
+    fn note_later<K: Stored>(&self, object: &K, note: Note);
+}
+
+/// Why a reconcile failed; it is retried (see [`retry_policy`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// The backend refused a write or could not be reached.
+    #[error("{0}")]
+    Backend(BackendError),
+    /// Applying a Task plan failed.
+    #[error(transparent)]
+    Task(#[from] TaskApplyError),
+}
+
+impl From<BackendError> for ReconcileError {
+    fn from(e: BackendError) -> Self {
+        ReconcileError::Backend(e)
+    }
+}
+
+impl ReconcileError {
+    fn backend(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        match self {
+            ReconcileError::Backend(e) | ReconcileError::Task(TaskApplyError::Backend(e)) => {
+                Some(e.as_ref())
+            }
+            ReconcileError::Task(_) => None,
+        }
+    }
+
+    /// Whether a conditional write lost to a newer version of the object (the API server's
+    /// 409 Conflict, the store's conflict): routine under load, answered by reading it again.
+    pub fn is_conflict(&self) -> bool {
+        self.backend().is_some_and(|e| {
+            matches!(e.downcast_ref(), Some(kube::Error::Api(status)) if status.code == 409)
+                || matches!(
+                    e.downcast_ref(),
+                    Some(crate::standalone::store::StoreError::Conflict { .. })
+                )
+        })
+    }
+
+    /// Whether the object is gone (deleted while it was reconciled): nothing to retry.
+    pub fn is_gone(&self) -> bool {
+        self.backend().is_some_and(|e| {
+            matches!(e.downcast_ref(), Some(kube::Error::Api(status)) if status.code == 404)
+                || matches!(
+                    e.downcast_ref(),
+                    Some(crate::standalone::store::StoreError::NotFound { .. })
+                )
+        })
+    }
+}
+
+/// What to do after a failed reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Read the object again as soon as the driver's cache can show the newer version.
+    Reread,
+    /// Nothing: the object is gone.
+    Never,
+    /// Try again after this long.
+    After(Duration),
+}
+
+/// How long a failed reconcile waits before its retry.
+pub const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(2);
+
+/// The one error policy of both drivers: a conflict is read again at once, a deleted object
+/// is left alone, anything else is logged and retried after [`RETRY_AFTER_FAILURE`].
+pub fn retry_policy(kind: &str, object: &ObjectName, error: &ReconcileError) -> Retry {
+    if error.is_gone() {
+        tracing::debug!(kind, %object, "the object was deleted while it was reconciled");
+        return Retry::Never;
+    }
+    if error.is_conflict() {
+        tracing::debug!(kind, %object, "the object changed while it was reconciled; reconciling it again");
+        return Retry::Reread;
+    }
+    tracing::warn!(kind, %object, %error, "reconcile failed; retrying in {}s", RETRY_AFTER_FAILURE.as_secs());
+    Retry::After(RETRY_AFTER_FAILURE)
+}
+
+/// How long until `next`, from `now`, capped at `resync` (`resync` when there is none; a
+/// moment when it has passed), plus a margin so the look falls after the deadline.
+pub fn wait_until(next: Next, now: DateTime<Utc>, resync: Duration) -> Duration {
+    next.map_or(resync, |at| {
+        (at - now).to_std().unwrap_or_default().min(resync) + Duration::from_millis(100)
+    })
+}
+
+/// Counts one reconcile of `kind` that started at `started`.
+pub(crate) fn count<T>(
+    common: &Common,
+    kind: &str,
+    started: Instant,
+    result: &Result<T, ReconcileError>,
+) {
+    common
+        .metrics
+        .observe(kind, started.elapsed(), result.is_ok());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::standalone::store::StoreError;
+
+    fn api_error(code: u16) -> BackendError {
+        let status: kube::core::Status =
+            serde_json::from_value(serde_json::json!({"code": code, "reason": "Conflict"}))
+                .unwrap_or_else(|e| panic!("{e}"));
+        Box::new(kube::Error::Api(Box::new(status)))
+    }
+
+    fn store_conflict() -> BackendError {
+        Box::new(StoreError::Conflict {
+            kind: "Task".into(),
+            namespace: "default".into(),
+            name: "t".into(),
+            expected: "3".into(),
+            actual: "4".into(),
+        })
+    }
+
+    #[test]
+    fn both_backends_conflicts_are_read_again_however_they_arrive() {
+        let name = ObjectName::new("default", "t");
+        let cases = [
+            (ReconcileError::Backend(api_error(409)), Retry::Reread),
+            (ReconcileError::Backend(store_conflict()), Retry::Reread),
+            (
+                ReconcileError::Task(TaskApplyError::Backend(api_error(409))),
+                Retry::Reread,
+            ),
+            (
+                ReconcileError::Task(TaskApplyError::Backend(store_conflict())),
+                Retry::Reread,
+            ),
+            (ReconcileError::Backend(api_error(404)), Retry::Never),
+            (
+                ReconcileError::Backend(api_error(500)),
+                Retry::After(RETRY_AFTER_FAILURE),
+            ),
+            (
+                ReconcileError::Task(TaskApplyError::NoJobs("t".into())),
+                Retry::After(RETRY_AFTER_FAILURE),
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(retry_policy("Task", &name, &error), expected, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn the_next_look_is_capped_at_the_resync_and_never_in_the_past() {
+        let now = Utc::now();
+        let resync = Duration::from_secs(300);
+        assert_eq!(wait_until(None, now, resync), resync);
+        assert_eq!(
+            wait_until(Some(now + chrono::Duration::seconds(5)), now, resync),
+            Duration::from_millis(5_100)
+        );
+        assert_eq!(
+            wait_until(Some(now + chrono::Duration::hours(1)), now, resync),
+            resync + Duration::from_millis(100)
+        );
+        // A time already past (the plan was slow): at once, not at the resync.
+        assert_eq!(
+            wait_until(Some(now - chrono::Duration::seconds(1)), now, resync),
+            Duration::from_millis(100)
+        );
+    }
+}

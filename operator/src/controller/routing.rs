@@ -1,0 +1,61 @@
+//! From broker events to reconciles: each event is recorded in the driver state and wakes
+//! the reconcile of the object it concerns; the MQTT side never writes an object itself.
+
+use chrono::Utc;
+use propeller_broker::server::BrokerEvent;
+use tracing::debug;
+
+use crate::crd::proplet::Proplet;
+use crate::state::Concerns;
+
+use super::{Cluster, ObjectName, Wake};
+
+/// Handles one broker event: an image chunk request is answered; anything else is recorded,
+/// then the object it concerns is woken (a routine heartbeat waits for the time its proplet's
+/// last reconcile chose).
+pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
+    let common = cluster.common();
+    if common.images().is_some_and(|i| i.handle_request(event)) {
+        return;
+    }
+    let now = Utc::now();
+    match common.state.record(event, now) {
+        Concerns::Proplet(client_id) => match cluster.proplet_by_client(&client_id) {
+            Some(proplet) => {
+                let fleet = || cluster.fleet_size();
+                let waits =
+                    common
+                        .state
+                        .heartbeat_waits(event, &proplet, &common.proplet, fleet, now);
+                if !waits {
+                    cluster.wake(Wake::Proplet(ObjectName::of(proplet.as_ref())));
+                }
+            }
+            None => debug!(client = %client_id, "liveness from a client with no Proplet"),
+        },
+        Concerns::Task(uid) => match cluster.task_by_uid(&uid) {
+            Some(task) => cluster.wake(Wake::Task(ObjectName::of(task.as_ref()))),
+            None => debug!(task = %uid, "report for a task not known yet; it waits"),
+        },
+        Concerns::TasksOf(client_id) => {
+            if let Some(proplet) = cluster.proplet_by_client(&client_id) {
+                wake_tasks_on(cluster, &proplet);
+            }
+        }
+        Concerns::Rejoined(client_id) => {
+            if let Some(proplet) = cluster.proplet_by_client(&client_id) {
+                cluster.wake(Wake::Proplet(ObjectName::of(proplet.as_ref())));
+                wake_tasks_on(cluster, &proplet);
+            }
+        }
+        Concerns::Nothing => {}
+    }
+}
+
+/// Wakes the tasks occupying `proplet`.
+fn wake_tasks_on<C: Cluster>(cluster: &C, proplet: &Proplet) {
+    let namespace = ObjectName::of(proplet).namespace;
+    for task in cluster.tasks_on(proplet) {
+        cluster.wake(Wake::Task(ObjectName::new(&namespace, &task)));
+    }
+}

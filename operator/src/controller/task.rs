@@ -1,0 +1,114 @@
+//! The Task controller: observe the task's surroundings and its device's reports, plan with
+//! the core, apply the plan (status, Job or starts, stops, finalizer), resolve its image,
+//! record its notes, and wake what its change affects.
+
+use std::time::Instant;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use tracing::{debug, info, warn};
+
+use crate::crd::task::Task;
+use crate::decision::task::{awaits_job, plan};
+use crate::executor::{Dispatch, JobRunner};
+
+use super::{count, Cluster, Next, ObjectName, ReconcileError, Wake};
+
+/// How often a task whose start waits for its device looks again.
+pub const DEVICE_WAIT: TimeDelta = TimeDelta::seconds(1);
+
+/// Reconciles `task` as read from the driver's cache.
+#[tracing::instrument(
+    name = "reconciling object",
+    skip_all,
+    fields(object.kind = "Task", object.ref = %ObjectName::of(task))
+)]
+pub async fn reconcile<C: Cluster>(
+    cluster: &C,
+    task: &Task,
+    now: DateTime<Utc>,
+) -> Result<Next, ReconcileError> {
+    let started = Instant::now();
+    let result = reconcile_once(cluster, task, now).await;
+    count(cluster.common(), "task", started, &result);
+    result
+}
+
+async fn reconcile_once<C: Cluster>(
+    cluster: &C,
+    task: &Task,
+    now: DateTime<Utc>,
+) -> Result<Next, ReconcileError> {
+    let common = cluster.common();
+    let name = ObjectName::of(task);
+    let mut observed = cluster.observe_task(task);
+    common.state.complete(task, &mut observed);
+    let images = common.images();
+    observed.image = images.and_then(|i| i.observe(task));
+    if awaits_job(task, &observed) {
+        observed.job = match cluster.jobs() {
+            Some(jobs) => jobs.observe_task_job(task).await?,
+            None => None,
+        };
+    }
+    let plan = plan(task, &observed, &common.task, now);
+    let dispatch = cluster.apply_task(task, &plan).await?;
+    if plan.resolve_image {
+        match images {
+            Some(images) => images.resolve(task),
+            None => {
+                warn!(task = %name, "an OCI imageUrl needs resolving, but this operator serves no images")
+            }
+        }
+    }
+    if let Some(chosen) = &plan.chosen {
+        common.state.chose(&name.namespace, chosen);
+    }
+    for note in &plan.notes {
+        if note.warning {
+            warn!(task = %name, reason = note.reason, "{}", note.message);
+        } else {
+            info!(task = %name, reason = note.reason, "{}", note.message);
+        }
+        cluster.note(task, note).await;
+    }
+    if !C::WAKES_RELATED_ON_CHANGE {
+        wake_related(cluster, task, &plan);
+    }
+    if let Dispatch::WaitingFor(client) = dispatch {
+        debug!(task = %name, %client, "start held until the device is heard from");
+        return Ok(Some(now + DEVICE_WAIT));
+    }
+    Ok(plan.requeue_at)
+}
+
+/// Wakes what this reconcile's change affects: the dependents of a finished task, and the
+/// proplets whose load changed.
+fn wake_related<C: Cluster>(cluster: &C, task: &Task, plan: &crate::decision::task::TaskPlan) {
+    let name = ObjectName::of(task);
+    // Also when the cached object is already terminal (its own watch event): a dependent
+    // woken right after the write may have read the cache before it had the new phase.
+    let finished = plan
+        .status
+        .as_ref()
+        .or(task.status.as_ref())
+        .is_some_and(|s| s.phase.is_terminal());
+    if finished {
+        for dependent in cluster.dependents(&name) {
+            cluster.wake(Wake::Task(ObjectName::new(&name.namespace, &dependent)));
+        }
+    }
+    if plan.status.is_none() {
+        return;
+    }
+    let assigned = task
+        .status
+        .as_ref()
+        .and_then(|s| s.assigned_proplet.as_deref());
+    let mut proplets: Vec<&str> = plan.starts.iter().map(|s| s.proplet.as_str()).collect();
+    proplets.extend(assigned);
+    proplets.sort_unstable();
+    proplets.dedup();
+    for proplet in proplets {
+        cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
+    }
+}

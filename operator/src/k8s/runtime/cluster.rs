@@ -1,0 +1,251 @@
+//! Kubernetes mode as the controllers' [`Cluster`]: objects through kube-rs, reads from the
+//! watches' caches, wakes through the controllers' trigger channels, notes as Events.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PostParams;
+use serde_json::Value;
+
+use super::*;
+use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
+use crate::decision::task::{occupies, JobOutcome, TaskObservations, TaskPlan};
+use crate::executor::{BackendError, JobRunner};
+
+/// Runs `k8s` proplets' tasks as Jobs through the API server.
+#[derive(Clone)]
+pub struct KubeJobs(Client);
+
+impl KubeJobs {
+    /// Jobs created and read with `client`.
+    pub fn new(client: Client) -> Self {
+        Self(client)
+    }
+}
+
+impl JobRunner for KubeJobs {
+    async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
+        Ok(super::super::task_job::create(&self.0, task).await?)
+    }
+
+    async fn observe_task_job(&self, task: &Task) -> Result<Option<JobOutcome>, BackendError> {
+        Ok(super::super::task_job::observe(&self.0, task).await?)
+    }
+}
+
+fn object_ref<K: Stored>(name: &ObjectName) -> ObjectRef<K> {
+    ObjectRef::new(&name.name).within(&name.namespace)
+}
+
+fn api<K: Stored>(client: &Client, meta: &ObjectMeta) -> Api<K> {
+    Api::namespaced(
+        client.clone(),
+        meta.namespace.as_deref().unwrap_or("default"),
+    )
+}
+
+impl Shared {
+    fn in_namespace<'a>(
+        tasks: &'a [Arc<Task>],
+        namespace: &'a str,
+    ) -> impl Iterator<Item = &'a Arc<Task>> + 'a {
+        tasks
+            .iter()
+            .filter(move |t| t.metadata.namespace.as_deref().unwrap_or("default") == namespace)
+    }
+}
+
+impl Cluster for Shared {
+    type Jobs = KubeJobs;
+
+    const WAKES_RELATED_ON_CHANGE: bool = false;
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
+        let api: Api<K> = Api::namespaced(self.client.clone(), &name.namespace);
+        Ok(api.get_opt(&name.name).await?)
+    }
+
+    async fn list<K: Stored>(&self, namespace: &str) -> Result<Vec<K>, BackendError> {
+        let api: Api<K> = Api::namespaced(self.client.clone(), namespace);
+        Ok(api.list(&Default::default()).await?.items)
+    }
+
+    async fn create_once<K: Stored>(&self, object: &K) -> Result<(), BackendError> {
+        match api::<K>(&self.client, object.meta())
+            .create(&PostParams::default(), object)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn write_status<K: Stored>(
+        &self,
+        object: &K,
+        old: &Value,
+        new: &Value,
+    ) -> Result<(), BackendError> {
+        let meta = object.meta();
+        api::<K>(&self.client, meta)
+            .patch_status(
+                meta.name.as_deref().unwrap_or_default(),
+                &PatchParams::default(),
+                &Patch::Merge(super::super::patch::status_patch(
+                    old,
+                    new,
+                    meta.resource_version.as_deref(),
+                )),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn set_finalizers<K: Stored>(
+        &self,
+        object: &K,
+        finalizers: &[String],
+    ) -> Result<Option<String>, BackendError> {
+        let meta = object.meta();
+        let updated = api::<K>(&self.client, meta)
+            .patch(
+                meta.name.as_deref().unwrap_or_default(),
+                &PatchParams::default(),
+                &Patch::Merge(finalizers_patch(
+                    finalizers,
+                    meta.resource_version.as_deref(),
+                )),
+            )
+            .await?;
+        Ok(updated.meta().resource_version.clone())
+    }
+
+    async fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &crate::decision::proplet::PropletPlan,
+    ) -> Result<(), BackendError> {
+        let written = apply_proplet(&self.client, proplet, plan).await?;
+        if let Some(written) = written {
+            lock(&self.proplet_echo).insert(
+                object_key(proplet),
+                WrittenStatus {
+                    based_on: proplet.metadata.resource_version.clone(),
+                    version: written.metadata.resource_version,
+                    status: written.status,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
+        let (dispatch, writes) =
+            apply_task(&self.client, &self.jobs, task, plan, &self.common.effects()).await?;
+        if let Some(writes) = writes {
+            self.remember_task_writes(task, writes);
+        }
+        Ok(dispatch)
+    }
+
+    fn jobs(&self) -> Option<&KubeJobs> {
+        Some(&self.jobs)
+    }
+
+    fn deployment_of(&self, proplet: &Proplet) -> Option<DeploymentObservation> {
+        let name = crate::decision::names::proplet_deployment_name(&proplet.name_any());
+        let reference =
+            ObjectRef::<Deployment>::new(&name).within(&ObjectName::of(proplet).namespace);
+        self.deployments
+            .get(&reference)
+            .map(|d| observe_deployment(&d))
+    }
+
+    fn load_of(&self, proplet: &Proplet) -> u32 {
+        let tasks = self.tasks.state();
+        active_tasks(proplet, tasks.iter().map(|t| &**t))
+    }
+
+    fn tasks_on(&self, proplet: &Proplet) -> Vec<String> {
+        let name = proplet.name_any();
+        let tasks = self.tasks.state();
+        Self::in_namespace(&tasks, &ObjectName::of(proplet).namespace)
+            .filter(|t| occupies(t, &name))
+            .map(|t| t.name_any())
+            .collect()
+    }
+
+    fn fleet_size(&self) -> usize {
+        self.clients.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
+        Shared::proplet_by_client(self, client_id)
+    }
+
+    fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
+        Shared::task_by_uid(self, uid)
+    }
+
+    fn tasks_in(&self, namespace: &str) -> Vec<Arc<Task>> {
+        let tasks = self.tasks.state();
+        Self::in_namespace(&tasks, namespace).cloned().collect()
+    }
+
+    fn proplets(&self) -> Vec<Arc<Proplet>> {
+        self.proplets.state()
+    }
+
+    fn job_children(&self, namespace: &str) -> Vec<Arc<Task>> {
+        let tasks = self.job_tasks.state();
+        Self::in_namespace(&tasks, namespace).cloned().collect()
+    }
+
+    fn round_children(&self) -> Vec<Arc<Task>> {
+        self.round_tasks.state()
+    }
+
+    fn dependents(&self, name: &ObjectName) -> Vec<String> {
+        let tasks = self.tasks.state();
+        Self::in_namespace(&tasks, &name.namespace)
+            .filter(|t| t.spec.depends_on.contains(&name.name))
+            .map(|t| t.name_any())
+            .collect()
+    }
+
+    fn observe_task(&self, task: &Task) -> TaskObservations {
+        let tasks = self.tasks.state();
+        let task_refs: Vec<&Task> = tasks.iter().map(|t| &**t).collect();
+        let proplets = self.proplets.state();
+        let proplet_refs: Vec<&Proplet> = proplets.iter().map(|p| &**p).collect();
+        observe_caches(task, &task_refs, &proplet_refs)
+    }
+
+    fn wake(&self, wake: Wake) {
+        // A closed channel means the controllers are stopping: nothing to wake.
+        let _ = match wake {
+            Wake::Proplet(n) => self.proplet_trigger.send(object_ref(&n)).is_ok(),
+            Wake::Task(n) => self.task_trigger.send(object_ref(&n)).is_ok(),
+            Wake::TrainingRound(n) => self.round_trigger.send(object_ref(&n)).is_ok(),
+        };
+    }
+
+    async fn note<K: Stored>(&self, object: &K, note: &Note) {
+        Shared::publish_note(&self.recorder, &object.object_ref(&()), note).await;
+    }
+
+    fn note_later<K: Stored>(&self, object: &K, note: Note) {
+        let recorder = self.recorder.clone();
+        let slots = self.background_events.clone();
+        let reference = object.object_ref(&());
+        tokio::spawn(async move {
+            let Ok(_slot) = slots.acquire_owned().await else {
+                return;
+            };
+            Shared::publish_note(&recorder, &reference, &note).await;
+        });
+    }
+}

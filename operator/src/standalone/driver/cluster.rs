@@ -1,0 +1,204 @@
+//! Standalone mode as the controllers' [`Cluster`]: objects in the embedded store (writes
+//! wait for the group commit off the runtime's threads), reads from the [`ObjectCache`],
+//! wakes into the work queue, notes into the event log.
+
+use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
+use crate::crd::task::Task;
+use crate::decision::liveness::DeploymentObservation;
+use crate::decision::proplet::PropletPlan;
+use crate::decision::task::{observe_indexed, Note, TaskObservations, TaskPlan};
+use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
+
+use super::*;
+
+impl Cluster for Driver {
+    type Jobs = NoJobs;
+
+    /// Every stored change wakes its related objects (see [`Driver::related`]).
+    const WAKES_RELATED_ON_CHANGE: bool = true;
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
+        Ok(self
+            .store
+            .get_typed(&K::kind(&()), &name.namespace, &name.name)?)
+    }
+
+    async fn list<K: Stored>(&self, namespace: &str) -> Result<Vec<K>, BackendError> {
+        Ok(self.store.list_typed(&K::kind(&()), Some(namespace))?)
+    }
+
+    async fn create_once<K: Stored>(&self, object: &K) -> Result<(), BackendError> {
+        let mut value = serde_json::to_value(object)?;
+        value["apiVersion"] = Value::String(K::api_version(&()).into_owned());
+        value["kind"] = Value::String(K::kind(&()).into_owned());
+        match self.store.create_child_async(value).await {
+            Ok(_) | Err(StoreError::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn write_status<K: Stored>(
+        &self,
+        object: &K,
+        _old: &Value,
+        new: &Value,
+    ) -> Result<(), BackendError> {
+        let name = ObjectName::of(object);
+        self.store
+            .write_status_async(
+                &K::kind(&()),
+                &name.namespace,
+                &name.name,
+                new.clone(),
+                object.meta().resource_version.as_deref(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn set_finalizers<K: Stored>(
+        &self,
+        object: &K,
+        finalizers: &[String],
+    ) -> Result<Option<String>, BackendError> {
+        let name = ObjectName::of(object);
+        let updated = self
+            .store
+            .set_finalizers_async(
+                &K::kind(&()),
+                &name.namespace,
+                &name.name,
+                finalizers.to_vec(),
+                object.meta().resource_version.as_deref(),
+            )
+            .await?;
+        Ok(version_of(&updated))
+    }
+
+    async fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &PropletPlan,
+    ) -> Result<(), BackendError> {
+        let Some(status) = &plan.status else {
+            return Ok(());
+        };
+        let name = ObjectName::of(proplet);
+        // Batched: thousands of heartbeating proplets each write every flush interval.
+        let updated = self
+            .store
+            .write_status_batched(
+                PROPLET,
+                &name.namespace,
+                &name.name,
+                serde_json::to_value(status)?,
+                proplet.metadata.resource_version.as_deref(),
+            )
+            .await?;
+        self.own_writes.record(PROPLET, &proplet.metadata, &updated);
+        Ok(())
+    }
+
+    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
+        let writer = StoreTasks { store: &self.store };
+        apply_task(&writer, task, plan, &self.common.effects()).await
+    }
+
+    fn jobs(&self) -> Option<&NoJobs> {
+        None
+    }
+
+    fn deployment_of(&self, _: &Proplet) -> Option<DeploymentObservation> {
+        None
+    }
+
+    fn load_of(&self, proplet: &Proplet) -> u32 {
+        let name = ObjectName::of(proplet);
+        self.cache.load(&name.namespace, &name.name)
+    }
+
+    fn tasks_on(&self, proplet: &Proplet) -> Vec<String> {
+        let name = ObjectName::of(proplet);
+        self.cache.occupants(&name.namespace, &name.name)
+    }
+
+    fn fleet_size(&self) -> usize {
+        self.cache.proplet_count()
+    }
+
+    fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {
+        self.cache.proplet_by_client(client_id)
+    }
+
+    fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
+        self.cache.task_by_uid(uid)
+    }
+
+    fn tasks_in(&self, namespace: &str) -> Vec<Arc<Task>> {
+        self.cache.tasks_in(namespace)
+    }
+
+    fn proplets(&self) -> Vec<Arc<Proplet>> {
+        self.cache.proplets()
+    }
+
+    fn job_children(&self, _: &str) -> Vec<Arc<Task>> {
+        // One cache: `tasks_in` has them all, as fresh.
+        Vec::new()
+    }
+
+    fn round_children(&self) -> Vec<Arc<Task>> {
+        self.cache.tasks()
+    }
+
+    fn dependents(&self, name: &ObjectName) -> Vec<String> {
+        self.cache.dependents(&name.namespace, &name.name)
+    }
+
+    fn observe_task(&self, task: &Task) -> TaskObservations {
+        let name = ObjectName::of(task);
+        let proplets = self.cache.proplets_in(&name.namespace);
+        observe_indexed(
+            task,
+            |dep| self.cache.task_phase(&name.namespace, dep),
+            || self.cache.dependency_graph(&name.namespace),
+            &refs(&proplets),
+            |p| {
+                self.cache.load(
+                    &name.namespace,
+                    p.metadata.name.as_deref().unwrap_or_default(),
+                )
+            },
+        )
+    }
+
+    fn wake(&self, wake: Wake) {
+        let (kind, name) = match &wake {
+            Wake::Proplet(name) => (PROPLET, name),
+            Wake::Task(name) => (TASK, name),
+            Wake::TrainingRound(name) => (TRAINING_ROUND, name),
+        };
+        self.enqueue(Key::new(kind, &name.namespace, &name.name));
+    }
+
+    async fn note<K: Stored>(&self, object: &K, note: &Note) {
+        let name = ObjectName::of(object);
+        self.events
+            .record(&K::kind(&()), &name.namespace, &name.name, note, Utc::now());
+    }
+
+    fn note_later<K: Stored>(&self, object: &K, note: Note) {
+        let name = ObjectName::of(object);
+        self.events.record(
+            &K::kind(&()),
+            &name.namespace,
+            &name.name,
+            &note,
+            Utc::now(),
+        );
+    }
+}
