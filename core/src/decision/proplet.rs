@@ -44,18 +44,23 @@ impl PropletSettings {
 }
 
 /// The Event a written phase change deserves, in both drivers: going Offline (a warning)
-/// and coming back; not a device's first Running (a fleet of 10,000 coming up would cost as
-/// many Event writes).
+/// and coming back; not a new proplet's first status nor its first Running (a fleet of
+/// 10,000 coming up would cost as many Event writes).
 pub fn phase_change_note(
     before: Option<PropletPhase>,
     after: PropletPhase,
 ) -> Option<crate::decision::task::Note> {
+    // A proplet's first status (Initializing, or Running for a ready Deployment) and its first
+    // Running are how it starts, not changes worth an Event.
     let first_running = after == PropletPhase::Running
         && before.is_none_or(|phase| phase == PropletPhase::Initializing);
-    (before != Some(after) && !first_running).then(|| crate::decision::task::Note {
-        warning: after == PropletPhase::Offline,
-        reason: "PhaseChanged",
-        message: format!("proplet is now {after}"),
+    let first_status = before.is_none();
+    (before != Some(after) && !first_running && !first_status).then(|| {
+        crate::decision::task::Note {
+            warning: after == PropletPhase::Offline,
+            reason: "PhaseChanged",
+            message: format!("proplet is now {after}"),
+        }
     })
 }
 
@@ -211,6 +216,7 @@ mod tests {
     fn phase_changes_note_offline_and_returns_but_not_a_first_running() {
         use PropletPhase::{Initializing, Offline, Running};
         assert!(phase_change_note(None, Running).is_none());
+        assert!(phase_change_note(None, Initializing).is_none());
         assert!(phase_change_note(Some(Initializing), Running).is_none());
         let offline = phase_change_note(Some(Running), Offline).expect("offline noted");
         assert!(offline.warning);

@@ -35,7 +35,7 @@ async fn write_if_changed<C: Cluster, K: Stored, S: Serialize + PartialEq>(
 
 /// Reconciles one PropellerJob: its children, then its status from theirs.
 #[tracing::instrument(
-    name = "reconciling object",
+    name = "reconcile",
     skip_all,
     fields(object.kind = "PropellerJob", object.ref = %ObjectName::of(job))
 )]
@@ -68,7 +68,7 @@ pub async fn reconcile_propeller_job<C: Cluster>(
 
 /// Reconciles one FederatedJob: its rounds, with the models they stored.
 #[tracing::instrument(
-    name = "reconciling object",
+    name = "reconcile",
     skip_all,
     fields(object.kind = "FederatedJob", object.ref = %ObjectName::of(job))
 )]
@@ -111,7 +111,7 @@ pub async fn reconcile_federated_job<C: Cluster>(
 
 /// Reconciles one TrainingRound: its participants' tasks, the aggregated model, its status.
 #[tracing::instrument(
-    name = "reconciling object",
+    name = "reconcile",
     skip_all,
     fields(object.kind = "TrainingRound", object.ref = %ObjectName::of(round))
 )]

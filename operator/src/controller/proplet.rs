@@ -20,7 +20,7 @@ pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-clea
 
 /// Reconciles `proplet` as read from the driver's cache.
 #[tracing::instrument(
-    name = "reconciling object",
+    name = "reconcile",
     skip_all,
     fields(object.kind = "Proplet", object.ref = %ObjectName::of(&proplet))
 )]

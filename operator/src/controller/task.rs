@@ -18,7 +18,7 @@ pub const DEVICE_WAIT: TimeDelta = TimeDelta::seconds(1);
 
 /// Reconciles `task` as read from the driver's cache.
 #[tracing::instrument(
-    name = "reconciling object",
+    name = "reconcile",
     skip_all,
     fields(object.kind = "Task", object.ref = %ObjectName::of(task))
 )]
