@@ -10,8 +10,8 @@
 //!  routing::route_event ── records the report in DriverState, never writes
 //!     │ Cluster::wake(Wake)
 //!     ▼
-//!  the driver's queue (kube-runtime Controller | standalone work queue)
-//!     │ one object at a time, never two reconciles of one object at once
+//!  a kube-runtime Controller per kind (on the API server's watches, or on the store's
+//!     │ reflector caches): one queue, never two reconciles of one object at once
 //!     ▼
 //!  proplet / task / jobs::reconcile ── reads the caches, plans with propeller-core
 //!     │ Cluster::{apply_proplet, apply_task, create_once, write_status, note}

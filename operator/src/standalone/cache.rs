@@ -1,28 +1,69 @@
-//! Typed in-memory copies of the stored Proplets and Tasks, the standalone counterpart of
-//! kube-rs reflectors.
+//! Typed in-memory copies of the stored objects the controllers reconcile, in kube-runtime
+//! reflector stores (what its `Controller`s read their objects from), with the indexes the
+//! standalone driver looks Proplets and Tasks up by.
 //!
 //! Reconciles look at many objects besides their own: a Task's scheduling reads every
 //! Proplet and the tasks each runs, a heartbeat is routed by client id, a result by task UID.
 //! Reading those from the database would deserialize every object on every reconcile, so
 //! the driver reads them here instead. The cache is fed by a store [`Observer`], which runs
 //! before a write returns: once a writer has seen its write complete, the cache has it too.
+//! The indexes hold the same `Arc`s as the reflector stores, so each object is kept once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use crate::crd::federated::{FederatedJob, TrainingRound};
+use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::dag::Graph;
 use crate::decision::task::occupied;
 
-use super::driver::{PROPLET, TASK};
+use super::driver::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
 use super::store::{Change, ObjectStore, StoreError};
 
 /// `(namespace, name)`.
 type Name = (String, String);
+
+/// A reflector store of one kind: written here, read by a `Controller`.
+struct Reflected<K: kube::Resource<DynamicType = ()> + Clone + 'static> {
+    writer: Writer<K>,
+    reader: Store<K>,
+}
+
+impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Default for Reflected<K> {
+    fn default() -> Self {
+        let mut writer = Writer::default();
+        // Filled object by object from here on: ready at once.
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let reader = writer.as_reader();
+        Self { writer, reader }
+    }
+}
+
+impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Reflected<K> {
+    /// Stores `object`; the stored `Arc`.
+    fn put(&mut self, object: K) -> Option<Arc<K>> {
+        let reference = ObjectRef::from_obj(&object);
+        self.writer
+            .apply_watcher_event(&watcher::Event::Apply(object));
+        self.reader.get(&reference)
+    }
+
+    fn remove(&mut self, (namespace, name): &Name) {
+        let reference = ObjectRef::new(name).within(namespace);
+        if let Some(old) = self.reader.get(&reference) {
+            self.writer
+                .apply_watcher_event(&watcher::Event::Delete((*old).clone()));
+        }
+    }
+}
 
 /// The cached Proplets and Tasks with the indexes the driver looks them up by.
 #[derive(Default)]
@@ -32,6 +73,11 @@ pub struct ObjectCache {
 
 #[derive(Default)]
 struct Cached {
+    reflected_proplets: Reflected<Proplet>,
+    reflected_tasks: Reflected<Task>,
+    propeller_jobs: Reflected<PropellerJob>,
+    federated_jobs: Reflected<FederatedJob>,
+    training_rounds: Reflected<TrainingRound>,
     proplets: BTreeMap<Name, Arc<Proplet>>,
     tasks: BTreeMap<Name, Arc<Task>>,
     proplet_by_client: HashMap<String, Name>,
@@ -75,13 +121,16 @@ impl Cached {
         }
         self.proplet_by_client
             .insert(proplet.client_id().to_owned(), key.clone());
-        self.proplets.insert(key, Arc::new(proplet));
+        if let Some(shared) = self.reflected_proplets.put(proplet) {
+            self.proplets.insert(key, shared);
+        }
         if credentials_change {
             self.credential_epoch += 1;
         }
     }
 
     fn remove_proplet(&mut self, key: &Name) {
+        self.reflected_proplets.remove(key);
         if let Some(old) = self.proplets.remove(key) {
             if self.proplet_by_client.get(old.client_id()) == Some(key) {
                 self.proplet_by_client.remove(old.client_id());
@@ -100,7 +149,9 @@ impl Cached {
         {
             return;
         }
-        self.remove_task(&key);
+        // Replaced in the reflector store by `put`, never absent from it meanwhile (a
+        // Controller reading it then would drop the reconcile).
+        self.unindex_task(&key);
         if let Some(uid) = &task.metadata.uid {
             self.task_by_uid.insert(uid.clone(), key.clone());
         }
@@ -117,10 +168,17 @@ impl Cached {
                 .or_default()
                 .insert(name.clone());
         }
-        self.tasks.insert(key, Arc::new(task));
+        if let Some(shared) = self.reflected_tasks.put(task) {
+            self.tasks.insert(key, shared);
+        }
     }
 
     fn remove_task(&mut self, key: &Name) {
+        self.reflected_tasks.remove(key);
+        self.unindex_task(key);
+    }
+
+    fn unindex_task(&mut self, key: &Name) {
         let Some(old) = self.tasks.remove(key) else {
             return;
         };
@@ -142,6 +200,27 @@ impl Cached {
         }
         for dep in &old.spec.depends_on {
             unlink(&mut self.dependents, dep);
+        }
+    }
+}
+
+impl Cached {
+    /// Caches a stored PropellerJob, FederatedJob or TrainingRound (other kinds are not).
+    fn put_other(&mut self, kind: &str, value: &Value) {
+        match kind {
+            PROPELLER_JOB => drop(decode(value).and_then(|o| self.propeller_jobs.put(o))),
+            FEDERATED_JOB => drop(decode(value).and_then(|o| self.federated_jobs.put(o))),
+            TRAINING_ROUND => drop(decode(value).and_then(|o| self.training_rounds.put(o))),
+            _ => {}
+        }
+    }
+
+    fn remove_other(&mut self, kind: &str, key: &Name) {
+        match kind {
+            PROPELLER_JOB => self.propeller_jobs.remove(key),
+            FEDERATED_JOB => self.federated_jobs.remove(key),
+            TRAINING_ROUND => self.training_rounds.remove(key),
+            _ => {}
         }
     }
 }
@@ -179,6 +258,11 @@ impl ObjectCache {
                 cached.put_task(t, true);
             }
         }
+        for kind in [PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND] {
+            for value in store.list(kind, None)? {
+                cached.put_other(kind, &value);
+            }
+        }
         drop(cached);
         Ok(cache)
     }
@@ -206,8 +290,34 @@ impl ObjectCache {
                 }
             }
             (TASK, None) => self.write().remove_task(&key),
-            _ => {}
+            (kind, Some(value)) => self.write().put_other(kind, value),
+            (kind, None) => self.write().remove_other(kind, &key),
         }
+    }
+
+    /// The Proplets, as a `Controller` reads them.
+    pub fn proplet_store(&self) -> Store<Proplet> {
+        self.read().reflected_proplets.reader.clone()
+    }
+
+    /// The Tasks, as a `Controller` reads them.
+    pub fn task_store(&self) -> Store<Task> {
+        self.read().reflected_tasks.reader.clone()
+    }
+
+    /// The PropellerJobs, as a `Controller` reads them.
+    pub fn propeller_job_store(&self) -> Store<PropellerJob> {
+        self.read().propeller_jobs.reader.clone()
+    }
+
+    /// The FederatedJobs, as a `Controller` reads them.
+    pub fn federated_job_store(&self) -> Store<FederatedJob> {
+        self.read().federated_jobs.reader.clone()
+    }
+
+    /// The TrainingRounds, as a `Controller` reads them.
+    pub fn training_round_store(&self) -> Store<TrainingRound> {
+        self.read().training_rounds.reader.clone()
     }
 
     /// Every Proplet, by namespace then name.

@@ -1,28 +1,33 @@
-//! The standalone driver: the same plans as on Kubernetes, applied to the embedded store.
+//! The standalone driver: the same controllers as on Kubernetes (`crate::controller`), run by
+//! kube-runtime's `Controller`s over the embedded store.
 //!
-//! One work queue of object keys feeds up to [`MAX_CONCURRENT_RECONCILES`] reconciles at a
-//! time, never two of one object at once (as kube-rs controllers run them). Keys come from
-//! store changes (a watch, with related objects: a task's owner, dependents and proplet),
-//! from broker events (recorded in [`DriverState`] first; the MQTT side never writes the
-//! store), from requeue times the plans ask for, and from a periodic sweep of proplets.
-//! Reconciles read the objects they are not about from an [`ObjectCache`], and their own
-//! object from the store.
+//! Each kind has a `Controller` built with `Controller::for_stream` on the [`ObjectCache`]'s
+//! reflector store, so queueing, de-duplication, never two reconciles of one object at once,
+//! requeue timers and bounded concurrency are kube-runtime's, as in Kubernetes mode. What
+//! wakes a reconcile comes from three places: store changes (with their related objects: a
+//! task's owner, dependents and proplet), broker events (recorded in the driver state first;
+//! the MQTT side never writes the store), and the requeue times the plans ask for, plus a
+//! periodic sweep of proplets.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::reflector::ObjectRef;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tokio::task::JoinSet;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::controller::Common;
+use crate::crd::federated::{FederatedJob, TrainingRound};
+use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
 use crate::credentials::credential_table;
 use crate::decision::task::TaskSettings;
 use crate::k8s::proplet::PropletSettings;
@@ -63,12 +68,9 @@ const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 /// new Proplet's device can log in at most this long after the Proplet is stored.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
-/// Reconciles in flight at once. They mostly wait for the store's group commit, so several
-/// share each `fsync`.
-pub const MAX_CONCURRENT_RECONCILES: usize = 64;
-
-/// Kinds the driver reconciles.
-const RECONCILED: [&str; 5] = [PROPLET, TASK, PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND];
+/// Reconciles of one kind in flight at once. They mostly wait for the store's group commit,
+/// so several share each `fsync`.
+pub const MAX_CONCURRENT_RECONCILES: u16 = 64;
 
 /// Settings of the standalone driver.
 #[derive(Debug, Clone)]
@@ -110,6 +112,48 @@ impl Key {
     }
 }
 
+/// Where wakes go: one `Controller` per kind.
+struct WakeSenders {
+    proplets: UnboundedSender<ObjectRef<Proplet>>,
+    tasks: UnboundedSender<ObjectRef<Task>>,
+    propeller_jobs: UnboundedSender<ObjectRef<PropellerJob>>,
+    federated_jobs: UnboundedSender<ObjectRef<FederatedJob>>,
+    training_rounds: UnboundedSender<ObjectRef<TrainingRound>>,
+}
+
+/// The receiving ends of the wakes, which [`Driver::run`] hands to the `Controller`s.
+pub struct Wakes {
+    proplets: UnboundedReceiver<ObjectRef<Proplet>>,
+    tasks: UnboundedReceiver<ObjectRef<Task>>,
+    propeller_jobs: UnboundedReceiver<ObjectRef<PropellerJob>>,
+    federated_jobs: UnboundedReceiver<ObjectRef<FederatedJob>>,
+    training_rounds: UnboundedReceiver<ObjectRef<TrainingRound>>,
+}
+
+fn wake_channels() -> (WakeSenders, Wakes) {
+    let (proplets, proplets_rx) = unbounded_channel();
+    let (tasks, tasks_rx) = unbounded_channel();
+    let (propeller_jobs, propeller_jobs_rx) = unbounded_channel();
+    let (federated_jobs, federated_jobs_rx) = unbounded_channel();
+    let (training_rounds, training_rounds_rx) = unbounded_channel();
+    (
+        WakeSenders {
+            proplets,
+            tasks,
+            propeller_jobs,
+            federated_jobs,
+            training_rounds,
+        },
+        Wakes {
+            proplets: proplets_rx,
+            tasks: tasks_rx,
+            propeller_jobs: propeller_jobs_rx,
+            federated_jobs: federated_jobs_rx,
+            training_rounds: training_rounds_rx,
+        },
+    )
+}
+
 /// The standalone reconcilers and their shared state.
 pub struct Driver {
     store: ObjectStore,
@@ -118,22 +162,19 @@ pub struct Driver {
     /// How often every proplet is looked at without events.
     sweep: Duration,
     credentials: Arc<CredentialStore>,
-    queue: UnboundedSender<Key>,
-    queued: Mutex<HashSet<Key>>,
+    wake: WakeSenders,
     events: Arc<EventLog>,
     cache: Arc<ObjectCache>,
     /// The cache's credential epoch and the time of the last rebuild.
     credentials_built: Mutex<Option<(u64, Instant)>>,
-    /// The time each key's pending timer fires.
-    timers: Mutex<HashMap<Key, DateTime<Utc>>>,
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
 }
 
 impl Driver {
-    /// A driver over `store`, publishing through `publisher`; the returned receiver is the
-    /// work queue [`Driver::run`] consumes. Fails if the store cannot be read.
+    /// A driver over `store`, publishing through `publisher`; the returned [`Wakes`] are for
+    /// [`Driver::run`]. Fails if the store cannot be read.
     pub fn new(
         store: ObjectStore,
         publisher: Publisher,
@@ -141,24 +182,22 @@ impl Driver {
         credentials: Arc<CredentialStore>,
         metrics: Arc<ControllerMetrics>,
         events: Arc<EventLog>,
-    ) -> Result<(Arc<Self>, UnboundedReceiver<Key>), StoreError> {
-        let (queue, rx) = unbounded_channel();
+    ) -> Result<(Arc<Self>, Wakes), StoreError> {
+        let (wake, wakes) = wake_channels();
         let cache = ObjectCache::attach(&store)?;
         let driver = Arc::new(Self {
             store,
             common: Common::new(publisher, settings.proplet, settings.task, metrics),
             sweep: settings.sweep,
             credentials,
-            queue,
-            queued: Mutex::new(HashSet::new()),
+            wake,
             events,
             cache,
             credentials_built: Mutex::new(None),
-            timers: Mutex::new(HashMap::new()),
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
         });
-        Ok((driver, rx))
+        Ok((driver, wakes))
     }
 
     /// Serves OCI images to devices and resolves Tasks' `imageUrl`s with `images`; a
@@ -187,36 +226,18 @@ impl Driver {
 
     /// Asks for `key` to be reconciled (once, however often it is asked before it runs).
     pub fn enqueue(&self, key: Key) {
-        if lock(&self.queued).insert(key.clone()) {
-            let _ = self.queue.send(key);
+        fn at<K: kube::Resource<DynamicType = ()>>(key: &Key) -> ObjectRef<K> {
+            ObjectRef::new(&key.name).within(&key.namespace)
         }
-    }
-
-    /// Reconciles `key` at `at`. One timer per key: a later time than one already set waits
-    /// for that one (whose reconcile asks again), so a heartbeating proplet does not pile up
-    /// a timer per heartbeat.
-    fn enqueue_at(self: &Arc<Self>, key: Key, at: DateTime<Utc>, now: DateTime<Utc>) {
-        {
-            let mut timers = lock(&self.timers);
-            if timers.get(&key).is_some_and(|set| *set <= at) {
-                return;
-            }
-            timers.insert(key.clone(), at);
-        }
-        let wait = (at - now).to_std().unwrap_or_default() + Duration::from_millis(50);
-        let driver = Arc::downgrade(self);
-        tokio::spawn(async move {
-            tokio::time::sleep(wait).await;
-            if let Some(driver) = driver.upgrade() {
-                {
-                    let mut timers = lock(&driver.timers);
-                    if timers.get(&key) == Some(&at) {
-                        timers.remove(&key);
-                    }
-                }
-                driver.enqueue(key);
-            }
-        });
+        // A closed channel means the controllers stopped: nothing to wake.
+        let _ = match key.kind.as_str() {
+            PROPLET => self.wake.proplets.send(at(&key)).is_ok(),
+            TASK => self.wake.tasks.send(at(&key)).is_ok(),
+            PROPELLER_JOB => self.wake.propeller_jobs.send(at(&key)).is_ok(),
+            FEDERATED_JOB => self.wake.federated_jobs.send(at(&key)).is_ok(),
+            TRAINING_ROUND => self.wake.training_rounds.send(at(&key)).is_ok(),
+            _ => false,
+        };
     }
 
     /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
@@ -232,63 +253,30 @@ impl Driver {
     /// Runs the reconcilers until `shutdown` resolves, then lets the ones in flight finish.
     pub async fn run(
         self: Arc<Self>,
-        mut queue: UnboundedReceiver<Key>,
+        wakes: Wakes,
         mut events: UnboundedReceiver<BrokerEvent>,
-        shutdown: impl std::future::Future<Output = ()>,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         self.refresh_credentials(true);
-        self.enqueue_everything();
+        let shutdown = shutdown.shared();
+        let controllers = tokio::spawn(reconcile::controllers(
+            self.clone(),
+            wakes,
+            shutdown.clone(),
+        ));
         let mut changes = self.store.subscribe();
-        let mut sweep = tokio::time::interval(self.sweep.max(Duration::from_secs(1)));
         let mut credential_tick = tokio::time::interval(CREDENTIAL_TICK);
-        let mut running: JoinSet<()> = JoinSet::new();
-        let mut in_flight: HashMap<tokio::task::Id, Key> = HashMap::new();
-        // Keys asked for while a reconcile of theirs runs: they run again after it.
-        let mut again: HashSet<Key> = HashSet::new();
-        // The latest stored change of a key while its reconcile runs: it runs again after
-        // unless the change was that reconcile's own last write.
-        let mut changed_meanwhile: HashMap<Key, u64> = HashMap::new();
-        tokio::pin!(shutdown);
+        let mut shutdown = std::pin::pin!(shutdown);
         info!("standalone reconcilers running");
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                Some(key) = queue.recv(), if running.len() < MAX_CONCURRENT_RECONCILES => {
-                    lock(&self.queued).remove(&key);
-                    if in_flight.values().any(|k| *k == key) {
-                        again.insert(key);
-                        continue;
-                    }
-                    let driver = self.clone();
-                    let task_key = key.clone();
-                    let handle = running.spawn(async move { driver.reconcile(&task_key).await });
-                    in_flight.insert(handle.id(), key);
-                }
-                Some(done) = running.join_next_with_id() => {
-                    let id = match &done {
-                        Ok((id, ())) => *id,
-                        Err(e) => {
-                            warn!(error = %e, "a reconcile panicked");
-                            e.id()
-                        }
-                    };
-                    if let Some(key) = in_flight.remove(&id) {
-                        let changed = changed_meanwhile
-                            .remove(&key)
-                            .is_some_and(|version| !self.own_writes.is_own(&key, version));
-                        if again.remove(&key) || changed {
-                            self.enqueue(key);
-                        }
-                    }
-                }
                 Some(event) = events.recv() => self.route_event(&event),
                 change = changes.recv() => match change {
                     Ok(change) => {
                         let key = Key::new(&change.kind, &change.namespace, &change.name);
                         self.related(&key);
-                        if in_flight.values().any(|k| *k == key) {
-                            changed_meanwhile.insert(key, change.resource_version);
-                        } else if !self.own_writes.is_own(&key, change.resource_version) {
+                        if !self.own_writes.is_own(&key, change.resource_version) {
                             self.enqueue(key);
                         }
                     }
@@ -304,31 +292,27 @@ impl Driver {
                         .swap(false, AtomicOrdering::Relaxed);
                     self.refresh_credentials(secrets);
                 }
-                _ = sweep.tick() => {
-                    for p in self.cache.proplets() {
-                        self.enqueue(Key::of(PROPLET, &p.metadata));
-                    }
-                }
             }
         }
-        while running.join_next().await.is_some() {}
+        if let Err(e) = controllers.await {
+            warn!(error = %e, "the controllers ended abnormally");
+        }
         info!("standalone reconcilers stopped");
     }
 
     fn enqueue_everything(&self) {
-        for kind in RECONCILED {
-            match self.store.list(kind, None) {
-                Ok(values) => {
-                    for v in values {
-                        if let Ok(meta) =
-                            serde_json::from_value::<ObjectMeta>(v["metadata"].clone())
-                        {
-                            self.enqueue(Key::of(kind, &meta));
-                        }
-                    }
-                }
-                Err(e) => warn!(%e, kind, "cannot list"),
-            }
+        fn keys<K: kube::Resource>(kind: &str, objects: Vec<Arc<K>>) -> Vec<Key> {
+            objects.iter().map(|o| Key::of(kind, o.meta())).collect()
+        }
+        let all = [
+            keys(PROPLET, self.cache.proplets()),
+            keys(TASK, self.cache.tasks()),
+            keys(PROPELLER_JOB, self.cache.propeller_job_store().state()),
+            keys(FEDERATED_JOB, self.cache.federated_job_store().state()),
+            keys(TRAINING_ROUND, self.cache.training_round_store().state()),
+        ];
+        for key in all.into_iter().flatten() {
+            self.enqueue(key);
         }
     }
 }
