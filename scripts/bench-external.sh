@@ -14,4 +14,5 @@ cd "$(dirname "$0")/.."
 scripts/build-release.sh
 # One socket per simulated proplet, in the load generator and in the broker.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-exec python3 scripts/bench_external.py target/release "${1:-embedded,rabbitmq,nats}"
+source scripts/lib/harness.sh
+exec "$PYTHON" scripts/bench_external.py target/release "${1:-embedded,rabbitmq,nats}"

@@ -46,7 +46,7 @@ run_one() {
   local mqtt metrics
   mqtt=$(free_port); metrics=$(free_port)
   if [ "$what" = pipeline ]; then
-    python3 scripts/bench_k8s_run.py baseline 0 "$dir/admin.kubeconfig" 0 "$BIN" 0 "$apiserver" "$dir"
+    "$PYTHON" scripts/bench_k8s_run.py baseline 0 "$dir/admin.kubeconfig" 0 "$BIN" 0 "$apiserver" "$dir"
   fi
   KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$BIN/propeller" run \
     --leader-elect --lease-namespace propeller-system --mqtt-listen "127.0.0.1:$mqtt" \
@@ -58,7 +58,7 @@ run_one() {
     curl -sf "http://127.0.0.1:$metrics/readyz" >/dev/null 2>&1 && break
     sleep 0.2
   done
-  PROPELLER_METRICS="127.0.0.1:$metrics" python3 scripts/bench_k8s_run.py "$what" "$n" \
+  PROPELLER_METRICS="127.0.0.1:$metrics" "$PYTHON" scripts/bench_k8s_run.py "$what" "$n" \
     "$dir/admin.kubeconfig" "$mqtt" "$BIN" "$propeller" "$apiserver" "$dir"
   kill "$propeller" "$envtest" 2>/dev/null || true
   wait "$propeller" "$envtest" 2>/dev/null || true

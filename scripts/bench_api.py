@@ -1,9 +1,15 @@
-"""The standalone API as the benchmark scripts use it: bearer-token calls and the manifest of
-one external Proplet with its key Secret. Imported by the `scripts/bench-*.sh` drivers."""
+"""The standalone API as the benchmark scripts use it: bearer-token calls, `/metrics` read with
+prometheus_client's parser, process figures from psutil, and the manifest of one external
+Proplet with its key Secret. Imported by the benchmark and fault programs under `scripts/`
+(run with Debian's python3 and its python3-psutil and python3-prometheus-client packages,
+which `scripts/lib/harness.sh` installs)."""
 import http.client
 import json
 import os
 import subprocess
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class Api:
@@ -36,18 +42,10 @@ class Api:
 
 
 def parse_metrics(text):
-    """`(name, labels text, value)` of every sample of a Prometheus text exposition."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        metric, _, value = line.rpartition(" ")
-        name, _, labels = metric.partition("{")
-        try:
-            out.append((name, labels, float(value)))
-        except ValueError:
-            continue
-    return out
+    """`(name, labels, value)` of every sample of a Prometheus text exposition."""
+    return [(sample.name, sample.labels, sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples]
 
 
 def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold, silence_after=70):
@@ -92,67 +90,61 @@ def kept_alive_request(owner, connect, method, path, body, headers, ok):
 
 def pick(samples, name, **labels):
     """The sum of metric `name` over the `samples` carrying every given label value."""
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(value for n, lbl, value in samples if n == name and all(w in lbl for w in wanted))
-
-
-def _stat(pid):
-    """(name, the fields after it) of /proc/`pid`/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 1:].split()
+    return sum(value for n, lbl, value in samples
+               if n == name and all(lbl.get(k) == str(v) for k, v in labels.items()))
 
 
 def cpu_seconds(pid):
     """User + system CPU time process `pid` has used so far."""
-    fields = _stat(pid)[1]
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def cpu_or_zero(pid):
     """cpu_seconds of `pid`, 0 when there is no such process (any more)."""
     try:
         return cpu_seconds(pid) if pid else 0
-    except OSError:
+    except psutil.Error:
         return 0
 
 
 def parent_of(pid):
     """The parent pid of process `pid`."""
-    return int(_stat(pid)[1][1])
+    return psutil.Process(pid).ppid()
+
+
+def children_of(pid):
+    """Every descendant of process `pid`."""
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
 
 
 def machine_cpu_seconds():
     """(busy, total) CPU seconds of the whole machine so far, over all cores."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    tick = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks) - idle) / tick, sum(ticks) / tick
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    total = sum(times)
+    # guest time is already counted in user time.
+    total -= getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)
+    return total - idle, total
 
 
 def pid_named(comm, parent=None):
     """The pid of a process whose name is `comm` (Linux cuts names at 15 characters),
     a child of `parent` when given; None when there is none."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            name, fields = _stat(entry)
-        except OSError:
-            continue
-        if name == comm[:15] and (parent is None or int(fields[1]) == parent):
-            return int(entry)
+    for proc in psutil.process_iter(["name", "ppid"]):
+        if proc.info["name"] == comm[:15] and (parent is None or proc.info["ppid"] == parent):
+            return proc.pid
     return None
 
 
 def rss_mib(pid):
     """Resident memory of process `pid`, in MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return psutil.Process(pid).memory_info().rss / (1024 * 1024)
+
+
+def open_files(pid):
+    """How many descriptors process `pid` holds."""
+    return psutil.Process(pid).num_fds()
 
 
 def proplet_manifest(name, mqtt_port, key):

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_api import Api, cpu_or_zero, free_port, pick, rss_mib  # noqa: E402
+from bench_api import Api, children_of, cpu_or_zero, free_port, pick, rss_mib  # noqa: E402
 
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
 AGENTS = 4
@@ -101,26 +101,6 @@ def heartbeat_phase(plane, api, bin_dir, propeller_pid, n):
     finally:
         gen.terminate()
         gen.wait(timeout=60)
-
-
-def children_of(pid):
-    """Every descendant of process `pid`."""
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            ppid = int(text[text.rindex(")") + 1:].split()[1])
-            if ppid == parent:
-                found.append(int(entry))
-                frontier.append(int(entry))
-    return found
 
 
 class Plane:

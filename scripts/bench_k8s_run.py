@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_api import (  # noqa: E402
-    cpu_or_zero, cpu_seconds, heartbeat_load, machine_cpu_seconds, parent_of, pid_named, rss_mib,
+    cpu_or_zero, cpu_seconds, heartbeat_load, machine_cpu_seconds, parent_of, parse_metrics,
+    pid_named, rss_mib,
     start_agent)
 from bench_kube import GROUP, Kube, add_task, proplet, secret  # noqa: E402
 
@@ -144,8 +145,7 @@ def request_counts():
         if name not in ("apiserver_request_total", "apiserver_request_duration_seconds_sum",
                         "apiserver_request_duration_seconds_count"):
             continue
-        fields = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
-        field = lambda f: fields.get(f, "").strip(chr(34))
+        field = lambda f: labels.get(f, "")
         what = f'{field("verb")} {field("resource")}/{field("subresource")}'
         key = {"apiserver_request_total": f'{what} {field("code")}',
                "apiserver_request_duration_seconds_sum": ("sum", what),
@@ -171,9 +171,9 @@ def status_writes():
     """Proplet status writes the API server has served (PATCH or PUT on proplets/status)."""
     total = 0.0
     for name, labels, value in kube.metrics():
-        if (name == "apiserver_request_total" and 'resource="proplets"' in labels
-                and 'subresource="status"' in labels
-                and ('verb="PATCH"' in labels or 'verb="PUT"' in labels)):
+        if (name == "apiserver_request_total" and labels.get("resource") == "proplets"
+                and labels.get("subresource") == "status"
+                and labels.get("verb") in ("PATCH", "PUT")):
             total += value
     return total
 
@@ -339,13 +339,10 @@ def print_offline_delays():
         return
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     buckets = {}
-    for line in text.splitlines():
-        if not line.startswith("propeller_proplet_offline_delay_seconds_bucket"):
+    for name, labels, value in parse_metrics(text):
+        if name != "propeller_proplet_offline_delay_seconds_bucket":
             continue
-        labels, value = line.rsplit(" ", 1)
-        stage = labels.split('stage="', 1)[1].split('"', 1)[0]
-        le = labels.split('le="', 1)[1].split('"', 1)[0]
-        buckets.setdefault(stage, []).append((float(le), float(value)))
+        buckets.setdefault(labels["stage"], []).append((float(labels["le"]), value))
     for stage, counts in sorted(buckets.items()):
         total = counts[-1][1]
         if not total:

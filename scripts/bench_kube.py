@@ -76,7 +76,7 @@ class Kube:
         return events()
 
     def metrics(self):
-        """`(name, labels text, value)` of every sample the API server exports."""
+        """`(name, labels, value)` of every sample the API server exports."""
         return parse_metrics(self.raw("GET", "/metrics").decode())
 
 

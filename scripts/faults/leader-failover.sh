@@ -38,7 +38,7 @@ for run in $(seq 1 "$RUNS"); do
   start_control_plane "$dir" "$BIN"
   PIDS+=("$ENVTEST_PID")
   point=${points[$(( (run - 1) % 3 ))]}
-  if ! python3 scripts/faults/leader_failover_run.py "$BIN" "$dir" "$point" "${FAILOVER_TASKS:-1000}" "$run"; then
+  if ! "$PYTHON" scripts/faults/leader_failover_run.py "$BIN" "$dir" "$point" "${FAILOVER_TASKS:-1000}" "$run"; then
     failed=1
   fi
   kill "$ENVTEST_PID" 2>/dev/null || true

@@ -1,4 +1,16 @@
-# Sourced by the bench and fault scripts: free ports and a real control plane.
+# Sourced by the bench and fault scripts: the Python they run their measuring programs with,
+# free ports, `propeller standalone` on them, and a real control plane.
+#
+#   "$PYTHON" scripts/PROGRAM.py ...
+#
+# PYTHON is Debian's python3 with python3-psutil (process figures) and
+# python3-prometheus-client (the /metrics parser), installed here when missing.
+#
+#   start_standalone PROPELLER DATA_DIR LOG [FLAG...]
+#
+# Starts `PROPELLER standalone` with its data in DATA_DIR, MQTT and API on free loopback ports
+# and its output in LOG (RUST_LOG from the caller's environment); sets MQTT, API and
+# STANDALONE_PID once its API token is written.
 #
 #   start_control_plane DIR BIN
 #
@@ -6,6 +18,34 @@
 # DIR) and writes DIR/propeller.kubeconfig: the same cluster, authenticated as the
 # ServiceAccount propeller-system/propeller that configs/rbac binds. Sets ENVTEST_PID,
 # APISERVER_PID and KUBECONFIG (the admin's). The caller stops ENVTEST_PID.
+
+use_debian_python() {
+  PYTHON=/usr/bin/python3
+  if ! "$PYTHON" -c 'import psutil, prometheus_client' 2>/dev/null; then
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    echo "installing python3-psutil python3-prometheus-client" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      python3 python3-psutil python3-prometheus-client >/dev/null
+  fi
+  export PYTHON PYTHONDONTWRITEBYTECODE=1
+}
+use_debian_python
+
+start_standalone() {
+  local propeller=$1 data=$2 log=$3
+  shift 3
+  MQTT=$(free_port)
+  API=$(free_port)
+  "$propeller" standalone --data-dir "$data" --mqtt-listen "127.0.0.1:$MQTT" \
+    --api-listen "127.0.0.1:$API" "$@" >"$log" 2>&1 &
+  STANDALONE_PID=$!
+  for _ in $(seq 1 100); do [ -s "$data/api-token" ] && return 0; sleep 0.1; done
+  echo "propeller standalone wrote no API token within 10 s:" >&2
+  tail -n 20 "$log" >&2
+  return 1
+}
 
 start_control_plane() {
   local dir=$1 bin=$2
@@ -28,6 +68,6 @@ start_control_plane() {
 
 # Prints a free TCP port on 127.0.0.1 (bench_api.free_port: from below the ephemeral range).
 free_port() {
-  PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$(dirname "${BASH_SOURCE[0]}")/.." \
-    python3 -c 'from bench_api import free_port; print(free_port())'
+  PYTHONPATH="$(dirname "${BASH_SOURCE[0]}")/.." \
+    "$PYTHON" -c 'from bench_api import free_port; print(free_port())'
 }

@@ -1,0 +1,86 @@
+"""The heartbeat-scale benchmark: N heartbeating proplets on `propeller standalone`.
+
+Run by `scripts/bench-heartbeats.sh`, which starts the processes and passes their ports and pids;
+see that script for what is measured."""
+import json, os, statistics, subprocess, sys, threading, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_api import Api, cpu_seconds, heartbeat_load, pick, proplet_manifest, rss_mib
+api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+SILENT = min(1000, n)
+THRESHOLD, FLUSH = 30, 5
+api = Api(api_port, os.path.join(work, "data"))
+call = api.raw
+
+def metrics():
+    samples = api.samples()
+    return {
+        "running": pick(samples, "propeller_proplets", phase="Running"),
+        "offline": pick(samples, "propeller_proplets", phase="Offline"),
+        "proplet_writes": pick(samples, "propeller_store_changes_total", kind="Proplet", change="Modified"),
+        "durable": pick(samples, "propeller_store_durable_commits_total"),
+        "transactions": pick(samples, "propeller_store_transactions_total"),
+    }
+
+# N Secrets and N Proplets, in chunks that stay under the API's body limit.
+t = time.time()
+for start in range(0, n, 500):
+    docs = [proplet_manifest(f"hb-{i}", mqtt, f"hb-{i}-key") for i in range(start, min(n, start + 500))]
+    call("POST", "/v1/apply", "---\n".join(docs))
+# Wait for the reconcilers to settle (finalizers on, credentials built).
+last = -1
+while True:
+    now = metrics()["transactions"]
+    if now == last:
+        break
+    last = now
+    time.sleep(2)
+print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} s; RSS {rss_mib(pid):.0f} MiB")
+
+samples = []  # (time, cpu seconds, rss MiB, metrics)
+stop = threading.Event()
+def sample():
+    while not stop.is_set():
+        try:
+            samples.append((time.time(), cpu_seconds(pid), rss_mib(pid), metrics()))
+        except Exception as e:  # the run ends; keep what we have
+            print(f"sampling stopped: {e}")
+            return
+        stop.wait(0.5)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+
+events = heartbeat_load(bin_dir, mqtt, n, SILENT, THRESHOLD)
+stop.set()
+sampler.join()
+if "done" not in events:
+    raise SystemExit("the load generator failed")
+lost = events["done"]["failed"]
+
+start = events["connecting"]["unix_ms"] / 1000
+silenced = events["silenced"]["unix_ms"] / 1000
+all_running = next((s[0] for s in samples if s[3]["running"] >= n), None)
+all_offline = next((s[0] for s in samples if s[0] >= silenced and s[3]["offline"] >= SILENT), None)
+steady = [s for s in samples if all_running and all_running + 10 <= s[0] <= silenced]
+if len(steady) < 2:
+    raise SystemExit("no steady window: the proplets never all ran")
+a, b = steady[0], steady[-1]
+span = b[0] - a[0]
+cpu = (b[1] - a[1]) / span * 100
+writes = (b[3]["proplet_writes"] - a[3]["proplet_writes"]) / span
+fsyncs = (b[3]["durable"] - a[3]["durable"]) / span
+rss = [s[2] for s in steady]
+print()
+print(f"| measure | figure | target | met |")
+print(f"|---|---|---|---|")
+print(f"| proplets (real MQTT connections, own credentials) | {n} | 10,000 | {'yes' if n >= 10000 else 'no'} |")
+print(f"| first connection -> all {n} Running | {all_running - start:.1f} s | - | - |")
+print(f"| propeller CPU, steady {span:.0f} s window | {cpu:.1f}% of one core | < 50% | {'yes' if cpu < 50 else 'no'} |")
+print(f"| propeller RSS, steady (max) | {statistics.median(rss):.0f} MiB ({max(rss):.0f}) | < 300 MiB | {'yes' if max(rss) < 300 else 'no'} |")
+print(f"| Proplet status writes | {writes:.0f}/s = {writes * FLUSH / n:.2f} per proplet per {FLUSH} s flush interval ({fsyncs:.0f} fsyncs/s) | <= 1 | {'yes' if writes * FLUSH / n <= 1 else 'no'} |")
+if all_offline:
+    took = all_offline - silenced
+    print(f"| {SILENT} silent -> all Offline | {took:.1f} s | <= {THRESHOLD} + 2 s | {'yes' if took <= THRESHOLD + 2 else 'no'} |")
+else:
+    print(f"| {SILENT} silent -> all Offline | not within the run | <= {THRESHOLD} + 2 s | no |")
+print(f"peak RSS over the whole run: {max(s[2] for s in samples):.0f} MiB")
+print(f"simulated proplets whose connection the broker closed during the run: {lost} of {n}")
