@@ -29,11 +29,11 @@ use rumqttc::{
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn};
 
-use crate::component::OutgoingHttp;
 use crate::config::{BrokerAddress, Config};
 use crate::fetch::HttpFetcher;
 use crate::finished::{Finished, FinishedRuns, Seen};
 use crate::http_server::Server as HttpServer;
+use crate::outgoing_http::OutgoingHttp;
 use crate::spool::Spool;
 use crate::system::{cpu_seconds, SystemProbe};
 use crate::telemetry::AgentMetrics;

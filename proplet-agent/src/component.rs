@@ -27,9 +27,9 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{I32Exit, WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::wasm::{
-    command_output, root_cause, Invocation, Limiter, Outcome, RunError, StopFlag, WasmRuntime,
-};
+use crate::wasm::limits::{Limiter, RunError, StopFlag};
+use crate::wasm::sandbox::{Invocation, Outcome, Sandbox};
+use crate::wasm::values::{command_output, root_cause};
 
 /// The export that makes a component an HTTP server.
 pub(crate) const HTTP_HANDLER: &str = "wasi:http/incoming-handler";
@@ -123,26 +123,26 @@ pub(crate) struct Pipes {
 
 /// A store for one run of a component, and its output pipes.
 pub(crate) fn new_store(
-    runtime: &WasmRuntime,
+    sandbox: &Sandbox,
     invocation: &Invocation,
     stop: &StopFlag,
 ) -> Result<(Store<ComponentHost>, Pipes), RunError> {
-    let cap = runtime.limits().max_output_bytes;
+    let cap = sandbox.limits().max_output_bytes;
     let pipes = Pipes {
         stdout: MemoryOutputPipe::new(cap),
         stderr: MemoryOutputPipe::new(cap),
     };
-    let wasi = runtime
+    let wasi = sandbox
         .wasi_builder(invocation, &pipes.stdout, &pipes.stderr)?
         .build();
     let host = ComponentHost {
         wasi,
         table: ResourceTable::new(),
         http: WasiHttpCtx::new(),
-        hooks: HttpHooks(Arc::new(runtime.limits().outgoing_http.clone())),
-        limits: runtime.limiter(&invocation.gauge),
+        hooks: HttpHooks(Arc::new(sandbox.limits().outgoing_http.clone())),
+        limits: sandbox.limiter(&invocation.gauge),
     };
-    let store = runtime.store(host, ComponentHost::limiter, invocation, stop)?;
+    let store = sandbox.store(host, ComponentHost::limiter, invocation, stop)?;
     Ok((store, pipes))
 }
 
@@ -210,12 +210,12 @@ impl Prepared {
 
 /// Runs `prepared` once; blocks the calling thread.
 pub(crate) fn run(
-    runtime: &WasmRuntime,
+    sandbox: &Sandbox,
     prepared: &Prepared,
     invocation: &Invocation,
     stop: &StopFlag,
 ) -> Result<Outcome, RunError> {
-    let engine = runtime.engine();
+    let engine = sandbox.engine();
     let component = &prepared.component;
     if prepared.serves_http {
         return Err(RunError::Serve(
@@ -225,9 +225,9 @@ pub(crate) fn run(
         ));
     }
     let pre = prepared.linked()?;
-    let (mut store, pipes) = new_store(runtime, invocation, stop)?;
+    let (mut store, pipes) = new_store(sandbox, invocation, stop)?;
     let classify =
-        |error: wasmtime::Error| runtime.classify_error(error, invocation, stop, &pipes.stderr);
+        |error: wasmtime::Error| sandbox.classify_error(error, invocation, stop, &pipes.stderr);
     let output = if is_command_name(&invocation.function) {
         let Ok(command) = CommandPre::new(pre.clone()) else {
             return Err(RunError::NotACommand(
@@ -264,7 +264,7 @@ pub(crate) fn run(
     };
     Ok(Outcome {
         output,
-        fuel_used: runtime.fuel_used(&store),
+        fuel_used: sandbox.fuel_used(&store),
         memory_bytes: invocation.gauge.memory_bytes() as usize,
     })
 }

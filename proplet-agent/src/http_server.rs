@@ -200,9 +200,10 @@ async fn handle(
     let (sender, receiver) = tokio::sync::oneshot::channel();
     let call = shared.clone();
     let guest = tokio::task::spawn_blocking(move || -> Result<(), RunError> {
-        let (mut store, pipes) = new_store(&call.runtime, &call.invocation, &call.stop)?;
+        let (mut store, pipes) = new_store(call.runtime.sandbox(), &call.invocation, &call.stop)?;
         let classify = |e: wasmtime::Error| {
             call.runtime
+                .sandbox()
                 .classify_error(e, &call.invocation, &call.stop, &pipes.stderr)
         };
         let request = store

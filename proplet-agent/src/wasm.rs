@@ -13,68 +13,31 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
-use wasmtime::{
-    Config, Engine, Extern, Func, Instance, Linker, Module, ResourceLimiter, Store, StoreLimits,
-    StoreLimitsBuilder, Trap, UpdateDeadline, Val, ValType,
-};
+use wasmtime::{Config, Engine, Linker, Module, Val};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+use wasmtime_wasi::I32Exit;
 
 mod cache;
-mod limits;
-mod values;
+pub(crate) mod limits;
+pub(crate) mod sandbox;
+pub(crate) mod values;
 
 use cache::*;
 pub use limits::*;
+pub use sandbox::{Invocation, Outcome, Sandbox};
 pub use values::is_component;
 use values::*;
 pub(crate) use values::{command_output, root_cause};
 
-/// Call stack of a guest: deep or unbounded recursion past it ends the task with
-/// [`RunError::StackOverflow`]. Wasmtime's default, stated here so the error can name it; it
-/// stays well below the 2 MiB stacks of the threads that run guests.
-pub const WASM_STACK_BYTES: usize = 512 * 1024;
-
 /// How often running tasks are checked for stop requests and deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
-
-/// What to run.
-#[derive(Debug, Clone, Default)]
-pub struct Invocation {
-    /// Export to call (upstream's task `name`); falls back to `main`, `run`, `_start`.
-    pub function: String,
-    /// Arguments, parsed per parameter type.
-    pub inputs: Vec<String>,
-    /// WASI argv after the program name.
-    pub args: Vec<String>,
-    /// WASI environment.
-    pub env: Vec<(String, String)>,
-    /// Wall-clock limit; `None` for none at all (daemons).
-    pub timeout: Option<Duration>,
-    /// Host directories to preopen at the same path (must be allow-listed).
-    pub preopens: Vec<PathBuf>,
-    /// Where the run publishes its live figures.
-    pub gauge: Arc<TaskGauge>,
-}
-
-/// A successful run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    /// The result text upstream agents produce: the first return value in decimal, or the
-    /// captured stdout (then `\n` and stderr if any) for WASI commands.
-    pub output: String,
-    /// Fuel used, when metering is on.
-    pub fuel_used: Option<u64>,
-    /// Peak linear memory, bytes.
-    pub memory_bytes: usize,
-}
 
 /// A compiled core module or component, ready to instantiate (cheap to clone).
 #[derive(Clone)]
@@ -103,12 +66,11 @@ struct Host {
 
 /// One Wasmtime engine, its epoch ticker and the compiled-module cache.
 pub struct WasmRuntime {
-    engine: Engine,
+    sandbox: Sandbox,
     core_linker: std::sync::OnceLock<Result<Linker<Host>, String>>,
     component_linker: std::sync::OnceLock<
         Result<wasmtime::component::Linker<crate::component::ComponentHost>, String>,
     >,
-    limits: Limits,
     cache: Mutex<ModuleCache>,
     ticker_stop: Arc<AtomicBool>,
 }
@@ -139,10 +101,9 @@ impl WasmRuntime {
                 .map_err(|e| RunError::Compile(format!("module cache {}: {e}", dir.display())))?;
         }
         Ok(Self {
-            engine,
+            sandbox: Sandbox::new(engine, limits),
             core_linker: std::sync::OnceLock::new(),
             component_linker: std::sync::OnceLock::new(),
-            limits,
             cache,
             ticker_stop,
         })
@@ -161,11 +122,11 @@ impl WasmRuntime {
             return Ok((compiled, true));
         }
         let compiled = if component {
-            let component = Component::new(&self.engine, bytes)
+            let component = Component::new(self.engine(), bytes)
                 .map_err(|e| RunError::Compile(root_cause(&e)))?;
             self.prepare(component)?
         } else {
-            Module::new(&self.engine, bytes)
+            Module::new(self.engine(), bytes)
                 .map(Compiled::Module)
                 .map_err(|e| RunError::Compile(root_cause(&e)))?
         };
@@ -178,7 +139,7 @@ impl WasmRuntime {
     fn prepare(&self, component: Component) -> Result<Compiled, RunError> {
         let linker = self
             .component_linker
-            .get_or_init(|| crate::component::linker(&self.engine).map_err(|e| e.to_string()))
+            .get_or_init(|| crate::component::linker(self.engine()).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|e| RunError::Link(e.clone()))?;
         Ok(Compiled::Component(crate::component::Prepared::new(
@@ -188,17 +149,22 @@ impl WasmRuntime {
 
     /// The engine every task runs on.
     pub fn engine(&self) -> &Engine {
-        &self.engine
+        self.sandbox.engine()
     }
 
     /// The limits every task runs under.
     pub fn limits(&self) -> &Limits {
-        &self.limits
+        self.sandbox.limits()
+    }
+
+    /// The engine and limits a single run needs.
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
     }
 
     fn disk_path(&self, digest: &[u8; 32]) -> Option<PathBuf> {
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        self.limits
+        self.limits()
             .disk_cache
             .as_ref()
             .map(|dir| dir.join(format!("{hex}.cwasm")))
@@ -215,11 +181,11 @@ impl WasmRuntime {
         // component), and refuses it otherwise.
         let loaded = unsafe {
             if component {
-                Component::deserialize_file(&self.engine, &path)
+                Component::deserialize_file(self.engine(), &path)
                     .map_err(|e| RunError::Compile(root_cause(&e)))
                     .and_then(|c| self.prepare(c))
             } else {
-                Module::deserialize_file(&self.engine, &path)
+                Module::deserialize_file(self.engine(), &path)
                     .map(Compiled::Module)
                     .map_err(|e| RunError::Compile(root_cause(&e)))
             }
@@ -267,103 +233,9 @@ impl WasmRuntime {
         match compiled {
             Compiled::Module(module) => self.run_module(module, invocation, stop),
             Compiled::Component(component) => {
-                crate::component::run(self, component, invocation, stop)
+                crate::component::run(&self.sandbox, component, invocation, stop)
             }
         }
-    }
-
-    /// A WASI context builder with the task's argv, env, captured output and the preopens it
-    /// may have (refused outside the allow-list).
-    pub(crate) fn wasi_builder(
-        &self,
-        invocation: &Invocation,
-        stdout: &MemoryOutputPipe,
-        stderr: &MemoryOutputPipe,
-    ) -> Result<WasiCtxBuilder, RunError> {
-        let mut builder = WasiCtxBuilder::new();
-        let mut argv = vec![invocation.function.clone()];
-        argv.extend(invocation.args.iter().cloned());
-        builder
-            .args(&argv)
-            .envs(&invocation.env)
-            .stdout(stdout.clone())
-            .stderr(stderr.clone());
-        for dir in &invocation.preopens {
-            if !self
-                .limits
-                .preopen_allow_list
-                .iter()
-                .any(|a| dir.starts_with(a))
-            {
-                return Err(RunError::PreopenDenied(dir.display().to_string()));
-            }
-            let guest = dir.display().to_string();
-            builder
-                .preopened_dir(dir, &guest, FsPerms::ReadWrite)
-                .map_err(|e| RunError::Link(format!("preopen {guest}: {e}")))?;
-        }
-        Ok(builder)
-    }
-
-    /// The memory cap and accounting for one task.
-    pub(crate) fn limiter(&self, gauge: &Arc<TaskGauge>) -> Limiter {
-        gauge
-            .thread_id
-            .store(current_thread_id(), Ordering::Relaxed);
-        gauge
-            .metered
-            .store(self.limits.fuel.is_some(), Ordering::Relaxed);
-        Limiter {
-            inner: StoreLimitsBuilder::new()
-                .memory_size(self.limits.max_memory_bytes)
-                .trap_on_grow_failure(true)
-                .build(),
-            gauge: gauge.clone(),
-        }
-    }
-
-    /// A store for one task: the limiter found by `limiter`, fuel, and the epoch check that
-    /// makes a stop or the deadline interrupt the guest within one tick.
-    pub(crate) fn store<T: 'static>(
-        &self,
-        data: T,
-        limiter: fn(&mut T) -> &mut Limiter,
-        invocation: &Invocation,
-        stop: &StopFlag,
-    ) -> Result<Store<T>, RunError> {
-        let mut store = Store::new(&self.engine, data);
-        store.limiter(move |host| limiter(host) as &mut dyn ResourceLimiter);
-        if let Some(fuel) = self.limits.fuel {
-            store
-                .set_fuel(fuel)
-                .map_err(|e| RunError::Link(e.to_string()))?;
-        }
-        let deadline = invocation.timeout.map(|t| Instant::now() + t);
-        let watch = stop.clone();
-        let budget = self.limits.fuel;
-        let gauge = invocation.gauge.clone();
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |ctx| {
-            if let (Some(budget), Ok(left)) = (budget, ctx.get_fuel()) {
-                gauge
-                    .fuel_used
-                    .store(budget.saturating_sub(left), Ordering::Relaxed);
-            }
-            let expired = deadline.is_some_and(|d| Instant::now() >= d);
-            if watch.is_stopped() || expired {
-                Err(wasmtime::Error::msg(INTERRUPTED))
-            } else {
-                Ok(UpdateDeadline::Continue(1))
-            }
-        });
-        Ok(store)
-    }
-
-    /// Fuel a finished store used, when metering is on.
-    pub(crate) fn fuel_used<T>(&self, store: &Store<T>) -> Option<u64> {
-        self.limits
-            .fuel
-            .map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)))
     }
 
     fn run_module(
@@ -375,15 +247,19 @@ impl WasmRuntime {
         let needs_wasi = module.imports().any(|i| {
             i.module().starts_with("wasi_snapshot_preview1") || i.module() == "wasi_unstable"
         });
-        let stdout = MemoryOutputPipe::new(self.limits.max_output_bytes);
-        let stderr = MemoryOutputPipe::new(self.limits.max_output_bytes);
+        let stdout = MemoryOutputPipe::new(self.limits().max_output_bytes);
+        let stderr = MemoryOutputPipe::new(self.limits().max_output_bytes);
         let wasi = if needs_wasi {
-            Some(self.wasi_builder(invocation, &stdout, &stderr)?.build_p1())
+            Some(
+                self.sandbox
+                    .wasi_builder(invocation, &stdout, &stderr)?
+                    .build_p1(),
+            )
         } else {
             None
         };
-        let limits = self.limiter(&invocation.gauge);
-        let mut store = self.store(
+        let limits = self.sandbox.limiter(&invocation.gauge);
+        let mut store = self.sandbox.store(
             Host { wasi, limits },
             |host| &mut host.limits,
             invocation,
@@ -394,7 +270,7 @@ impl WasmRuntime {
         let linker = self
             .core_linker
             .get_or_init(|| {
-                let mut linker: Linker<Host> = Linker::new(&self.engine);
+                let mut linker: Linker<Host> = Linker::new(self.engine());
                 wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |host: &mut Host| {
                     host.wasi.as_mut().unwrap_or_else(|| {
                         unreachable!(
@@ -407,8 +283,10 @@ impl WasmRuntime {
             })
             .as_ref()
             .map_err(|e| RunError::Link(e.clone()))?;
-        let classify =
-            |error: wasmtime::Error| self.classify_error(error, invocation, stop, &stderr);
+        let classify = |error: wasmtime::Error| {
+            self.sandbox
+                .classify_error(error, invocation, stop, &stderr)
+        };
         let instance = match linker.instantiate(&mut store, module) {
             Ok(i) => i,
             Err(e) => return Err(classify(e)),
@@ -426,7 +304,7 @@ impl WasmRuntime {
         let mut results = vec![Val::I32(0); func.ty(&store).results().len()];
         let call = func.call(&mut store, &params, &mut results);
         let memory_bytes = memory_size(&mut store, &instance);
-        let fuel_used = self.fuel_used(&store);
+        let fuel_used = self.sandbox.fuel_used(&store);
         let is_command = name == "_start";
         match call {
             Ok(()) => {}
@@ -445,72 +323,6 @@ impl WasmRuntime {
             fuel_used,
             memory_bytes,
         })
-    }
-
-    /// Turns a Wasmtime error into what went wrong, in the task's terms.
-    pub(crate) fn classify_error(
-        &self,
-        error: wasmtime::Error,
-        invocation: &Invocation,
-        stop: &StopFlag,
-        stderr: &MemoryOutputPipe,
-    ) -> RunError {
-        if let Some(I32Exit(code)) = error.downcast_ref::<I32Exit>() {
-            return RunError::Exit {
-                code: *code,
-                stderr: String::from_utf8_lossy(&stderr.contents()).into_owned(),
-            };
-        }
-        let text = format!("{error:?}");
-        if text.contains(INTERRUPTED) {
-            if stop.is_stopped() {
-                return RunError::Stopped;
-            }
-            return RunError::TimedOut(invocation.timeout.unwrap_or_default());
-        }
-        if let Some(trap) = error.downcast_ref::<Trap>() {
-            if *trap == Trap::OutOfFuel {
-                return RunError::OutOfFuel(self.limits.fuel.unwrap_or(0));
-            }
-            if *trap == Trap::StackOverflow {
-                return RunError::StackOverflow(WASM_STACK_BYTES);
-            }
-        }
-        if text.contains("forcing trap when growing memory")
-            || text.contains("memory minimum size")
-            || text.contains("exceeds memory limits")
-        {
-            return RunError::MemoryLimit(self.limits.max_memory_bytes);
-        }
-        if text.contains("unknown import") || text.contains("matching implementation was not found")
-        {
-            return RunError::Link(root_cause(&error));
-        }
-        // One line: the trap and where, rather than the error chain with its backtrace.
-        let cause = match error.downcast_ref::<Trap>() {
-            Some(trap) => {
-                let text = trap.to_string();
-                let text = text.strip_prefix("wasm trap: ").unwrap_or(&text);
-                format!("{text}{}", trap_site(&error))
-            }
-            None => root_cause(&error),
-        };
-        // A guest that panics writes why to stderr before it traps: keep the end of it.
-        let said = String::from_utf8_lossy(&stderr.contents()).into_owned();
-        let said = said.trim();
-        if said.is_empty() {
-            RunError::Trap(cause)
-        } else {
-            let tail: String = said
-                .chars()
-                .rev()
-                .take(2048)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect();
-            RunError::Trap(format!("{cause}; stderr: {tail}"))
-        }
     }
 }
 

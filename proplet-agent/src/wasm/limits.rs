@@ -1,7 +1,19 @@
 //! What a task cannot escape: its limits, the errors that end it, the stop flag, and the
 //! per-task gauge and memory limiter.
 
-use super::*;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::{ResourceLimiter, StoreLimits};
+
+use crate::outgoing_http::OutgoingHttp;
+
+/// Call stack of a guest: deep or unbounded recursion past it ends the task with
+/// [`RunError::StackOverflow`]. Wasmtime's default, stated here so the error can name it; it
+/// stays well below the 2 MiB stacks of the threads that run guests.
+pub const WASM_STACK_BYTES: usize = 512 * 1024;
 
 /// Limits applied to every task.
 #[derive(Debug, Clone)]
@@ -20,7 +32,7 @@ pub struct Limits {
     /// It must be private to the agent: its files are loaded as native code.
     pub disk_cache: Option<PathBuf>,
     /// Rules for guests' outgoing `wasi:http` requests.
-    pub outgoing_http: crate::component::OutgoingHttp,
+    pub outgoing_http: OutgoingHttp,
 }
 
 impl Default for Limits {
@@ -32,7 +44,7 @@ impl Default for Limits {
             cache_entries: 32,
             preopen_allow_list: Vec::new(),
             disk_cache: None,
-            outgoing_http: crate::component::OutgoingHttp::default(),
+            outgoing_http: OutgoingHttp::default(),
         }
     }
 }

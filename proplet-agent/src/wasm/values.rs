@@ -1,7 +1,10 @@
 //! Exports, arguments and results: finding the function to call, converting inputs and
 //! outputs, and describing traps and captured output.
 
-use super::*;
+use wasmtime::{Extern, Func, Instance, Store, Val, ValType};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use super::limits::RunError;
 
 pub(super) const INTERRUPTED: &str = "propeller: task interrupted";
 
@@ -44,8 +47,8 @@ pub fn is_component(bytes: &[u8]) -> bool {
     bytes.len() >= 8 && bytes[0..4] == *b"\0asm" && bytes[4] == 0x0d && bytes[6..8] == [0x01, 0x00]
 }
 
-pub(super) fn resolve_export(
-    store: &mut Store<Host>,
+pub(super) fn resolve_export<T>(
+    store: &mut Store<T>,
     instance: &Instance,
     requested: &str,
 ) -> Result<(String, Func), RunError> {
@@ -140,7 +143,7 @@ pub(crate) fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPip
     text
 }
 
-pub(super) fn memory_size(store: &mut Store<Host>, instance: &Instance) -> usize {
+pub(super) fn memory_size<T>(store: &mut Store<T>, instance: &Instance) -> usize {
     let memories: Vec<_> = instance
         .exports(&mut *store)
         .filter_map(|e| e.into_memory())
