@@ -11,12 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build-release.sh
 BIN=target/release
+# PROPELLER_BIN: another propeller binary to measure (an earlier build, for before/after).
+PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 WORK="$(mktemp -d)"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
 trap cleanup EXIT
 source scripts/lib/harness.sh
-RUST_LOG=warn start_standalone "$BIN/propeller" "$WORK/data" "$WORK/standalone.log"
+RUST_LOG=warn start_standalone "$PROPELLER" "$WORK/data" "$WORK/standalone.log"
 PIDS+=("$STANDALONE_PID")
 
 "$PYTHON" scripts/bench_pipeline.py "$API" "$WORK" "$MQTT" "$BIN" "${PIDS[0]}"

@@ -7,6 +7,8 @@ import http.client
 import json
 import os
 import subprocess
+import threading
+import time
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,15 +50,63 @@ def parse_metrics(text):
             for sample in family.samples]
 
 
-def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold, silence_after=70):
-    """Runs `propeller-loadgen heartbeats`: `n` proplets `hb-<i>` beating every 10 s, the
-    first `silent` of them silent from `silence_after` s after the last connection until
-    everything disconnects `threshold + 20` s later. Prints its events; returns them by name."""
-    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port",
-                            str(mqtt_port), "--proplets", str(n), "--prefix", "hb",
-                            "--interval-secs", "10", "--silent", str(silent),
-                            "--silence-after-secs", str(silence_after),
-                            "--run-after-silence-secs", str(threshold + 20)],
+def fleet_metrics(api):
+    """The figures the fleet scripts follow, from one `/metrics` read: proplets Running and
+    Offline, Proplet status writes, durable commits and store transactions."""
+    samples = api.samples()
+    return {
+        "running": pick(samples, "propeller_proplets", phase="Running"),
+        "offline": pick(samples, "propeller_proplets", phase="Offline"),
+        "proplet_writes": pick(samples, "propeller_store_changes_total", kind="Proplet",
+                               change="Modified"),
+        "durable": pick(samples, "propeller_store_durable_commits_total"),
+        "transactions": pick(samples, "propeller_store_transactions_total"),
+    }
+
+
+def store_fleet(api, mqtt_port, n):
+    """Applies `n` Proplets `hb-<i>` with their Secrets (in chunks under the API's body
+    limit) and waits until the reconcilers settle (finalizers on, credentials built)."""
+    for start in range(0, n, 500):
+        docs = [proplet_manifest(f"hb-{i}", mqtt_port, f"hb-{i}-key")
+                for i in range(start, min(n, start + 500))]
+        api.raw("POST", "/v1/apply", "---\n".join(docs))
+    last = -1
+    while True:
+        now = fleet_metrics(api)["transactions"]
+        if now == last:
+            return
+        last = now
+        time.sleep(2)
+
+
+class Sampler:
+    """Samples (time, CPU seconds, RSS MiB, `figures()`) of process `pid` every `every` s in a
+    thread of its own, until `stop()`; the samples are in `samples`."""
+
+    def __init__(self, pid, figures, every):
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(pid, figures, every), daemon=True)
+        self._thread.start()
+
+    def _run(self, pid, figures, every):
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.time(), cpu_seconds(pid), rss_mib(pid), figures()))
+            except Exception as e:  # the run ends; keep what we have
+                print(f"sampling stopped: {e}")
+                return
+            self._stop.wait(every)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def loadgen(bin_dir, args):
+    """Runs `propeller-loadgen` with `args`, printing its events; returns them by name."""
+    gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), *args],
                            stdout=subprocess.PIPE, text=True)
     events = {}
     for line in gen.stdout:
@@ -65,6 +115,16 @@ def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold, silence_after=70):
         print(f"loadgen: {line.strip()}")
     gen.wait()
     return events
+
+
+def heartbeat_load(bin_dir, mqtt_port, n, silent, threshold, silence_after=70):
+    """Runs `propeller-loadgen heartbeats`: `n` proplets `hb-<i>` beating every 10 s, the
+    first `silent` of them silent from `silence_after` s after the last connection until
+    everything disconnects `threshold + 20` s later. Prints its events; returns them by name."""
+    return loadgen(bin_dir, ["heartbeats", "--port", str(mqtt_port), "--proplets", str(n),
+                             "--prefix", "hb", "--interval-secs", "10", "--silent", str(silent),
+                             "--silence-after-secs", str(silence_after),
+                             "--run-after-silence-secs", str(threshold + 20)])
 
 
 def kept_alive_request(owner, connect, method, path, body, headers, ok):

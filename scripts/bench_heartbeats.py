@@ -2,9 +2,9 @@
 
 Run by `scripts/bench-heartbeats.sh`, which starts the processes and passes their ports and pids;
 see that script for what is measured."""
-import json, os, statistics, subprocess, sys, threading, time
+import os, statistics, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import Api, cpu_seconds, heartbeat_load, pick, proplet_manifest, rss_mib
+from bench_api import Api, Sampler, fleet_metrics, heartbeat_load, rss_mib, store_fleet
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
@@ -12,46 +12,18 @@ api = Api(api_port, os.path.join(work, "data"))
 call = api.raw
 
 def metrics():
-    samples = api.samples()
-    return {
-        "running": pick(samples, "propeller_proplets", phase="Running"),
-        "offline": pick(samples, "propeller_proplets", phase="Offline"),
-        "proplet_writes": pick(samples, "propeller_store_changes_total", kind="Proplet", change="Modified"),
-        "durable": pick(samples, "propeller_store_durable_commits_total"),
-        "transactions": pick(samples, "propeller_store_transactions_total"),
-    }
+    return fleet_metrics(api)
 
-# N Secrets and N Proplets, in chunks that stay under the API's body limit.
+# N Secrets and N Proplets.
 t = time.time()
-for start in range(0, n, 500):
-    docs = [proplet_manifest(f"hb-{i}", mqtt, f"hb-{i}-key") for i in range(start, min(n, start + 500))]
-    call("POST", "/v1/apply", "---\n".join(docs))
-# Wait for the reconcilers to settle (finalizers on, credentials built).
-last = -1
-while True:
-    now = metrics()["transactions"]
-    if now == last:
-        break
-    last = now
-    time.sleep(2)
+store_fleet(api, mqtt, n)
 print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} s; RSS {rss_mib(pid):.0f} MiB")
 
-samples = []  # (time, cpu seconds, rss MiB, metrics)
-stop = threading.Event()
-def sample():
-    while not stop.is_set():
-        try:
-            samples.append((time.time(), cpu_seconds(pid), rss_mib(pid), metrics()))
-        except Exception as e:  # the run ends; keep what we have
-            print(f"sampling stopped: {e}")
-            return
-        stop.wait(0.5)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
+sampler = Sampler(pid, metrics, 0.5)
+samples = sampler.samples  # (time, cpu seconds, rss MiB, metrics)
 
 events = heartbeat_load(bin_dir, mqtt, n, SILENT, THRESHOLD)
-stop.set()
-sampler.join()
+sampler.stop()
 if "done" not in events:
     raise SystemExit("the load generator failed")
 lost = events["done"]["failed"]

@@ -48,6 +48,7 @@ pub mod finalizer;
 pub mod jobs;
 pub mod proplet;
 pub mod routing;
+pub mod runner;
 pub mod task;
 
 /// A namespaced resource either backend stores: the five custom resources and ConfigMaps.
@@ -180,8 +181,27 @@ pub trait Cluster: Send + Sync {
     /// every write. When `false`, the Task controller wakes them after its own writes.
     const WAKES_RELATED_ON_CHANGE: bool;
 
+    /// How long a reconcile that asks for no next look waits anyway (the slow resync of a
+    /// driver whose watches can miss nothing else); `None`: until a change.
+    const RESYNC: Option<std::time::Duration>;
+
+    /// How long a reconcile whose write conflicted waits before its object is read again:
+    /// until the driver's cache can show the newer version.
+    const CONFLICT_REREAD: std::time::Duration;
+
     /// The parts both drivers hold alike.
     fn common(&self) -> &Common;
+
+    /// The newest `proplet` this process knows: the cached one, or what its last write left
+    /// when the cache has not caught up yet.
+    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
+        proplet
+    }
+
+    /// The newest `task` this process knows (see [`Cluster::newest_proplet`]).
+    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        task
+    }
 
     // --- the object backend
 

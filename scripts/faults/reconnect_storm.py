@@ -2,59 +2,28 @@
 
 Run by `scripts/faults/reconnect-storm.sh`, which starts the processes and passes their ports and pids;
 see that script for what is measured."""
-import json, os, subprocess, sys, threading, time
+import os, sys, time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import psutil  # noqa: E402
-from bench_api import Api, cpu_seconds, pick, proplet_manifest, rss_mib
+from bench_api import Api, Sampler, fleet_metrics, loadgen, store_fleet  # noqa: E402
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 BACK_BOUND_S, WRITES_BOUND = 15, 2
 api = Api(api_port, os.path.join(work, "data"))
 
 def metrics():
-    samples = api.samples()
-    return {
-        "running": pick(samples, "propeller_proplets", phase="Running"),
-        "offline": pick(samples, "propeller_proplets", phase="Offline"),
-        "proplet_writes": pick(samples, "propeller_store_changes_total", kind="Proplet", change="Modified"),
-        "transactions": pick(samples, "propeller_store_transactions_total"),
-    }
+    return fleet_metrics(api)
 
 t = time.time()
-for start in range(0, n, 500):
-    docs = [proplet_manifest(f"hb-{i}", mqtt, f"hb-{i}-key") for i in range(start, min(n, start + 500))]
-    api.raw("POST", "/v1/apply", "---\n".join(docs))
-last = -1
-while True:
-    now = metrics()["transactions"]
-    if now == last:
-        break
-    last = now
-    time.sleep(2)
+store_fleet(api, mqtt, n)
 print(f"{n} Proplets and Secrets stored in {time.time() - t:.1f} s")
 
-samples = []  # (time, cpu seconds, rss MiB, metrics)
-stop = threading.Event()
-def sample():
-    while not stop.is_set():
-        try:
-            samples.append((time.time(), cpu_seconds(pid), rss_mib(pid), metrics()))
-        except Exception as e:
-            print(f"sampling stopped: {e}")
-            return
-        stop.wait(0.25)
-threading.Thread(target=sample, daemon=True).start()
+sampler = Sampler(pid, metrics, 0.25)
+samples = sampler.samples  # (time, cpu seconds, rss MiB, metrics)
 
-gen = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", mqtt,
-                        "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
-                        "--storm-after-secs", "30", "--storm-spread-ms", "1000",
-                        "--run-after-silence-secs", "20"], stdout=subprocess.PIPE, text=True)
-events = {}
-for line in gen.stdout:
-    e = json.loads(line)
-    events[e["event"]] = e
-    print(f"loadgen: {line.strip()}")
-gen.wait()
-stop.set()
+events = loadgen(bin_dir, ["heartbeats", "--port", mqtt, "--proplets", str(n), "--prefix", "hb",
+                          "--interval-secs", "10", "--storm-after-secs", "30",
+                          "--storm-spread-ms", "1000", "--run-after-silence-secs", "20"])
+sampler.stop()
 time.sleep(0.5)
 alive = psutil.pid_exists(pid)
 failures = []

@@ -17,7 +17,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Controller;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -26,6 +26,7 @@ use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
+use crate::controller::runner::{drive, stream_of as tokio_stream_of};
 use crate::controller::Common;
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
@@ -374,27 +375,4 @@ pub async fn run(
     liveness_tick.abort();
     gauges.abort();
     info!("controllers stopped");
-}
-
-/// Runs a controller's stream to its end. Failed reconciles were already logged and
-/// retried by `error_policy`; what reaches here (watch errors included) is logged at debug.
-async fn drive<T, E: std::fmt::Display>(
-    stream: impl futures::Stream<Item = Result<T, E>>,
-    controller: &'static str,
-) {
-    stream
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                debug!(%e, controller, "controller stream");
-            }
-        })
-        .await;
-}
-
-fn tokio_stream_of<T: Send + 'static>(
-    rx: UnboundedReceiver<T>,
-) -> impl futures::Stream<Item = T> + Send {
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    })
 }

@@ -21,7 +21,7 @@ use kube::runtime::reflector::ObjectRef;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::controller::Common;
 use crate::crd::federated::{FederatedJob, TrainingRound};

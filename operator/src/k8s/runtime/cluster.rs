@@ -58,8 +58,21 @@ impl Cluster for Shared {
 
     const WAKES_RELATED_ON_CHANGE: bool = false;
 
+    const RESYNC: Option<Duration> = Some(RESYNC);
+
+    /// The watch shows the newer version within a few milliseconds.
+    const CONFLICT_REREAD: Duration = Duration::from_millis(200);
+
     fn common(&self) -> &Common {
         &self.common
+    }
+
+    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
+        self.newest(&object_key(&proplet), proplet)
+    }
+
+    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        Shared::newest_task(self, task)
     }
 
     async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {

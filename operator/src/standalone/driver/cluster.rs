@@ -17,6 +17,12 @@ impl Cluster for Driver {
     /// Every stored change wakes its related objects (see [`Driver::related`]).
     const WAKES_RELATED_ON_CHANGE: bool = true;
 
+    /// The sweep covers proplets; every other change reaches the cache and wakes its object.
+    const RESYNC: Option<Duration> = None;
+
+    /// The cache already shows every durable write: read it again at once.
+    const CONFLICT_REREAD: Duration = Duration::ZERO;
+
     fn common(&self) -> &Common {
         &self.common
     }

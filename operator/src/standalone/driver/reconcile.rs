@@ -1,86 +1,16 @@
-//! The `Controller` of each kind over the [`ObjectCache`]'s reflector stores, and the
-//! reconcile functions they call: each runs the shared controller (`crate::controller`) and
-//! turns its answer into an [`Action`], failures through the shared retry policy.
+//! The `Controller` of each kind over the [`ObjectCache`]'s reflector stores, calling the
+//! shared reconciles and error policy (`crate::controller::runner`).
 
-use kube::runtime::controller::{Action, Config, Controller};
+use kube::runtime::controller::{Config, Controller};
 
 use super::*;
-use crate::controller::{
-    self, retry_policy, wait_until, Next, ObjectName, ReconcileError, Retry, Stored,
+use crate::controller::runner::{
+    drive, error_policy, reconcile_federated_job, reconcile_propeller_job, reconcile_proplet,
+    reconcile_task, reconcile_training_round, stream_of,
 };
-
-/// The longest a plan's next look waits: the sweep and the store's changes cover the rest.
-const LONGEST_WAIT: Duration = Duration::from_secs(300);
-
-fn action(next: Next, now: chrono::DateTime<Utc>) -> Action {
-    match next {
-        Some(_) => Action::requeue(wait_until(next, now, LONGEST_WAIT)),
-        None => Action::await_change(),
-    }
-}
-
-async fn reconcile_proplet(
-    proplet: Arc<Proplet>,
-    driver: Arc<Driver>,
-) -> Result<Action, ReconcileError> {
-    let now = Utc::now();
-    let next = controller::proplet::reconcile(&*driver, (*proplet).clone(), now).await?;
-    Ok(action(next, now))
-}
-
-async fn reconcile_task(task: Arc<Task>, driver: Arc<Driver>) -> Result<Action, ReconcileError> {
-    let now = Utc::now();
-    let next = controller::task::reconcile(&*driver, &task, now).await?;
-    Ok(action(next, now))
-}
-
-async fn reconcile_propeller_job(
-    job: Arc<PropellerJob>,
-    driver: Arc<Driver>,
-) -> Result<Action, ReconcileError> {
-    let now = Utc::now();
-    let next = controller::jobs::reconcile_propeller_job(&*driver, &job, now).await?;
-    Ok(action(next, now))
-}
-
-async fn reconcile_federated_job(
-    job: Arc<FederatedJob>,
-    driver: Arc<Driver>,
-) -> Result<Action, ReconcileError> {
-    let now = Utc::now();
-    let next = controller::jobs::reconcile_federated_job(&*driver, &job, now).await?;
-    Ok(action(next, now))
-}
-
-async fn reconcile_training_round(
-    round: Arc<TrainingRound>,
-    driver: Arc<Driver>,
-) -> Result<Action, ReconcileError> {
-    let now = Utc::now();
-    let next = controller::jobs::reconcile_training_round(&*driver, &round, now).await?;
-    Ok(action(next, now))
-}
-
-/// The shared [`retry_policy`] as kube-runtime's error policy. The cache already shows every
-/// durable write, so a conflict is read again at once.
-fn error_policy<K: Stored>(object: Arc<K>, error: &ReconcileError, _: Arc<Driver>) -> Action {
-    match retry_policy(&K::kind(&()), &ObjectName::of(&*object), error) {
-        Retry::Reread => Action::requeue(Duration::ZERO),
-        Retry::Never => Action::await_change(),
-        Retry::After(wait) => Action::requeue(wait),
-    }
-}
 
 fn config() -> Config {
     Config::default().concurrency(MAX_CONCURRENT_RECONCILES)
-}
-
-fn stream_of<T: Send + 'static>(
-    rx: UnboundedReceiver<T>,
-) -> impl futures::Stream<Item = T> + Send + 'static {
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    })
 }
 
 /// Once at start (everything stored is looked at after a restart), then every `every`.
@@ -140,20 +70,4 @@ pub(super) async fn controllers(
         drive(federated, "federatedjob"),
         drive(rounds, "traininground"),
     );
-}
-
-/// Runs a controller's stream to its end. Failed reconciles were already logged and retried
-/// by the error policy; what reaches here (a wake for an object deleted meanwhile) is
-/// logged at debug.
-async fn drive<T, E: std::fmt::Display>(
-    stream: impl futures::Stream<Item = Result<T, E>>,
-    controller: &'static str,
-) {
-    stream
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                debug!(%e, controller, "controller stream");
-            }
-        })
-        .await;
 }
