@@ -91,25 +91,25 @@ pub struct Flags {
     pub client_key: Option<String>,
     /// QoS for subscriptions and results: 0, 1 or 2 (results are sent at least at QoS 1).
     #[arg(long, env = "PROPLET_MQTT_QOS")]
-    pub mqtt_qos: Option<String>,
+    pub mqtt_qos: Option<Qos>,
     /// Heartbeat interval: `10` or `10s`, `500ms`, `1m`.
     #[arg(long, env = "PROPLET_LIVELINESS_INTERVAL")]
-    pub liveliness_interval: Option<String>,
+    pub liveliness_interval: Option<Interval>,
     /// Proplet metrics interval (`0` disables them).
     #[arg(long, env = "PROPLET_METRICS_INTERVAL")]
-    pub metrics_interval: Option<String>,
+    pub metrics_interval: Option<Interval>,
     /// Serve /health, /ready and /metrics over HTTP: true or false (default false).
     #[arg(long, env = "PROPLET_METRICS_ENABLED")]
-    pub metrics_enabled: Option<String>,
+    pub metrics_enabled: Option<Switch>,
     /// Port of that endpoint (default 9092), on all interfaces.
     #[arg(long, env = "PROPLET_METRICS_PORT")]
-    pub metrics_port: Option<String>,
+    pub metrics_port: Option<u16>,
     /// MQTT keep-alive.
     #[arg(long, env = "PROPLET_MQTT_KEEP_ALIVE")]
-    pub mqtt_keep_alive: Option<String>,
+    pub mqtt_keep_alive: Option<Interval>,
     /// Log level: trace, debug, info, warn, error.
     #[arg(long, env = "PROPLET_LOG_LEVEL")]
-    pub log_level: Option<String>,
+    pub log_level: Option<LogLevel>,
     /// Directory of proplet plugins (accepted for compatibility; plugins are not loaded).
     #[arg(long, env = "PROPLET_PLUGIN_DIR")]
     pub plugin_dir: Option<PathBuf>,
@@ -124,7 +124,7 @@ pub struct Flags {
     pub tls_client_key: Option<PathBuf>,
     /// Comma-separated tags reported in discovery and heartbeats.
     #[arg(long, env = "PROPLET_TAGS")]
-    pub tags: Option<String>,
+    pub tags: Option<Words>,
     /// Free-text location.
     #[arg(long, env = "PROPLET_LOCATION")]
     pub location: Option<String>,
@@ -136,53 +136,53 @@ pub struct Flags {
     pub namespace: Option<String>,
     /// Host directories tasks may ask to have preopened (colon-separated); none by default.
     #[arg(long, env = "PROPLET_DIRS")]
-    pub dirs: Option<String>,
+    pub dirs: Option<Dirs>,
     /// Directory for the result spool and caches.
     #[arg(long, env = "PROPLET_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
     /// Tasks running at once; more wait their turn.
     #[arg(long, env = "PROPLET_MAX_CONCURRENT_TASKS")]
-    pub max_concurrent_tasks: Option<String>,
+    pub max_concurrent_tasks: Option<Size>,
     /// Linear-memory cap per task, bytes (suffixes Ki, Mi, Gi accepted).
     #[arg(long, env = "PROPLET_TASK_MEMORY_LIMIT")]
-    pub task_memory_limit: Option<String>,
+    pub task_memory_limit: Option<Size>,
     /// Wall-clock limit for non-daemon tasks (`300s`).
     #[arg(long, env = "PROPLET_TASK_TIMEOUT")]
-    pub task_timeout: Option<String>,
+    pub task_timeout: Option<Interval>,
     /// Instruction budget per task run (unset: no metering).
     #[arg(long, env = "PROPLET_TASK_FUEL")]
-    pub task_fuel: Option<String>,
+    pub task_fuel: Option<Size>,
     /// Results kept on disk while the broker is unreachable.
     #[arg(long, env = "PROPLET_SPOOL_MAX_RESULTS")]
-    pub spool_max_results: Option<String>,
+    pub spool_max_results: Option<Size>,
     /// How long to wait for registry chunks (`60s`).
     #[arg(long, env = "PROPLET_CHUNK_TIMEOUT")]
-    pub chunk_timeout: Option<String>,
+    pub chunk_timeout: Option<Interval>,
     /// Largest task binary accepted, bytes (suffixes Ki, Mi, Gi; default 64Mi), whether inline,
     /// over HTTP(S) or in registry chunks.
     #[arg(long, env = "PROPLET_MAX_MODULE_SIZE")]
-    pub max_module_size: Option<String>,
+    pub max_module_size: Option<Size>,
     /// Serve components that export `wasi:http/incoming-handler` (`false`).
     #[arg(long, env = "PROPLET_HTTP_ENABLED")]
-    pub http_enabled: Option<String>,
+    pub http_enabled: Option<Switch>,
     /// Address HTTP components listen on (`0.0.0.0`).
     #[arg(long, env = "PROPLET_HTTP_BIND")]
-    pub http_bind: Option<String>,
+    pub http_bind: Option<std::net::IpAddr>,
     /// Ports tried for HTTP components that ask for none, `FIRST-LAST` (`8222-8321`).
     #[arg(long, env = "PROPLET_HTTP_PORTS")]
-    pub http_ports: Option<String>,
+    pub http_ports: Option<PortRange>,
     /// Hosts guests may reach with outgoing `wasi:http`, comma-separated, `*.domain` allowed
     /// (unset: any).
     #[arg(long, env = "PROPLET_HTTP_ALLOW_HOSTS")]
-    pub http_allow_hosts: Option<String>,
+    pub http_allow_hosts: Option<Words>,
     /// Where guests' outgoing `wasi:http` connects instead, comma-separated
     /// `HOST:PORT:ADDRESS[:PORT]` (like curl's --connect-to); Host and TLS name are kept.
     #[arg(long, env = "PROPLET_HTTP_RESOLVE")]
-    pub http_resolve: Option<String>,
+    pub http_resolve: Option<Overrides>,
     /// PEM file of CA certificates trusted for guests' outgoing HTTPS, besides the Mozilla
     /// roots.
     #[arg(long, env = "PROPLET_HTTP_CA_FILE")]
-    pub http_ca_file: Option<String>,
+    pub http_ca_file: Option<PathBuf>,
 }
 
 /// TLS material for the broker connection.
@@ -291,17 +291,16 @@ impl Config {
         }
         let file = match &flags.config {
             Some(path) => load_file(path)?,
-            None => FileValues::default(),
+            None => FileConfig::default(),
         };
-        let pick = |flag: &Option<String>, key: &str| -> Option<String> {
-            flag.clone()
-                .filter(|v| !v.is_empty())
-                .or_else(|| file.get(key))
+        let text = |flag: Option<String>, file: Option<String>| {
+            flag.filter(|v| !v.is_empty())
+                .or(file.filter(|v| !v.is_empty()))
         };
 
         let brokers = match flags.mqtt_address.as_deref().filter(|v| !v.is_empty()) {
-            Some(text) => BrokerAddresses::parse_list(text, "PROPLET_MQTT_ADDRESS")?,
-            None => match file.brokers(flags.config.as_deref()) {
+            Some(list) => BrokerAddresses::parse_list(list, "PROPLET_MQTT_ADDRESS")?,
+            None => match flags.config.as_deref().and_then(|path| file.brokers(path)) {
                 Some(parsed) => parsed?,
                 None => BrokerAddresses::single(BrokerAddress {
                     host: "localhost".into(),
@@ -310,39 +309,27 @@ impl Config {
                 }),
             },
         };
-        let tls = if let Some(address) = brokers.first_tls() {
-            let ca = flags
-                .tls_ca_cert
-                .clone()
-                .or_else(|| file.get("tls_ca_cert").map(PathBuf::from))
-                .ok_or(ConfigError::Invalid {
+        let tls = match brokers.first_tls() {
+            None => None,
+            Some(address) => {
+                let ca_cert = flags.tls_ca_cert.or(file.tls_ca_cert).ok_or(ConfigError::Invalid {
                     name: "PROPLET_MQTT_TLS_CA_CERT".into(),
                     message: format!("{address} uses TLS; give the CA bundle that signed the broker's certificate"),
                 })?;
-            let cert = flags
-                .tls_client_cert
-                .clone()
-                .or_else(|| file.get("tls_client_cert").map(PathBuf::from));
-            let key = flags
-                .tls_client_key
-                .clone()
-                .or_else(|| file.get("tls_client_key").map(PathBuf::from));
-            let client = match (cert, key) {
-                (Some(c), Some(k)) => Some((c, k)),
-                (None, None) => None,
-                _ => {
-                    return Err(ConfigError::Invalid {
-                        name: "PROPLET_MQTT_TLS_CLIENT_CERT".into(),
-                        message: "client certificate and client key must be given together".into(),
-                    })
-                }
-            };
-            Some(TlsFiles {
-                ca_cert: ca,
-                client,
-            })
-        } else {
-            None
+                let cert = flags.tls_client_cert.or(file.tls_client_cert);
+                let key = flags.tls_client_key.or(file.tls_client_key);
+                let client = match (cert, key) {
+                    (Some(c), Some(k)) => Some((c, k)),
+                    (None, None) => None,
+                    _ => {
+                        return Err(invalid(
+                            "PROPLET_MQTT_TLS_CLIENT_CERT",
+                            "client certificate and client key must be given together",
+                        ))
+                    }
+                };
+                Some(TlsFiles { ca_cert, client })
+            }
         };
 
         let required = |value: Option<String>,
@@ -353,25 +340,25 @@ impl Config {
             value.ok_or(ConfigError::Missing { name, flag, key })
         };
         let domain_id = required(
-            pick(&flags.domain_id, "domain_id").or_else(|| file.get("tenant_id")),
+            text(flags.domain_id, file.domain_id),
             "PROPLET_DOMAIN_ID",
             "--domain-id",
             "domain_id",
         )?;
         let channel_id = required(
-            pick(&flags.channel_id, "channel_id"),
+            text(flags.channel_id, file.channel_id),
             "PROPLET_CHANNEL_ID",
             "--channel-id",
             "channel_id",
         )?;
         let client_id = required(
-            pick(&flags.client_id, "client_id").or_else(|| file.get("entity_id")),
+            text(flags.client_id, file.client_id),
             "PROPLET_CLIENT_ID",
             "--client-id",
             "client_id",
         )?;
         let client_key = required(
-            pick(&flags.client_key, "client_key").or_else(|| file.get("api_key")),
+            text(flags.client_key, file.client_key),
             "PROPLET_CLIENT_KEY",
             "--client-key",
             "client_key",
@@ -389,146 +376,59 @@ impl Config {
             }
         }
 
-        let qos = match pick(&flags.mqtt_qos, "mqtt_qos").as_deref() {
-            None => 1,
-            Some("0") => 0,
-            Some("1") => 1,
-            Some("2") => 2,
-            Some(other) => {
-                return Err(invalid(
-                    "PROPLET_MQTT_QOS",
-                    &format!("{other:?} is not 0, 1 or 2"),
-                ))
-            }
+        let interval = |flag: Option<Interval>, file: Option<Interval>, default: u64| {
+            flag.or(file).map_or(Duration::from_secs(default), |i| i.0)
         };
-        let duration =
-            |flag: &Option<String>, key: &str, name: &str, default: Duration| match pick(flag, key)
-            {
-                None => Ok(default),
-                Some(text) => parse_duration(&text).map_err(|m| invalid(name, &m)),
-            };
-        let liveliness_interval = duration(
-            &flags.liveliness_interval,
-            "liveliness_interval",
-            "PROPLET_LIVELINESS_INTERVAL",
-            Duration::from_secs(10),
-        )?;
+        let liveliness_interval = interval(flags.liveliness_interval, file.liveliness_interval, 10);
         if liveliness_interval.is_zero() {
             return Err(invalid("PROPLET_LIVELINESS_INTERVAL", "must be positive"));
         }
-        let metrics_interval = duration(
-            &flags.metrics_interval,
-            "metrics_interval",
-            "PROPLET_METRICS_INTERVAL",
-            Duration::from_secs(10),
-        )?;
-        let keep_alive = duration(
-            &flags.mqtt_keep_alive,
-            "mqtt_keep_alive",
-            "PROPLET_MQTT_KEEP_ALIVE",
-            Duration::from_secs(30),
-        )?;
+        let metrics_interval = interval(flags.metrics_interval, file.metrics_interval, 10);
+        let keep_alive = interval(flags.mqtt_keep_alive, file.mqtt_keep_alive, 30);
         if keep_alive < Duration::from_secs(1) {
             return Err(invalid("PROPLET_MQTT_KEEP_ALIVE", "must be at least 1s"));
         }
-        let log_level = pick(&flags.log_level, "log_level").unwrap_or_else(|| "info".into());
-        if !["trace", "debug", "info", "warn", "error"]
-            .contains(&log_level.to_ascii_lowercase().as_str())
-        {
-            return Err(invalid(
-                "PROPLET_LOG_LEVEL",
-                &format!("{log_level:?} is not trace, debug, info, warn or error"),
-            ));
-        }
-        let number =
-            |flag: &Option<String>, key: &str, name: &str, default: u64| match pick(flag, key) {
-                None => Ok(default),
-                Some(text) => parse_size(&text).map_err(|m| invalid(name, &m)),
-            };
-        let max_concurrent_tasks = number(
-            &flags.max_concurrent_tasks,
-            "max_concurrent_tasks",
-            "PROPLET_MAX_CONCURRENT_TASKS",
-            4,
-        )?;
+        let size = |flag: Option<Size>, file: Option<Size>, default: u64| {
+            flag.or(file).map_or(default, |s| s.0)
+        };
+        let max_concurrent_tasks = size(flags.max_concurrent_tasks, file.max_concurrent_tasks, 4);
         if max_concurrent_tasks == 0 {
             return Err(invalid("PROPLET_MAX_CONCURRENT_TASKS", "must be positive"));
         }
-        let task_memory_limit = number(
-            &flags.task_memory_limit,
-            "task_memory_limit",
-            "PROPLET_TASK_MEMORY_LIMIT",
-            256 * 1024 * 1024,
-        )?;
-        let task_timeout = duration(
-            &flags.task_timeout,
-            "task_timeout",
-            "PROPLET_TASK_TIMEOUT",
-            Duration::from_secs(300),
-        )?;
-        let task_fuel = match pick(&flags.task_fuel, "task_fuel") {
-            None => None,
-            Some(text) => Some(parse_size(&text).map_err(|m| invalid("PROPLET_TASK_FUEL", &m))?),
-        };
-        let spool_max_results = number(
-            &flags.spool_max_results,
-            "spool_max_results",
-            "PROPLET_SPOOL_MAX_RESULTS",
-            10_000,
-        )?;
-        let chunk_timeout = duration(
-            &flags.chunk_timeout,
-            "chunk_timeout",
-            "PROPLET_CHUNK_TIMEOUT",
-            Duration::from_secs(60),
-        )?;
-        let max_module_size = number(
-            &flags.max_module_size,
-            "max_module_size",
-            "PROPLET_MAX_MODULE_SIZE",
+        let max_module_size = size(
+            flags.max_module_size,
+            file.max_module_size,
             DEFAULT_MAX_MODULE_SIZE as u64,
-        )?;
+        );
         if max_module_size < 8 {
             return Err(invalid(
                 "PROPLET_MAX_MODULE_SIZE",
                 "must be at least 8 bytes (a Wasm header)",
             ));
         }
-        let telemetry_enabled = match pick(&flags.metrics_enabled, "metrics_enabled") {
-            None => false,
-            Some(text) => parse_bool(&text).ok_or_else(|| {
-                invalid(
-                    "PROPLET_METRICS_ENABLED",
-                    &format!("{text:?} is not true or false"),
-                )
-            })?,
-        };
-        let telemetry_port = match pick(&flags.metrics_port, "metrics_port") {
-            None => 9092,
-            Some(text) => text.trim().parse::<u16>().map_err(|_| {
-                invalid(
-                    "PROPLET_METRICS_PORT",
-                    &format!("{text:?} is not a port number"),
-                )
-            })?,
-        };
-        let tags = comma_list(pick(&flags.tags, "tags"));
-        let http_serving = http_serving(&flags, &pick)?;
-        let http_allow_hosts = comma_list(pick(&flags.http_allow_hosts, "http_allow_hosts"));
-        let http_resolve = match pick(&flags.http_resolve, "http_resolve") {
+        let telemetry_enabled = flags
+            .metrics_enabled
+            .or(file.metrics_enabled)
+            .is_some_and(|s| s.0);
+        let telemetry_port = flags.metrics_port.or(file.metrics_port).unwrap_or(9092);
+        let mut http_serving = crate::http_server::HttpServing::default();
+        if let Some(Switch(enabled)) = flags.http_enabled.or(file.http_enabled) {
+            http_serving.enabled = enabled;
+        }
+        if let Some(bind) = flags.http_bind.or(file.http_bind) {
+            http_serving.bind = bind;
+        }
+        if let Some(PortRange(ports)) = flags.http_ports.or(file.http_ports) {
+            http_serving.ports = ports;
+        }
+        let http_ca_roots = match flags.http_ca_file.or(file.http_ca_file) {
             None => Vec::new(),
-            Some(text) => crate::outgoing_http::parse_overrides(&text)
-                .map_err(|m| invalid("PROPLET_HTTP_RESOLVE", &m))?,
-        };
-        let http_ca_roots = match pick(&flags.http_ca_file, "http_ca_file") {
-            None => Vec::new(),
-            Some(path) => crate::outgoing_http::load_roots(Path::new(path.trim()))
+            Some(path) => crate::outgoing_http::load_roots(&path)
                 .map_err(|e| invalid("PROPLET_HTTP_CA_FILE", &e.to_string()))?,
         };
         let state_dir = flags
             .state_dir
-            .clone()
-            .or_else(|| file.get("state_dir").map(PathBuf::from))
+            .or(file.state_dir)
             .unwrap_or_else(|| std::env::temp_dir().join(format!("proplet-{client_id}")));
         Ok(Self {
             brokers,
@@ -537,78 +437,120 @@ impl Config {
             channel_id,
             client_id,
             client_key,
-            qos,
+            qos: flags.mqtt_qos.or(file.mqtt_qos).map_or(1, |q| q.0),
             liveliness_interval,
             metrics_interval: (!metrics_interval.is_zero()).then_some(metrics_interval),
             keep_alive,
-            log_level,
-            plugin_dir: flags
-                .plugin_dir
-                .clone()
-                .or_else(|| file.get("plugin_dir").map(PathBuf::from)),
-            tags,
-            location: pick(&flags.location, "location"),
-            description: pick(&flags.description, "description"),
-            namespace: pick(&flags.namespace, "namespace").unwrap_or_else(|| "default".into()),
+            log_level: flags
+                .log_level
+                .or(file.log_level)
+                .map_or_else(|| "info".into(), |l| l.0),
+            plugin_dir: flags.plugin_dir.or(file.plugin_dir),
+            tags: flags.tags.or(file.tags).unwrap_or_default().0,
+            location: text(flags.location, file.location),
+            description: text(flags.description, file.description),
+            namespace: text(flags.namespace, file.namespace).unwrap_or_else(|| "default".into()),
             state_dir,
-            max_concurrent_tasks: max_concurrent_tasks as usize,
-            task_memory_limit: task_memory_limit as usize,
-            task_timeout,
-            task_fuel,
-            spool_max_results: spool_max_results as usize,
-            chunk_timeout,
+            max_concurrent_tasks: usize::try_from(max_concurrent_tasks).unwrap_or(usize::MAX),
+            task_memory_limit: usize::try_from(size(
+                flags.task_memory_limit,
+                file.task_memory_limit,
+                256 * 1024 * 1024,
+            ))
+            .unwrap_or(usize::MAX),
+            task_timeout: interval(flags.task_timeout, file.task_timeout, 300),
+            task_fuel: flags.task_fuel.or(file.task_fuel).map(|s| s.0),
+            spool_max_results: usize::try_from(size(
+                flags.spool_max_results,
+                file.spool_max_results,
+                10_000,
+            ))
+            .unwrap_or(usize::MAX),
+            chunk_timeout: interval(flags.chunk_timeout, file.chunk_timeout, 60),
             max_module_size: usize::try_from(max_module_size).unwrap_or(usize::MAX),
             telemetry: telemetry_enabled
                 .then(|| std::net::SocketAddr::from(([0, 0, 0, 0], telemetry_port))),
-            preopen_dirs: pick(&flags.dirs, "dirs")
-                .map(|d| {
-                    d.split([':', ','])
-                        .map(str::trim)
-                        .filter(|p| !p.is_empty())
-                        .map(PathBuf::from)
-                        .collect()
-                })
-                .unwrap_or_default(),
+            preopen_dirs: flags.dirs.or(file.dirs).unwrap_or_default().0,
             http_serving,
-            http_allow_hosts,
-            http_resolve,
+            http_allow_hosts: flags
+                .http_allow_hosts
+                .or(file.http_allow_hosts)
+                .unwrap_or_default()
+                .0,
+            http_resolve: flags
+                .http_resolve
+                .or(file.http_resolve)
+                .unwrap_or_default()
+                .0,
             http_ca_roots,
         })
     }
 }
 
-fn http_serving(
-    flags: &Flags,
-    pick: &dyn Fn(&Option<String>, &str) -> Option<String>,
-) -> Result<crate::http_server::HttpServing, ConfigError> {
-    let mut serving = crate::http_server::HttpServing::default();
-    if let Some(text) = pick(&flags.http_enabled, "http_enabled") {
-        serving.enabled = parse_bool(&text).ok_or_else(|| {
-            invalid(
-                "PROPLET_HTTP_ENABLED",
-                &format!("{text:?} is not true or false"),
-            )
-        })?;
+impl Flags {
+    /// The command line over the environment (as clap reads them). A value that does not
+    /// parse is reported with where it came from: the flag, or its environment variable.
+    pub fn from_command_line() -> Result<Self, ConfigError> {
+        Self::try_from_args(std::env::args_os())
     }
-    if let Some(text) = pick(&flags.http_bind, "http_bind") {
-        serving.bind = text.trim().parse().map_err(|_| {
-            invalid(
-                "PROPLET_HTTP_BIND",
-                &format!("{text:?} is not an IP address"),
-            )
-        })?;
-    }
-    if let Some(text) = pick(&flags.http_ports, "http_ports") {
-        let bad = || invalid("PROPLET_HTTP_PORTS", &format!("{text:?} is not FIRST-LAST"));
-        let (first, last) = text.trim().split_once('-').ok_or_else(bad)?;
-        let first: u16 = first.trim().parse().map_err(|_| bad())?;
-        let last: u16 = last.trim().parse().map_err(|_| bad())?;
-        if first == 0 || first > last {
-            return Err(bad());
+
+    /// [`Flags::from_command_line`] with these arguments (the environment is the process's).
+    pub fn try_from_args<I, T>(args: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        match Self::try_parse_from(&args) {
+            Ok(flags) => Ok(flags),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    clap::error::ErrorKind::ValueValidation | clap::error::ErrorKind::InvalidValue
+                ) =>
+            {
+                Err(value_error(&e, &args))
+            }
+            Err(e) => e.exit(),
         }
-        serving.ports = first..=last;
     }
-    Ok(serving)
+}
+
+/// A clap value error as a [`ConfigError`] naming the flag given on the command line, or the
+/// environment variable the value came from.
+fn value_error(e: &clap::Error, args: &[std::ffi::OsString]) -> ConfigError {
+    use clap::error::{ContextKind, ContextValue};
+    use clap::CommandFactory;
+    let context = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let shown = context(ContextKind::InvalidArg);
+    let long = shown
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let on_command_line = args
+        .iter()
+        .filter_map(|a| a.to_str())
+        .any(|a| a == long || a.starts_with(&format!("{long}=")));
+    let command = Flags::command();
+    let env = command
+        .get_arguments()
+        .find(|a| a.get_long().is_some_and(|l| format!("--{l}") == long))
+        .and_then(|a| a.get_env())
+        .map(|v| v.to_string_lossy().into_owned());
+    let name = match (on_command_line, env) {
+        (false, Some(variable)) => variable,
+        _ => long,
+    };
+    // The parser's reason names the value; clap's kind is the fallback.
+    let reason = std::error::Error::source(e).map_or_else(
+        || format!("{:?}: {}", context(ContextKind::InvalidValue), e.kind()),
+        |s| s.to_string(),
+    );
+    invalid(&name, &reason)
 }
 
 #[cfg(test)]
@@ -659,17 +601,61 @@ mod tests {
         assert!(parse_duration("10x").is_err());
     }
 
+    fn flag_error(args: &[&str]) -> String {
+        let mut all = vec!["proplet"];
+        all.extend(args);
+        Flags::try_from_args(all)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn values_are_typed_when_read_and_a_bad_one_names_its_flag() {
+        let e = flag_error(&["--liveliness-interval", "soon"]);
+        assert!(
+            e.starts_with("--liveliness-interval: \"soon\" is not"),
+            "{e}"
+        );
+        let e = flag_error(&["--mqtt-qos=3"]);
+        assert_eq!(e, "--mqtt-qos: \"3\" is not 0, 1 or 2");
+        let e = flag_error(&["--task-memory-limit", "lots"]);
+        assert!(e.contains("suffixes Ki, Mi, Gi"), "{e}");
+        let e = flag_error(&["--http-ports", "9-1"]);
+        assert!(e.contains("is not FIRST-LAST"), "{e}");
+        let parsed = Flags::try_from_args(["proplet", "--task-timeout", "2m", "--tags", "a, b"]);
+        let parsed = parsed.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            parsed.task_timeout,
+            Some(Interval(Duration::from_secs(120)))
+        );
+        assert_eq!(parsed.tags, Some(Words(vec!["a".into(), "b".into()])));
+    }
+
+    #[test]
+    fn a_bad_value_in_the_file_names_the_file_and_its_line() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("proplet.toml");
+        let text = "[proplet]\ndomain_id = \"d\"\n\nmax_concurrent_tasks = \"many\"\n";
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        let mut f = base();
+        f.config = Some(path.clone());
+        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            e,
+            format!(
+                "config file {}:4: \"many\" is not a whole number (suffixes Ki, Mi, Gi allowed)",
+                path.display()
+            )
+        );
+    }
+
     #[test]
     fn bad_values_name_the_variable() {
         let mut f = base();
-        f.liveliness_interval = Some("soon".into());
+        f.liveliness_interval = Some(Interval(Duration::ZERO));
         let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("PROPLET_LIVELINESS_INTERVAL"), "{e}");
-
-        let mut f = base();
-        f.mqtt_qos = Some("3".into());
-        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("PROPLET_MQTT_QOS"), "{e}");
 
         let mut f = base();
         f.client_key = None;
@@ -753,11 +739,12 @@ mod tests {
 
     #[test]
     fn outgoing_http_settings_are_checked_at_start_up() {
-        let mut f = base();
-        f.http_resolve = Some("httpbin.org:443:127.0.0.1:40123,httpbin.org:80".into());
-        let e = resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = flag_error(&[
+            "--http-resolve",
+            "httpbin.org:443:127.0.0.1:40123,httpbin.org:80",
+        ]);
         assert!(
-            e.starts_with("PROPLET_HTTP_RESOLVE: \"httpbin.org:80\": missing address"),
+            e.starts_with("--http-resolve: \"httpbin.org:80\": missing address"),
             "{e}"
         );
 
@@ -770,7 +757,7 @@ mod tests {
         );
 
         let mut f = base();
-        f.http_resolve = Some("httpbin.org:443:127.0.0.1:40123".into());
+        f.http_resolve = "httpbin.org:443:127.0.0.1:40123".parse().ok();
         let c = match resolve(f) {
             Ok(c) => c,
             Err(e) => panic!("{e}"),

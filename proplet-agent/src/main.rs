@@ -4,16 +4,14 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
 use propeller_broker::protocol::Channel;
 use proplet_agent::agent::{mqtt_options, Agent};
 use proplet_agent::config::{Config, Flags};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let flags = Flags::parse();
     let env: HashMap<String, String> = std::env::vars().collect();
-    let config = match Config::resolve(flags, &env) {
+    let config = match Flags::from_command_line().and_then(|flags| Config::resolve(flags, &env)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("proplet: configuration error: {e}");

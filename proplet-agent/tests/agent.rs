@@ -13,7 +13,7 @@ use propeller_broker::server::{
     BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind,
 };
 use proplet_agent::agent::{mqtt_options, Agent};
-use proplet_agent::config::{Config, Flags};
+use proplet_agent::config::{Config, Flags, Interval};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -163,9 +163,9 @@ fn agent_config_for(addresses: &str, id: &str, key: &str, state: &Path) -> Confi
         channel_id: Some("chan".into()),
         client_id: Some(id.into()),
         client_key: Some(key.into()),
-        liveliness_interval: Some("1s".into()),
+        liveliness_interval: Some(Interval(Duration::from_secs(1))),
         state_dir: Some(state.to_owned()),
-        chunk_timeout: Some("10s".into()),
+        chunk_timeout: Some(Interval(Duration::from_secs(10))),
         ..Flags::default()
     };
     Config::resolve(flags, &Default::default()).unwrap_or_else(|e| panic!("{e}"))

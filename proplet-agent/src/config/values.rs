@@ -1,5 +1,7 @@
 //! Parsers of the text values settings take: lists, booleans, durations, sizes, addresses.
 
+use std::str::FromStr;
+
 use super::*;
 
 /// `a, b,,c` → `[a, b, c]`; nothing for unset.
@@ -68,3 +70,184 @@ pub fn parse_address(address: &str) -> Result<(String, u16, bool), ConfigError> 
             problem,
         })
 }
+
+/// Deserializes a setting from the TOML file the way its flag reads it: from a string, or
+/// from a number, boolean or list of strings written as such (a list joins with commas).
+macro_rules! from_text {
+    ($t:ty, $expecting:literal) => {
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct Text;
+                impl<'de> serde::de::Visitor<'de> for Text {
+                    type Value = String;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str($expecting)
+                    }
+                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                        Ok(v.to_owned())
+                    }
+                    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                        Ok(v.to_string())
+                    }
+                    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                        Ok(v.to_string())
+                    }
+                    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<String, E> {
+                        Ok(v.to_string())
+                    }
+                    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<String, E> {
+                        Ok(v.to_string())
+                    }
+                    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                        self,
+                        mut seq: A,
+                    ) -> Result<String, A::Error> {
+                        let mut items: Vec<String> = Vec::new();
+                        while let Some(item) = seq.next_element::<String>()? {
+                            items.push(item);
+                        }
+                        Ok(items.join(","))
+                    }
+                }
+                let text = d.deserialize_any(Text)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+/// A duration: `10` (seconds, as upstream agents read it) or `10s`, `500ms`, `1m30s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval(pub Duration);
+
+impl FromStr for Interval {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_duration(text).map(Interval)
+    }
+}
+from_text!(Interval, "a duration such as 10, \"10s\" or \"500ms\"");
+
+/// A count or size: `1000`, `64Mi`, `1Gi`, `512Ki`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_size(text).map(Size)
+    }
+}
+from_text!(Size, "a whole number, suffixes Ki, Mi, Gi allowed");
+
+/// On or off: `true`, `1`, `yes`, `on` and their opposites, in any case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switch(pub bool);
+
+impl FromStr for Switch {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_bool(text)
+            .map(Switch)
+            .ok_or_else(|| format!("{text:?} is not true or false"))
+    }
+}
+from_text!(Switch, "true or false");
+
+/// An MQTT QoS: 0, 1 or 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Qos(pub u8);
+
+impl FromStr for Qos {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "0" => Ok(Qos(0)),
+            "1" => Ok(Qos(1)),
+            "2" => Ok(Qos(2)),
+            other => Err(format!("{other:?} is not 0, 1 or 2")),
+        }
+    }
+}
+from_text!(Qos, "0, 1 or 2");
+
+/// A log level: trace, debug, info, warn or error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogLevel(pub String);
+
+impl FromStr for LogLevel {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        let level = text.trim().to_ascii_lowercase();
+        if ["trace", "debug", "info", "warn", "error"].contains(&level.as_str()) {
+            Ok(LogLevel(level))
+        } else {
+            Err(format!("{text:?} is not trace, debug, info, warn or error"))
+        }
+    }
+}
+from_text!(LogLevel, "trace, debug, info, warn or error");
+
+/// A comma-separated list of words (`a, b,,c` → `[a, b, c]`), or a TOML list.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Words(pub Vec<String>);
+
+impl FromStr for Words {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        Ok(Words(comma_list(Some(text.to_owned()))))
+    }
+}
+from_text!(Words, "a comma-separated string or a list of strings");
+
+/// Directories, separated by `:` or `,`, or a TOML list.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Dirs(pub Vec<PathBuf>);
+
+impl FromStr for Dirs {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        Ok(Dirs(
+            text.split([':', ','])
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from)
+                .collect(),
+        ))
+    }
+}
+from_text!(Dirs, "directories separated by `:` or a list of them");
+
+/// Ports `FIRST-LAST`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRange(pub std::ops::RangeInclusive<u16>);
+
+impl FromStr for PortRange {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        let bad = || format!("{text:?} is not FIRST-LAST");
+        let (first, last) = text.trim().split_once('-').ok_or_else(bad)?;
+        let first: u16 = first.trim().parse().map_err(|_| bad())?;
+        let last: u16 = last.trim().parse().map_err(|_| bad())?;
+        if first == 0 || first > last {
+            return Err(bad());
+        }
+        Ok(PortRange(first..=last))
+    }
+}
+from_text!(PortRange, "ports FIRST-LAST");
+
+/// Host overrides for guests' `wasi:http`, comma-separated `HOST:PORT:ADDRESS[:PORT]`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Overrides(pub Vec<crate::outgoing_http::HostOverride>);
+
+impl FromStr for Overrides {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        crate::outgoing_http::parse_overrides(text).map(Overrides)
+    }
+}
+from_text!(
+    Overrides,
+    "HOST:PORT:ADDRESS[:PORT] entries, comma-separated"
+);
