@@ -156,7 +156,7 @@ def pick(samples, name, **labels):
 
 def cpu_seconds(pid):
     """User + system CPU time process `pid` has used so far."""
-    times = psutil.Process(pid).cpu_times()
+    times = psutil.Process(int(pid)).cpu_times()
     return times.user + times.system
 
 
@@ -170,12 +170,12 @@ def cpu_or_zero(pid):
 
 def parent_of(pid):
     """The parent pid of process `pid`."""
-    return psutil.Process(pid).ppid()
+    return psutil.Process(int(pid)).ppid()
 
 
 def children_of(pid):
     """Every descendant of process `pid`."""
-    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    return [child.pid for child in psutil.Process(int(pid)).children(recursive=True)]
 
 
 def machine_cpu_seconds():
@@ -199,12 +199,12 @@ def pid_named(comm, parent=None):
 
 def rss_mib(pid):
     """Resident memory of process `pid`, in MiB."""
-    return psutil.Process(pid).memory_info().rss / (1024 * 1024)
+    return psutil.Process(int(pid)).memory_info().rss / (1024 * 1024)
 
 
 def open_files(pid):
     """How many descriptors process `pid` holds."""
-    return psutil.Process(pid).num_fds()
+    return psutil.Process(int(pid)).num_fds()
 
 
 def proplet_manifest(name, mqtt_port, key):
