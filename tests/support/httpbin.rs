@@ -2,13 +2,20 @@
 //! the Internet: `/get` and `/post` over HTTP and over HTTPS, with a certificate for
 //! `httpbin.org` from a CA made for the test. Answers echo the request as httpbin does
 //! (`url` built from the Host header, `headers`, POST `data`), so a test sees what the guest
-//! sent; the TLS server names clients asked for are recorded.
+//! sent; the TLS server names clients asked for are recorded. Served by axum (hyper) on a
+//! runtime of its own, with tokio-rustls for HTTPS.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::IntoResponse;
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
 
 /// The server; it stops when dropped, or a few minutes after it started.
 pub struct FakeHttpbin {
@@ -20,12 +27,14 @@ pub struct FakeHttpbin {
     pub ca_pem: String,
     /// The TLS server names (SNI) of the handshakes so far.
     pub server_names: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Drop for FakeHttpbin {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
 
@@ -60,76 +69,94 @@ impl FakeHttpbin {
         )
         .expect("server TLS config");
 
-        let stop = Arc::new(AtomicBool::new(false));
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
         let server_names = Arc::new(Mutex::new(Vec::new()));
-        let http = listen(stop.clone(), move |stream| serve(stream, "http"));
-        let tls = Arc::new(tls);
+        let bind = || {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.set_nonblocking(true).expect("nonblocking");
+            listener
+        };
+        let (http_listener, https_listener) = (bind(), bind());
+        let http = http_listener.local_addr().expect("addr");
+        let https = https_listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let names = server_names.clone();
-        let https = listen(stop.clone(), move |stream| {
-            let Ok(connection) = rustls::ServerConnection::new(tls.clone()) else {
-                return;
-            };
-            let mut stream = rustls::StreamOwned::new(connection, stream);
-            // Complete the handshake first, to learn the name the client asked for.
-            while stream.conn.is_handshaking() {
-                if stream.conn.complete_io(&mut stream.sock).is_err() {
-                    return;
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let plain = tokio::net::TcpListener::from_std(http_listener).expect("listener");
+                let secure = tokio::net::TcpListener::from_std(https_listener).expect("listener");
+                let plain =
+                    std::future::IntoFuture::into_future(axum::serve(plain, echo_app("http")));
+                let secure = serve_tls(secure, acceptor, names);
+                tokio::select! {
+                    _ = stopped => {}
+                    _ = tokio::time::sleep(LIFETIME) => {}
+                    _ = plain => {}
+                    _ = secure => {}
                 }
-            }
-            if let Some(name) = stream.conn.server_name() {
-                names.lock().expect("names").push(name.to_owned());
-            }
-            serve(stream, "https");
+            });
         });
         Self {
             http,
             https,
             ca_pem: ca.pem(),
             server_names,
-            stop,
+            stop: Some(stop),
         }
     }
 }
 
-/// Accepts on an ephemeral loopback port, one thread per connection, until `stop`.
-fn listen(stop: Arc<AtomicBool>, handle: impl Fn(TcpStream) + Send + Sync + 'static) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    listener.set_nonblocking(true).expect("nonblocking");
-    let handle = Arc::new(handle);
-    std::thread::spawn(move || {
-        let started = Instant::now();
-        while !stop.load(Ordering::Relaxed) && started.elapsed() < LIFETIME {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-                    let handle = handle.clone();
-                    std::thread::spawn(move || handle(stream));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+/// Accepts HTTPS connections, records the server name each client asked for, and serves
+/// each with the echo app.
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    names: Arc<Mutex<Vec<String>>>,
+) {
+    let app = echo_app("https");
+    while let Ok((stream, _)) = listener.accept().await {
+        let (acceptor, names, app) = (acceptor.clone(), names.clone(), app.clone());
+        tokio::spawn(async move {
+            let Ok(stream) = acceptor.accept(stream).await else {
+                return;
+            };
+            if let Some(name) = stream.get_ref().1.server_name() {
+                names.lock().expect("names").push(name.to_owned());
             }
-        }
-    });
-    addr
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app))
+                .await;
+        });
+    }
 }
 
-/// Reads one request and answers it as httpbin would, then closes.
-fn serve(stream: impl Read + Write, scheme: &str) {
-    let mut reader = BufReader::new(stream);
-    let Some((method, path, headers, body)) = read_request(&mut reader) else {
-        return;
-    };
-    let header = |name: &str| {
-        headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    };
-    let host = header("host").unwrap_or_default();
+fn echo_app(scheme: &'static str) -> Router {
+    Router::new().fallback(echo).with_state(scheme)
+}
+
+/// Answers a request as httpbin would.
+async fn echo(
+    State(scheme): State<&'static str>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> impl IntoResponse {
+    let path = uri.path();
+    let host = headers
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or_default();
     let echoed: serde_json::Map<String, serde_json::Value> = headers
         .iter()
-        .map(|(n, v)| (title_case(n), serde_json::Value::String(v.clone())))
+        .map(|(n, v)| {
+            let value = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            (title_case(n.as_str()), serde_json::Value::String(value))
+        })
         .collect();
     let mut answer = serde_json::json!({
         "args": {},
@@ -137,32 +164,22 @@ fn serve(stream: impl Read + Write, scheme: &str) {
         "origin": "127.0.0.1",
         "url": format!("{scheme}://{host}{path}"),
     });
-    let status = match (method.as_str(), path.as_str()) {
-        ("GET", "/get") => "200 OK",
+    let status = match (method.as_str(), path) {
+        ("GET", "/get") => StatusCode::OK,
         ("POST", "/post") => {
             answer["data"] = String::from_utf8_lossy(&body).into_owned().into();
             answer["form"] = serde_json::json!({});
             answer["files"] = serde_json::json!({});
             answer["json"] = serde_json::Value::Null;
-            "200 OK"
+            StatusCode::OK
         }
         _ => {
             answer = serde_json::json!({"error": format!("no {method} {path} here")});
-            "404 Not Found"
+            StatusCode::NOT_FOUND
         }
     };
     let text = serde_json::to_string_pretty(&answer).expect("json") + "\n";
-    let stream = reader.get_mut();
-    let _ = write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        text.len()
-    );
-    let _ = stream.flush();
-    // Close only after the client has: closing with unread input resets the connection,
-    // and a reset may discard the answer before the client reads it.
-    let mut rest = [0u8; 1024];
-    while matches!(reader.read(&mut rest), Ok(n) if n > 0) {}
+    (status, [("content-type", "application/json")], text)
 }
 
 /// `content-type` → `Content-Type`, as httpbin shows header names.
@@ -176,50 +193,4 @@ fn title_case(name: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join("-")
-}
-
-type Request = (String, String, Vec<(String, String)>, Vec<u8>);
-
-/// Method, path, headers and body (by Content-Length or chunked).
-fn read_request(reader: &mut impl BufRead) -> Option<Request> {
-    let mut line = String::new();
-    reader.read_line(&mut line).ok()?;
-    let mut parts = line.split_whitespace();
-    let method = parts.next()?.to_owned();
-    let path = parts.next()?.to_owned();
-    let mut headers = Vec::new();
-    loop {
-        let mut line = String::new();
-        reader.read_line(&mut line).ok()?;
-        let line = line.trim_end();
-        if line.is_empty() {
-            break;
-        }
-        let (name, value) = line.split_once(':')?;
-        headers.push((name.trim().to_owned(), value.trim().to_owned()));
-    }
-    let value = |name: &str| {
-        headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v): &(String, String)| v.to_ascii_lowercase())
-    };
-    let mut body = Vec::new();
-    if value("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
-        loop {
-            let mut size = String::new();
-            reader.read_line(&mut size).ok()?;
-            let size = usize::from_str_radix(size.trim().split(';').next()?, 16).ok()?;
-            let mut chunk = vec![0; size + 2];
-            reader.read_exact(&mut chunk).ok()?;
-            if size == 0 {
-                break;
-            }
-            body.extend_from_slice(&chunk[..size]);
-        }
-    } else if let Some(length) = value("content-length") {
-        body.resize(length.parse().ok()?, 0);
-        reader.read_exact(&mut body).ok()?;
-    }
-    Some((method, path, headers, body))
 }
