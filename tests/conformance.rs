@@ -434,7 +434,117 @@ fn run_scenarios(d: &dyn Driver) -> Vec<(&'static str, Facts)> {
             ("conditions", condition_types(&job["status"])),
         ]),
     ));
+    table.push(("FL round ids", round_ids(d)));
     table
+}
+
+/// A device simulated over MQTT as upstream's embedded agent behaves: it logs in as `name`,
+/// listens for starts, heartbeats every second, and sends FL updates naming only their round.
+struct FakeDevice {
+    client: rumqttc::Client,
+    name: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FakeDevice {
+    fn start(d: &dyn Driver, name: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let mut options = rumqttc::MqttOptions::new(name, "127.0.0.1", d.mqtt_port());
+        options.set_credentials(name, format!("{name}-secret"));
+        options.set_keep_alive(Duration::from_secs(5));
+        let (client, mut connection) = rumqttc::Client::new(options, 64);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let done = stop.clone();
+        std::thread::spawn(move || {
+            for event in connection.iter() {
+                if done.load(Ordering::Relaxed) {
+                    return;
+                }
+                if event.is_err() {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        });
+        client
+            .subscribe("m/d1/c/c1/control/manager/start", rumqttc::QoS::AtLeastOnce)
+            .expect("subscribe");
+        let (beats, done, id) = (client.clone(), stop.clone(), name.to_owned());
+        std::thread::spawn(move || {
+            let payload = format!(r#"{{"status":"alive","proplet_id":"{id}"}}"#);
+            while !done.load(Ordering::Relaxed) {
+                let topic = "m/d1/c/c1/control/proplet/alive";
+                let _ = beats.publish(topic, rumqttc::QoS::AtMostOnce, false, payload.clone());
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        });
+        Self {
+            client,
+            name: name.to_owned(),
+            stop,
+        }
+    }
+
+    /// An FL update for round `round`, naming no task.
+    fn update(&self, round: &str) {
+        let topic = format!("fl/rounds/{round}/updates/{}", self.name);
+        let payload = format!(
+            r#"{{"round_id":"{round}","proplet_id":"{}","num_samples":1,"update":{{"w":[1.0]}}}}"#,
+            self.name
+        );
+        self.client
+            .publish(topic, rumqttc::QoS::AtLeastOnce, false, payload)
+            .expect("publish update");
+    }
+}
+
+impl Drop for FakeDevice {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.client.disconnect();
+    }
+}
+
+/// FL updates naming only their round ("r1", "4abc", "4") are claimed by the task of that
+/// round (its `ROUND_ID`) on the sending device, or by none.
+fn round_ids(d: &dyn Driver) -> Facts {
+    d.apply(&support::device_manifest("f", d.mqtt_port()));
+    let device = FakeDevice::start(d, "f");
+    wait_for(d, "proplet", "f", "Running", phase_is("Running"));
+    let task = |name: &str, round: &str| {
+        format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  file: {ADD_WASM}\n  functionName: add\n  inputs: [1, 2]\n  env: {{ROUND_ID: \"{round}\"}}\n  propletSelector: {{propletId: f}}\n"
+        )
+    };
+    d.apply(&format!(
+        "{}---\n{}",
+        task("round-one", "1"),
+        task("round-four", "4")
+    ));
+    for name in ["round-one", "round-four"] {
+        wait_for(d, "task", name, "assigned to f", |t| {
+            t["status"]["assignedProplet"] == "f"
+        });
+    }
+    let finished = |name: &str| {
+        let phase = d.get("task", name).map(|t| t["status"]["phase"].clone());
+        if phase == Some(Value::from("completed")) {
+            "completed".to_owned()
+        } else {
+            "not completed".to_owned()
+        }
+    };
+    device.update("r1");
+    wait_for(d, "task", "round-one", "completed", phase_is("completed"));
+    device.update("4abc");
+    std::thread::sleep(Duration::from_secs(2));
+    let after_4abc = finished("round-four");
+    device.update("4");
+    wait_for(d, "task", "round-four", "completed", phase_is("completed"));
+    Facts::from([
+        ("\"r1\" -> round 1", finished("round-one")),
+        ("\"4abc\" -> no round", after_4abc),
+        ("\"4\" -> round 4", finished("round-four")),
+    ])
 }
 
 /// Events are recorded after the status write: waits until `expected` is among them.
@@ -473,6 +583,8 @@ fn expected(scenario: &str, fact: &str) -> Option<&'static str> {
         ("task lifecycle", "results") => "\"42\"",
         ("task lifecycle", "proplet") => "a",
         ("PropellerJob observation", "phase") => "Completed",
+        ("FL round ids", "\"4abc\" -> no round") => "not completed",
+        ("FL round ids", _) => "completed",
         _ => return None,
     })
 }

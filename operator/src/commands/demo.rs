@@ -150,22 +150,26 @@ pub async fn narrate(store: ObjectStore, api: SocketAddr, data_dir: PathBuf) {
     let mut changes = store.subscribe();
     let mut told = HashSet::new();
     let mut summarised = false;
+    // The summary is also looked for twice a second, not only after a change: a change
+    // missed by a lagging receiver must not hold it back.
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
     loop {
-        let change = match changes.recv().await {
-            Ok(c) => c,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(_) => return,
+        let change = tokio::select! {
+            change = changes.recv() => match change {
+                Ok(c) => Some(c),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => None,
+                Err(_) => return,
+            },
+            _ = tick.tick() => None,
         };
-        if change.kind_of_change == ChangeKind::Deleted {
-            continue;
-        }
-        let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) else {
-            continue;
-        };
-        let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
-        if let Some(line) = progress_line(&change.kind, &obj) {
-            if told.insert((change.kind.clone(), change.name.clone(), line.clone(), run)) {
-                println!("{line}");
+        if let Some(change) = change.filter(|c| c.kind_of_change != ChangeKind::Deleted) {
+            if let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) {
+                let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
+                if let Some(line) = progress_line(&change.kind, &obj) {
+                    if told.insert((change.kind.clone(), change.name.clone(), line.clone(), run)) {
+                        println!("{line}");
+                    }
+                }
             }
         }
         if !summarised && quickstart_finished(&store) {
