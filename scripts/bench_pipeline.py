@@ -52,9 +52,11 @@ try:
     # 2. 1,000 tasks at once.
     names = [f"burst-{n}" for n in range(1000)]
     STORE = ("propeller_store_transactions_total", "propeller_store_durable_commits_total")
+    KINDS = ("task", "proplet")
     def store_counters():
         samples = api.samples()
-        return [pick(samples, name) for name in STORE]
+        return [pick(samples, name) for name in STORE] + [
+            pick(samples, "propeller_reconciles_total", controller=k) for k in KINDS]
     def finished_count():
         samples = api.samples()
         return sum(pick(samples, "propeller_tasks", phase=p) for p in ("completed", "failed"))
@@ -86,7 +88,7 @@ try:
     created = [ts(t["metadata"]["creationTimestamp"]) for t in done]
     failed = sum(1 for t in done if t["status"]["phase"] != "completed")
     cpu = [a - b for a, b in zip(cpu_after, cpu_before)]
-    txns, syncs = (a - b for a, b in zip(after, before))
+    txns, syncs, task_reconciles, proplet_reconciles = (a - b for a, b in zip(after, before))
     span = max(finished) - t0
     per_task = sorted((f - t0) * 1000 for f in finished)
     print(f"1000 tasks in one apply (answered after {(applied - t0) * 1000:.0f} ms): all finished {span:.2f} s after it "
@@ -94,6 +96,7 @@ try:
           f"p99 {per_task[989]:.0f} ms; failed {failed}")
     print(f"store during the burst: {txns:.0f} transactions, {syncs:.0f} fsynced commits "
           f"({txns / max(syncs, 1):.1f} transactions per fsync)")
+    print(f"reconciles during the burst: {task_reconciles:.0f} of Tasks, {proplet_reconciles:.0f} of Proplets")
     print(f"CPU during the burst (until the last task was seen finished): propeller {cpu[0]:.2f} s, "
           f"the 4 agents {sum(cpu[1:]):.2f} s, of {2 * window:.2f} s on 2 cores")
 finally:

@@ -48,12 +48,11 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Default for Reflecte
 }
 
 impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Reflected<K> {
-    /// Stores `object`; the stored `Arc`.
-    fn put(&mut self, object: K) -> Option<Arc<K>> {
-        let reference = ObjectRef::from_obj(&object);
-        self.writer
-            .apply_watcher_event(&watcher::Event::Apply(object));
-        self.reader.get(&reference)
+    /// Stores `object`; the stored `Arc`, which the reflector store shares (not a copy).
+    fn put(&mut self, object: K) -> Arc<K> {
+        let shared = Arc::new(object);
+        self.writer.insert_shared(shared.clone());
+        shared
     }
 
     fn remove(&mut self, (namespace, name): &Name) {
@@ -121,9 +120,8 @@ impl Cached {
         }
         self.proplet_by_client
             .insert(proplet.client_id().to_owned(), key.clone());
-        if let Some(shared) = self.reflected_proplets.put(proplet) {
-            self.proplets.insert(key, shared);
-        }
+        let shared = self.reflected_proplets.put(proplet);
+        self.proplets.insert(key, shared);
         if credentials_change {
             self.credential_epoch += 1;
         }
@@ -168,9 +166,8 @@ impl Cached {
                 .or_default()
                 .insert(name.clone());
         }
-        if let Some(shared) = self.reflected_tasks.put(task) {
-            self.tasks.insert(key, shared);
-        }
+        let shared = self.reflected_tasks.put(task);
+        self.tasks.insert(key, shared);
     }
 
     fn remove_task(&mut self, key: &Name) {
@@ -208,9 +205,9 @@ impl Cached {
     /// Caches a stored PropellerJob, FederatedJob or TrainingRound (other kinds are not).
     fn put_other(&mut self, kind: &str, value: &Value) {
         match kind {
-            PROPELLER_JOB => drop(decode(value).and_then(|o| self.propeller_jobs.put(o))),
-            FEDERATED_JOB => drop(decode(value).and_then(|o| self.federated_jobs.put(o))),
-            TRAINING_ROUND => drop(decode(value).and_then(|o| self.training_rounds.put(o))),
+            PROPELLER_JOB => drop(decode(value).map(|o| self.propeller_jobs.put(o))),
+            FEDERATED_JOB => drop(decode(value).map(|o| self.federated_jobs.put(o))),
+            TRAINING_ROUND => drop(decode(value).map(|o| self.training_rounds.put(o))),
             _ => {}
         }
     }

@@ -103,6 +103,14 @@ where
             .map(|dispatcher| dispatcher.subscribe(self.as_reader()))
     }
 
+    /// Propeller patch: stores `obj`, already shared, without copying it (as
+    /// [`Writer::apply_watcher_event`] with `Apply` does), for a writer fed by something other
+    /// than a watcher that keeps the same `Arc` elsewhere.
+    pub fn insert_shared(&mut self, obj: Arc<K>) {
+        let key = obj.to_object_ref(self.dyntype.clone());
+        self.store.write().insert(key, obj);
+    }
+
     /// Applies a single watcher event to the store
     pub fn apply_watcher_event(&mut self, event: &watcher::Event<K>) {
         match event {
