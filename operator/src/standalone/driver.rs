@@ -9,7 +9,7 @@
 //! the MQTT side never writes the store), and the requeue times the plans ask for, plus a
 //! periodic sweep of proplets.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -65,7 +65,8 @@ pub const CONFIG_MAP: &str = "ConfigMap";
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// How often Proplet and Secret changes are folded into the broker's credential table. A
-/// new Proplet's device can log in at most this long after the Proplet is stored.
+/// new Proplet's device can log in at most this long after the Proplet is stored. Proplet
+/// wake-ups held back by [`LoadWakes`] are sent on the same tick.
 const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
 /// Reconciles of one kind in flight at once. They mostly wait for the store's group commit,
@@ -170,6 +171,7 @@ pub struct Driver {
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
+    load_wakes: LoadWakes,
 }
 
 impl Driver {
@@ -196,6 +198,7 @@ impl Driver {
             credentials_built: Mutex::new(None),
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
+            load_wakes: LoadWakes::default(),
         });
         Ok((driver, wakes))
     }
@@ -287,6 +290,9 @@ impl Driver {
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
                 _ = credential_tick.tick() => {
+                    for key in self.load_wakes.due(Instant::now()) {
+                        self.enqueue(key);
+                    }
                     let secrets = self
                         .secrets_changed
                         .swap(false, AtomicOrdering::Relaxed);
