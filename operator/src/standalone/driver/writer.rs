@@ -165,7 +165,10 @@ mod tests {
         let q = Key::new(PROPLET, "default", "q");
         let t0 = Instant::now();
         assert!(wakes.now_or_later(&p, t0), "the first wake goes at once");
-        assert!(wakes.now_or_later(&q, t0), "another proplet is not held back");
+        assert!(
+            wakes.now_or_later(&q, t0),
+            "another proplet is not held back"
+        );
         assert!(!wakes.now_or_later(&p, t0 + Duration::from_millis(10)));
         assert!(!wakes.now_or_later(&p, t0 + Duration::from_millis(20)));
         assert_eq!(wakes.due(t0 + Duration::from_millis(100)), vec![p.clone()]);
