@@ -33,10 +33,7 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
             }
             None => debug!(client = %client_id, "liveness from a client with no Proplet"),
         },
-        Concerns::Task(uid) => match cluster.task_by_uid(&uid) {
-            Some(task) => cluster.wake(Wake::Task(ObjectName::of(task.as_ref()))),
-            None => debug!(task = %uid, "report for a task not known yet; it waits"),
-        },
+        Concerns::Task(uid) => wake_task_by_uid(cluster, &uid),
         Concerns::TasksOf(client_id) => {
             if let Some(proplet) = cluster.proplet_by_client(&client_id) {
                 wake_tasks_on(cluster, &proplet);
@@ -49,6 +46,15 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
             }
         }
         Concerns::Nothing => {}
+    }
+}
+
+/// Wakes the Task with this UID (a report for it, its image resolved); one not known yet is
+/// reconciled when its own watch event comes, and finds what waits for it then.
+pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
+    match cluster.task_by_uid(uid) {
+        Some(task) => cluster.wake(Wake::Task(ObjectName::of(task.as_ref()))),
+        None => debug!(task = %uid, "a task not known yet; it waits"),
     }
 }
 

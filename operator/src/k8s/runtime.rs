@@ -249,7 +249,7 @@ pub async fn run(
         let weak = Arc::downgrade(&shared);
         images.on_resolved(move |uid| {
             if let Some(shared) = weak.upgrade() {
-                trigger_task(&shared, uid);
+                crate::controller::routing::wake_task_by_uid(&*shared, uid);
             }
         });
     }

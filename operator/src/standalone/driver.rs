@@ -33,7 +33,7 @@ use crate::decision::task::TaskSettings;
 use crate::k8s::proplet::PropletSettings;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
-use crate::state::{lock, DriverState};
+use crate::state::lock;
 
 use super::cache::ObjectCache;
 use super::events::EventLog;
@@ -44,6 +44,7 @@ mod reconcile;
 mod routing;
 mod writer;
 
+use routing::LoadWakes;
 use writer::*;
 
 /// Kind names as stored.
@@ -209,17 +210,10 @@ impl Driver {
         let driver = Arc::downgrade(self);
         images.on_resolved(move |uid| {
             if let Some(driver) = driver.upgrade() {
-                if let Some(task) = driver.cache.task_by_uid(uid) {
-                    driver.enqueue(Key::of(TASK, &task.metadata));
-                }
+                crate::controller::routing::wake_task_by_uid(&*driver, uid);
             }
         });
         let _ = self.common.images.set(images);
-    }
-
-    /// In-memory state shared with the broker side.
-    pub fn state(&self) -> &DriverState {
-        &self.common.state
     }
 
     /// The store the driver writes.

@@ -68,7 +68,7 @@ impl Cluster for Shared {
     }
 
     fn newest_proplet(&self, proplet: Proplet) -> Proplet {
-        self.newest(&object_key(&proplet), proplet)
+        self.newest(&ObjectName::of(&proplet).to_string(), proplet)
     }
 
     fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
@@ -144,7 +144,7 @@ impl Cluster for Shared {
         let written = apply_proplet(&self.client, proplet, plan).await?;
         if let Some(written) = written {
             lock(&self.proplet_echo).insert(
-                object_key(proplet),
+                ObjectName::of(proplet).to_string(),
                 WrittenStatus {
                     based_on: proplet.metadata.resource_version.clone(),
                     version: written.metadata.resource_version,

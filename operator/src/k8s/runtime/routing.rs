@@ -79,13 +79,3 @@ pub fn count_phases(ctx: &Shared) {
         .metrics
         .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
 }
-
-/// Triggers the Task with this UID, once the cache has it.
-pub(super) fn trigger_task(ctx: &Shared, uid: &str) {
-    match ctx.task_by_uid(uid) {
-        Some(task) => {
-            let _ = ctx.task_trigger.send(ObjectRef::from_obj(&*task));
-        }
-        None => debug!(task = %uid, "a resolved image for a task not in the cache"),
-    }
-}

@@ -2,6 +2,7 @@
 //! driver state, the triggers, and the memory of this process's own writes.
 
 use super::*;
+use crate::controller::ObjectName;
 
 /// State shared by the reconcilers and the event router.
 pub struct Shared {
@@ -201,7 +202,7 @@ impl Shared {
     /// The cached `task`, or what this driver last wrote to it when the cache still shows a
     /// version those writes replaced.
     pub(super) fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        let key = object_key(&*task);
+        let key = ObjectName::of(&*task).to_string();
         let mut echo = lock(&self.task_echo);
         let Some(writes) = echo.get(&key) else {
             return task;
@@ -217,7 +218,7 @@ impl Shared {
     }
 
     pub(super) fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
-        let key = object_key(task);
+        let key = ObjectName::of(task).to_string();
         lock(&self.task_echo).insert(key, writes);
     }
 
@@ -251,13 +252,4 @@ impl Shared {
             .collect();
         *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
     }
-}
-
-/// `namespace/name`: how the driver's per-object memories are keyed.
-pub(super) fn object_key(object: &impl ResourceExt) -> String {
-    format!(
-        "{}/{}",
-        object.namespace().unwrap_or_else(|| "default".into()),
-        object.name_any()
-    )
 }

@@ -192,19 +192,19 @@ impl Cluster for Driver {
     }
 
     async fn note<K: Stored>(&self, object: &K, note: &Note) {
+        self.record_note(object, note);
+    }
+
+    /// The event log is in memory: recording never holds the caller up.
+    fn note_later<K: Stored>(&self, object: &K, note: Note) {
+        self.record_note(object, &note);
+    }
+}
+
+impl Driver {
+    fn record_note<K: Stored>(&self, object: &K, note: &Note) {
         let name = ObjectName::of(object);
         self.events
             .record(&K::kind(&()), &name.namespace, &name.name, note, Utc::now());
-    }
-
-    fn note_later<K: Stored>(&self, object: &K, note: Note) {
-        let name = ObjectName::of(object);
-        self.events.record(
-            &K::kind(&()),
-            &name.namespace,
-            &name.name,
-            &note,
-            Utc::now(),
-        );
     }
 }

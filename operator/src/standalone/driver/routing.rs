@@ -1,5 +1,6 @@
 //! What wakes a reconcile in standalone mode: broker events (through the shared routing),
-//! stored changes and their related objects; and the credential table.
+//! stored changes and their related objects (a Proplet's load-driven wake-ups merged per
+//! [`LOAD_WAKE_INTERVAL`]); and the credential table.
 
 use super::*;
 use crate::crd::federated::TrainingRound;
@@ -89,5 +90,70 @@ impl Driver {
             }
             _ => {}
         }
+    }
+}
+
+/// The shortest time between two load-driven wake-ups of one Proplet.
+pub(super) const LOAD_WAKE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// When each Proplet was last woken because one of its tasks changed, and the Proplets whose
+/// next such wake-up waits for the tick (see [`Driver::wake_for_load`]).
+#[derive(Default)]
+pub(super) struct LoadWakes(Mutex<(HashMap<Key, Instant>, HashSet<Key>)>);
+
+impl LoadWakes {
+    /// Whether `key` may be woken now; if not, it is woken by [`LoadWakes::due`] later.
+    pub(super) fn now_or_later(&self, key: &Key, now: Instant) -> bool {
+        let mut wakes = lock(&self.0);
+        let (last, held) = &mut *wakes;
+        if held.contains(key) {
+            return false;
+        }
+        match last.get(key) {
+            Some(at) if now.duration_since(*at) < LOAD_WAKE_INTERVAL => {
+                held.insert(key.clone());
+                false
+            }
+            _ => {
+                last.insert(key.clone(), now);
+                true
+            }
+        }
+    }
+
+    /// The held wake-ups, to send now.
+    pub(super) fn due(&self, now: Instant) -> Vec<Key> {
+        let mut wakes = lock(&self.0);
+        let (last, held) = &mut *wakes;
+        let due: Vec<Key> = held.drain().collect();
+        for key in &due {
+            last.insert(key.clone(), now);
+        }
+        // Forget Proplets not woken for a while, so the map follows the fleet.
+        last.retain(|_, at| now.duration_since(*at) < Duration::from_secs(60));
+        due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_wakes_of_one_proplet_are_merged_within_the_interval_and_none_is_lost() {
+        let wakes = LoadWakes::default();
+        let p = Key::new(PROPLET, "default", "p");
+        let q = Key::new(PROPLET, "default", "q");
+        let t0 = Instant::now();
+        assert!(wakes.now_or_later(&p, t0), "the first wake goes at once");
+        assert!(
+            wakes.now_or_later(&q, t0),
+            "another proplet is not held back"
+        );
+        assert!(!wakes.now_or_later(&p, t0 + Duration::from_millis(10)));
+        assert!(!wakes.now_or_later(&p, t0 + Duration::from_millis(20)));
+        assert_eq!(wakes.due(t0 + Duration::from_millis(100)), vec![p.clone()]);
+        assert!(wakes.due(t0 + Duration::from_millis(200)).is_empty());
+        assert!(wakes.now_or_later(&p, t0 + LOAD_WAKE_INTERVAL * 3));
     }
 }
