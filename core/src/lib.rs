@@ -7,3 +7,4 @@
 pub mod crd;
 pub mod decision;
 pub mod image_reference;
+pub mod shard;

@@ -46,6 +46,7 @@ use crate::state::DriverState;
 
 pub mod finalizer;
 pub mod jobs;
+pub mod ownership;
 pub mod proplet;
 pub mod routing;
 pub mod runner;
@@ -140,6 +141,8 @@ pub struct Common {
     pub metrics: Arc<ControllerMetrics>,
     /// Registry resolution and chunk serving, once attached (`None`: images are not served).
     pub images: OnceLock<Arc<Images>>,
+    /// This replica's share of the objects, once attached (`None`: it owns every object).
+    pub shard: OnceLock<Arc<ownership::Ownership>>,
 }
 
 impl Common {
@@ -157,12 +160,25 @@ impl Common {
             task,
             metrics,
             images: OnceLock::new(),
+            shard: OnceLock::new(),
         }
     }
 
     /// The image service, when one is attached.
     pub fn images(&self) -> Option<&Arc<Images>> {
         self.images.get()
+    }
+
+    /// The turn to reconcile `object`: `Some` at once when this replica owns every object,
+    /// `None` when another replica owns it now (see [`ownership::Ownership::turn`]).
+    pub async fn turn<K: Stored>(&self, object: &K) -> Option<Option<ownership::Turn<'_>>> {
+        match self.shard.get() {
+            None => Some(None),
+            Some(shard) => shard
+                .turn(&K::kind(&()), &ObjectName::of(object))
+                .await
+                .map(Some),
+        }
     }
 
     /// What the Task executor uses besides the backend.

@@ -260,6 +260,13 @@ impl DriverState {
         }
     }
 
+    /// Forgets what was heard for the task `uid` (results, metrics, starts sent): another
+    /// replica finishes it.
+    pub fn forget_task(&self, uid: &str) {
+        self.inbox.forget(uid);
+        self.ledger.forget(uid);
+    }
+
     /// Remembers the scheduler's choice once the assignment is written.
     pub fn chose(&self, namespace: &str, proplet: &str) {
         lock(&self.round_robin).record(namespace, proplet);

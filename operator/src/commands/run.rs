@@ -11,7 +11,11 @@ use clap::Args;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use propeller_broker::http::{Handler, Reply, OPENMETRICS};
+use propeller_broker::protocol::parse_setting_duration;
 use propeller_broker::server::CredentialStore;
+use propeller_operator::controller::ownership::Ownership;
+use propeller_operator::k8s::fence::FenceLayer;
+use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
 use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
@@ -47,9 +51,32 @@ pub struct RunCommand {
     /// Name of the leader Lease.
     #[arg(long, env = "PROPELLER_LEASE_NAME", default_value = "propeller-leader")]
     pub lease_name: String,
-    /// Namespace of the leader Lease (the client's default namespace when unset).
+    /// Namespace of the leader Lease and of the members' Leases (the client's default
+    /// namespace when unset).
     #[arg(long, env = "PROPELLER_LEASE_NAMESPACE")]
     pub lease_namespace: Option<String>,
+    /// Share the objects with the other replicas of the group instead of one leading: each
+    /// reconciles the part it owns by rendezvous hashing, membership is a Lease per replica.
+    /// Every replica must reach every device, so this needs --mqtt-broker; the member id is
+    /// $HOSTNAME (the pod name).
+    #[arg(
+        long,
+        env = "PROPELLER_SHARD",
+        conflicts_with = "leader_elect",
+        requires = "mqtt_broker"
+    )]
+    pub shard: bool,
+    /// The group the replica shares the objects with (its members' Leases are named after it).
+    #[arg(
+        long,
+        env = "PROPELLER_SHARD_GROUP",
+        default_value = "propeller-member"
+    )]
+    pub shard_group: String,
+    /// How long a member's Lease lasts without a renewal: a stopped replica's share is taken
+    /// over this long after its last renewal (at once when it stops cleanly).
+    #[arg(long, env = "PROPELLER_SHARD_LEASE_DURATION", default_value = "15s", value_parser = parse_setting_duration)]
+    pub shard_lease_duration: Duration,
     /// Log line format.
     #[arg(long, env = "PROPELLER_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -116,13 +143,30 @@ fn handler(health: Arc<Health>) -> Handler {
 }
 
 /// Runs the operator until SIGTERM or Ctrl-C.
-pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
+pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     let config = kube::Config::infer()
         .await
         .context("finding the Kubernetes API (in-cluster config or kubeconfig)")?;
     let server = config.cluster_url.to_string();
-    let client = kube::Client::try_from(config)
+    let plain_client = kube::Client::try_from(config.clone())
         .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?;
+    let identity = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty());
+    let shard = match (cmd.shard, &identity) {
+        (false, _) => None,
+        (true, None) => {
+            anyhow::bail!("--shard needs a member id: set HOSTNAME (in a pod it is the pod name)")
+        }
+        (true, Some(me)) => Some(Arc::new(Ownership::new(me, cmd.shard_lease_duration))),
+    };
+    // A sharded replica's reconciles write through the fence; its membership does not.
+    let client = match &shard {
+        Some(shard) => kube::client::ClientBuilder::try_from(config)
+            .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?
+            .with_layer(&FenceLayer::new(shard.clone()))
+            .build(),
+        None => plain_client.clone(),
+    };
+    let identity = identity.unwrap_or_else(|| "propeller".into());
     let health = Arc::new(Health::default());
     let controller_metrics = Arc::new(ControllerMetrics::default());
     let logins = Logins {
@@ -156,7 +200,6 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
             .lease_namespace
             .clone()
             .unwrap_or_else(|| client.default_namespace().to_owned());
-        let identity = std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into());
         // The API server may not answer yet (a control plane starting, a network partition):
         // keep trying, say why, and stop at once on SIGTERM or Ctrl-C.
         let mut delay = Duration::from_millis(500);
@@ -198,6 +241,26 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
         info!("leading");
         lease_task = Some((leading, task));
     }
+    let mut members = None;
+    if let Some(shard) = &shard {
+        let settings = MembershipSettings {
+            group: cmd.shard_group.clone(),
+            namespace: cmd
+                .lease_namespace
+                .clone()
+                .unwrap_or_else(|| plain_client.default_namespace().to_owned()),
+            identity: identity.clone(),
+            lease_duration: cmd.shard_lease_duration,
+        };
+        // Each replica keeps its own persistent session on the cluster.
+        cmd.external.mqtt_client_id = format!("{}-{identity}", cmd.external.mqtt_client_id);
+        members = Some(tokio::spawn(membership::run(
+            plain_client.clone(),
+            settings,
+            shard.clone(),
+            shutdown.clone(),
+        )));
+    }
     let result = serve(
         cmd,
         client,
@@ -205,11 +268,30 @@ pub async fn run(cmd: RunCommand) -> anyhow::Result<()> {
         controller_metrics,
         logins,
         shutdown,
-        lease_task,
+        Leading {
+            lease: lease_task,
+            shard,
+        },
     )
     .await;
+    if let Some(members) = members {
+        // Leaving the group deletes this replica's Lease, so the others take over at once.
+        if tokio::time::timeout(Duration::from_secs(10), members)
+            .await
+            .is_err()
+        {
+            warn!("leaving the group took over 10 s; the others take over when the Lease expires");
+        }
+    }
     http.abort();
     result
+}
+
+/// How this replica shares the work: as the leader (`lease`), as a member of a sharded
+/// group (`shard`), or alone (neither).
+struct Leading {
+    lease: Option<LeaseWatch>,
+    shard: Option<Arc<Ownership>>,
 }
 
 type ShutdownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
@@ -229,8 +311,9 @@ async fn serve(
     controller_metrics: Arc<ControllerMetrics>,
     logins: Logins,
     shutdown: futures::future::Shared<ShutdownFuture>,
-    lease: Option<LeaseWatch>,
+    leading: Leading,
 ) -> anyhow::Result<()> {
+    let Leading { lease, shard } = leading;
     let external = cmd
         .external
         .plan(cmd.domain_id.as_deref(), cmd.channel_id.as_deref())?;
@@ -248,6 +331,9 @@ async fn serve(
     controller_metrics.register(&mut registry);
     broker.register(&mut registry);
     images.metrics().register(&mut registry);
+    if let Some(shard) = &shard {
+        shard.metrics().register(&mut registry);
+    }
     health.set_registry(registry);
     let raw_events = broker
         .take_events()
@@ -268,6 +354,7 @@ async fn serve(
         reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
         resync: cmd.reconcile.liveliness_interval,
         images: Some(images),
+        shard,
     };
     health.ready.store(true, Ordering::Relaxed);
     let lost_lease = async move {

@@ -33,6 +33,10 @@ pub async fn reconcile_proplet<C: Cluster>(
     proplet: Arc<Proplet>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
+    let common = cluster.common();
+    let Some(_turn) = common.turn(&*proplet).await else {
+        return Ok(Action::await_change());
+    };
     let proplet = cluster.newest_proplet((*proplet).clone());
     let now = Utc::now();
     let next = super::proplet::reconcile(&*cluster, proplet, now).await?;
@@ -44,6 +48,16 @@ pub async fn reconcile_task<C: Cluster>(
     task: Arc<Task>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
+    let common = cluster.common();
+    let Some(_turn) = common.turn(&*task).await else {
+        if task.metadata.deletion_timestamp.is_some() {
+            // Its owner finishes it; what this replica heard for it is not needed.
+            common
+                .state
+                .forget_task(task.metadata.uid.as_deref().unwrap_or_default());
+        }
+        return Ok(Action::await_change());
+    };
     let task = cluster.newest_task(task);
     let now = Utc::now();
     let next = super::task::reconcile(&*cluster, &task, now).await?;
@@ -55,6 +69,9 @@ pub async fn reconcile_propeller_job<C: Cluster>(
     job: Arc<PropellerJob>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
+    let Some(_turn) = cluster.common().turn(&*job).await else {
+        return Ok(Action::await_change());
+    };
     let now = Utc::now();
     let next = super::jobs::reconcile_propeller_job(&*cluster, &job, now).await?;
     Ok(action::<C>(next, now))
@@ -65,6 +82,9 @@ pub async fn reconcile_federated_job<C: Cluster>(
     job: Arc<FederatedJob>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
+    let Some(_turn) = cluster.common().turn(&*job).await else {
+        return Ok(Action::await_change());
+    };
     let now = Utc::now();
     let next = super::jobs::reconcile_federated_job(&*cluster, &job, now).await?;
     Ok(action::<C>(next, now))
@@ -75,6 +95,9 @@ pub async fn reconcile_training_round<C: Cluster>(
     round: Arc<TrainingRound>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
+    let Some(_turn) = cluster.common().turn(&*round).await else {
+        return Ok(Action::await_change());
+    };
     let now = Utc::now();
     let next = super::jobs::reconcile_training_round(&*cluster, &round, now).await?;
     Ok(action::<C>(next, now))

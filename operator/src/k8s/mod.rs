@@ -2,6 +2,8 @@
 //! Jobs of `k8s` proplets' tasks, and the runtime that drives one Controller per kind.
 
 pub use crate::decision::deployment;
+pub mod fence;
+pub mod membership;
 pub mod patch;
 pub mod proplet;
 pub mod pull_secrets;

@@ -26,6 +26,7 @@ use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, info, warn};
 
+use crate::controller::ownership::Ownership;
 use crate::controller::runner::{drive, stream_of as tokio_stream_of};
 use crate::controller::Common;
 use crate::crd::federated::{FederatedJob, TrainingRound};
@@ -140,6 +141,22 @@ pub struct Runtime {
     pub resync: Duration,
     /// Registry resolution and chunk serving.
     pub images: Option<Arc<Images>>,
+    /// This replica's share of the objects when several replicas are active; `None`: it
+    /// reconciles every object (alone, or as the leader).
+    pub shard: Option<Arc<Ownership>>,
+}
+
+/// `controller`, also looking at every object again whenever this replica's share may have
+/// grown (a view change, a previous owner letting go).
+fn reshuffled<K>(controller: Controller<K>, shard: Option<&Arc<Ownership>>) -> Controller<K>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default + std::fmt::Debug + Unpin,
+{
+    match shard {
+        Some(shard) => controller.reconcile_all_on(shard.reshuffles()),
+        None => controller,
+    }
 }
 
 /// The Tasks carrying `label`: a cache, and the stream of changes (already applied to that
@@ -244,6 +261,11 @@ pub async fn run(
     if let Some(images) = rt.images {
         let _ = shared.common.images.set(images);
     }
+    let shard = rt.shard.clone();
+    if let Some(shard) = &shard {
+        let _ = shared.common.shard.set(shard.clone());
+    }
+    let shard = shard.as_ref();
     let shared = Arc::new(shared);
     if let Some(images) = shared.common.images() {
         let weak = Arc::downgrade(&shared);
@@ -306,12 +328,12 @@ pub async fn run(
         tick.tick().await;
         Some(((), tick))
     });
-    let proplets = proplet_controller
+    let proplets = reshuffled(proplet_controller, shard)
         .reconcile_on(tokio_stream_of(triggers.proplets))
         .reconcile_all_on(ticks)
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_proplet, error_policy, shared.clone());
-    let tasks = task_controller
+    let tasks = reshuffled(task_controller, shard)
         .reconcile_on(tokio_stream_of(triggers.tasks))
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_task, error_policy, shared.clone());
@@ -319,32 +341,35 @@ pub async fn run(
         scoped::<PropellerJob>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
-    .with_config(bounded())
-    // Only the Tasks a job created (they carry its label): every other Task's writes would
-    // be sent to this watch too, for nothing.
-    .owns_stream(job_task_events)
-    .graceful_shutdown_on(shutdown.clone())
-    .run(reconcile_propeller_job, error_policy, shared.clone());
+    .with_config(bounded());
+    let jobs = reshuffled(jobs, shard)
+        // Only the Tasks a job created (they carry its label): every other Task's writes would
+        // be sent to this watch too, for nothing.
+        .owns_stream(job_task_events)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile_propeller_job, error_policy, shared.clone());
     let federated = Controller::new(
         scoped::<FederatedJob>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
-    .with_config(bounded())
-    .owns(
-        scoped::<TrainingRound>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .graceful_shutdown_on(shutdown.clone())
-    .run(reconcile_federated_job, error_policy, shared.clone());
+    .with_config(bounded());
+    let federated = reshuffled(federated, shard)
+        .owns(
+            scoped::<TrainingRound>(&client, ns.as_deref()),
+            watcher::Config::default(),
+        )
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile_federated_job, error_policy, shared.clone());
     let rounds = Controller::new(
         scoped::<TrainingRound>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
-    .with_config(bounded())
-    .owns_stream(round_task_events)
-    .reconcile_on(tokio_stream_of(triggers.rounds))
-    .graceful_shutdown_on(shutdown.clone())
-    .run(reconcile_training_round, error_policy, shared.clone());
+    .with_config(bounded());
+    let rounds = reshuffled(rounds, shard)
+        .owns_stream(round_task_events)
+        .reconcile_on(tokio_stream_of(triggers.rounds))
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile_training_round, error_policy, shared.clone());
     info!("controllers running");
     let controllers = async {
         tokio::join!(

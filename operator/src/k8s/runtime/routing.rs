@@ -3,6 +3,7 @@
 //! from the caches.
 
 use super::*;
+use crate::controller::ObjectName;
 
 /// Routes broker events into the stores and triggers until the event stream ends.
 pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<Shared>) {
@@ -78,4 +79,8 @@ pub fn count_phases(ctx: &Shared) {
     ctx.common
         .metrics
         .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
+    if let Some(shard) = ctx.common.shard.get() {
+        shard.count_owned("Proplet", proplets.iter().map(|p| ObjectName::of(&**p)));
+        shard.count_owned("Task", tasks.iter().map(|t| ObjectName::of(&**t)));
+    }
 }

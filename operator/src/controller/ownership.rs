@@ -1,0 +1,352 @@
+//! This replica's share of the objects when several replicas are active (sharding): which
+//! objects it may reconcile now, and the barrier that hands a share over only after every
+//! reconcile of it has finished.
+//!
+//! Who the members are is kept by the driver (`k8s::membership`, on Leases); what follows from
+//! it is decided by `propeller_core::shard`. Every reconcile asks for its [`Turn`] first and
+//! holds it to the end; a change of view waits for the turns of the old view to end before
+//! the new view is acted on and announced. A replica that has not renewed its membership in
+//! time is fenced: it takes no turn, and the API client refuses its writes.
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use propeller_core::shard::{fence_limit, fenced, may_act, shard_key, Peer, View};
+use tokio::sync::{watch, RwLockReadGuard};
+
+use super::ObjectName;
+
+/// A reconcile's permission to act on its object, held until it returns.
+pub struct Turn<'a> {
+    _acting: RwLockReadGuard<'a, View>,
+}
+
+/// What a replica knows of the others, as last computed by the membership loop.
+#[derive(Debug, Default, Clone)]
+struct Picture {
+    acting: View,
+    settled: bool,
+    peers: Vec<Peer>,
+}
+
+/// Labels of the per-kind meters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `Proplet`, `Task`, …
+    pub kind: String,
+}
+
+/// Label naming this replica.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MemberLabels {
+    /// The member id (its Lease's holder).
+    pub member: String,
+}
+
+/// The sharding meters on `/metrics`.
+#[derive(Debug, Default)]
+pub struct ShardMetrics {
+    /// 1, labelled with this replica's member id.
+    pub member: Family<MemberLabels, Gauge>,
+    /// Members in the view this replica acts on.
+    pub members: Gauge,
+    /// Objects this replica owns, by kind.
+    pub owned: Family<KindLabels, Gauge>,
+    /// Changes of the view this replica acts on.
+    pub handoffs: Counter,
+    /// Reconciles not run here because another replica owns the object (or may still act on
+    /// it), by kind.
+    pub skipped: Family<KindLabels, Counter>,
+    /// 1 while this replica is fenced (its membership not renewed in time).
+    pub fenced: Gauge,
+}
+
+impl ShardMetrics {
+    /// Registers every meter under `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "shard_member",
+            "This replica's member id",
+            self.member.clone(),
+        );
+        registry.register(
+            "shard_members",
+            "Members in the view this replica acts on",
+            self.members.clone(),
+        );
+        registry.register(
+            "shard_owned",
+            "Objects this replica owns, by kind",
+            self.owned.clone(),
+        );
+        registry.register(
+            "shard_handoffs",
+            "Changes of the view this replica acts on",
+            self.handoffs.clone(),
+        );
+        registry.register(
+            "shard_skipped",
+            "Reconciles left to the replica that owns the object",
+            self.skipped.clone(),
+        );
+        registry.register(
+            "shard_fenced",
+            "1 while this replica is fenced (membership not renewed in time)",
+            self.fenced.clone(),
+        );
+    }
+}
+
+/// This replica's membership and the objects it may act on.
+#[derive(Debug)]
+pub struct Ownership {
+    me: String,
+    acting: tokio::sync::RwLock<View>,
+    picture: RwLock<Picture>,
+    renewed: Mutex<Option<Instant>>,
+    fence_limit: Duration,
+    reshuffles: watch::Sender<u64>,
+    metrics: Arc<ShardMetrics>,
+}
+
+impl Ownership {
+    /// A replica `me` whose membership Lease lasts `lease_duration`; it acts on nothing until
+    /// its first renewal and its first view.
+    pub fn new(me: &str, lease_duration: Duration) -> Self {
+        let metrics = Arc::new(ShardMetrics::default());
+        metrics
+            .member
+            .get_or_create(&MemberLabels {
+                member: me.to_owned(),
+            })
+            .set(1);
+        metrics.fenced.set(1);
+        Self {
+            me: me.to_owned(),
+            acting: tokio::sync::RwLock::new(View::default()),
+            picture: RwLock::new(Picture::default()),
+            renewed: Mutex::new(None),
+            fence_limit: fence_limit(lease_duration),
+            reshuffles: watch::channel(0).0,
+            metrics,
+        }
+    }
+
+    /// This replica's member id.
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// The meters.
+    pub fn metrics(&self) -> &Arc<ShardMetrics> {
+        &self.metrics
+    }
+
+    /// Records a successful renewal whose request was sent at `sent_at`.
+    pub fn renewed(&self, sent_at: Instant) {
+        let mut renewed = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
+        if renewed.is_none_or(|at| at < sent_at) {
+            *renewed = Some(sent_at);
+        }
+    }
+
+    /// Whether this replica must not act or write at `now`.
+    pub fn is_fenced(&self, now: Instant) -> bool {
+        let renewed = *self.renewed.lock().unwrap_or_else(|e| e.into_inner());
+        fenced(renewed, self.fence_limit, now)
+    }
+
+    /// The view this replica acts on.
+    pub fn acting(&self) -> View {
+        self.read_picture().acting.clone()
+    }
+
+    /// Whether this replica owns `kind` `name` now (for counting; a reconcile takes a
+    /// [`Turn`] instead).
+    pub fn owns(&self, kind: &str, name: &ObjectName) -> bool {
+        let key = shard_key(kind, &name.namespace, &name.name);
+        let picture = self.read_picture();
+        !self.is_fenced(Instant::now())
+            && may_act(
+                &key,
+                &self.me,
+                &picture.acting,
+                picture.settled,
+                &picture.peers,
+            )
+    }
+
+    /// The turn to reconcile `kind` `name`, if this replica may act on it now; `None` (and
+    /// counted) when another replica owns it or may still be acting on it.
+    pub async fn turn(&self, kind: &str, name: &ObjectName) -> Option<Turn<'_>> {
+        let acting = self.acting.read().await;
+        if self.owns(kind, name) {
+            return Some(Turn { _acting: acting });
+        }
+        self.metrics
+            .skipped
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc();
+        None
+    }
+
+    /// Acts on `view` from now on: waits until every reconcile that took its turn under the
+    /// previous view has returned, so that what this replica gives up is no longer touched
+    /// once the new view is announced.
+    pub async fn switch(&self, view: View) {
+        let mut acting = self.acting.write().await;
+        *acting = view.clone();
+        let mut picture = self.write_picture();
+        picture.acting = view.clone();
+        // Not settled until the announcement of this view has come back on the watch.
+        picture.settled = false;
+        drop(picture);
+        drop(acting);
+        self.metrics.handoffs.inc();
+        self.metrics
+            .members
+            .set(i64::try_from(view.members().len()).unwrap_or(i64::MAX));
+        self.reshuffle();
+    }
+
+    /// Records the other live members' announcements and whether this replica's own
+    /// announcement of its view has come back; wakes every object's reconcile when that
+    /// changes what this replica may act on.
+    pub fn observe(&self, peers: Vec<Peer>, own_announcement: Option<&View>, now: Instant) {
+        let is_fenced = self.is_fenced(now);
+        self.metrics.fenced.set(i64::from(is_fenced));
+        let mut picture = self.write_picture();
+        let settled = own_announcement == Some(&picture.acting) && !picture.acting.is_empty();
+        let peers: Vec<Peer> = peers.into_iter().filter(|p| p.id != self.me).collect();
+        if picture.settled == settled && picture.peers == peers {
+            return;
+        }
+        picture.settled = settled;
+        picture.peers = peers;
+        drop(picture);
+        self.reshuffle();
+    }
+
+    /// A stream that yields whenever what this replica may act on may have grown: the
+    /// controllers then look at every object again (`Controller::reconcile_all_on`).
+    pub fn reshuffles(&self) -> impl futures::Stream<Item = ()> + Send + 'static {
+        let mut changes = self.reshuffles.subscribe();
+        changes.mark_unchanged();
+        futures::stream::unfold(changes, |mut changes| async move {
+            changes.changed().await.ok()?;
+            Some(((), changes))
+        })
+    }
+
+    /// Counts the objects of `kind` this replica owns among `names`.
+    pub fn count_owned(&self, kind: &str, names: impl Iterator<Item = ObjectName>) {
+        let owned = names.filter(|n| self.owns(kind, n)).count();
+        self.metrics
+            .owned
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .set(i64::try_from(owned).unwrap_or(i64::MAX));
+    }
+
+    fn reshuffle(&self) {
+        self.reshuffles.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn read_picture(&self) -> std::sync::RwLockReadGuard<'_, Picture> {
+        self.picture.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_picture(&self) -> std::sync::RwLockWriteGuard<'_, Picture> {
+        self.picture.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    fn names(n: usize) -> Vec<ObjectName> {
+        (0..n)
+            .map(|i| ObjectName::new("default", &format!("t-{i}")))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn nothing_is_owned_before_the_first_renewal_and_announcement() {
+        let shard = Ownership::new("a", Duration::from_secs(15));
+        let name = ObjectName::new("default", "t");
+        assert!(shard.turn("Task", &name).await.is_none());
+        shard.renewed(Instant::now());
+        shard.switch(View::new(["a"])).await;
+        assert!(shard.turn("Task", &name).await.is_none(), "not settled yet");
+        shard.observe(Vec::new(), Some(&View::new(["a"])), Instant::now());
+        assert!(shard.turn("Task", &name).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_switch_waits_for_the_turns_taken_under_the_old_view() {
+        let shard = Arc::new(Ownership::new("a", Duration::from_secs(15)));
+        shard.renewed(Instant::now());
+        shard.switch(View::new(["a"])).await;
+        shard.observe(Vec::new(), Some(&View::new(["a"])), Instant::now());
+        let name = ObjectName::new("default", "t");
+        let turn = shard.turn("Task", &name).await;
+        assert!(turn.is_some());
+        let switching = {
+            let shard = shard.clone();
+            tokio::spawn(async move { shard.switch(View::new(["a", "b"])).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!switching.is_finished(), "switched while a turn was held");
+        drop(turn);
+        tokio::time::timeout(Duration::from_secs(5), switching)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(shard.acting(), View::new(["a", "b"]));
+    }
+
+    #[tokio::test]
+    async fn two_replicas_share_the_objects_without_overlap_and_a_fenced_one_owns_nothing() {
+        let now = Instant::now();
+        let view = View::new(["a", "b"]);
+        let a = Ownership::new("a", Duration::from_secs(15));
+        let b = Ownership::new("b", Duration::from_secs(15));
+        for (me, other) in [(&a, "b"), (&b, "a")] {
+            me.renewed(now);
+            me.switch(view.clone()).await;
+            let peer = Peer {
+                id: other.into(),
+                announced: view.clone(),
+            };
+            me.observe(vec![peer], Some(&view), now);
+        }
+        let names = names(400);
+        let owned_a = names.iter().filter(|n| a.owns("Task", n)).count();
+        let owned_b = names.iter().filter(|n| b.owns("Task", n)).count();
+        assert_eq!(owned_a + owned_b, 400);
+        assert!(names
+            .iter()
+            .all(|n| !(a.owns("Task", n) && b.owns("Task", n))));
+        assert!((150..=250).contains(&owned_a), "a owns {owned_a} of 400");
+        let mut reshuffles = Box::pin(a.reshuffles());
+        // Past the fence limit without a renewal: nothing, and told so.
+        assert!(a.is_fenced(now + Duration::from_secs(10)));
+        a.observe(Vec::new(), Some(&view), now);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), reshuffles.next())
+                .await
+                .is_ok(),
+            "a change of peers reshuffles"
+        );
+    }
+}
