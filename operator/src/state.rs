@@ -39,6 +39,9 @@ pub struct DriverState {
     /// FL updates that name no task, by (round number, sender), until the participant's
     /// task claims them.
     unclaimed_updates: Mutex<Vec<(u64, ReportedResult)>>,
+    /// The latest phase seen of each proplet another replica owns (sharding).
+    foreign_phases:
+        Mutex<HashMap<crate::controller::ObjectName, crate::crd::proplet::PropletPhase>>,
 }
 
 /// What a broker event concerns, for the driver to trigger.
@@ -265,6 +268,20 @@ impl DriverState {
     pub fn forget_task(&self, uid: &str) {
         self.inbox.forget(uid);
         self.ledger.forget(uid);
+    }
+
+    /// Records `phase` as the latest phase seen of a proplet another replica owns; returns
+    /// the one seen before.
+    pub fn phase_seen(
+        &self,
+        proplet: &crate::controller::ObjectName,
+        phase: Option<crate::crd::proplet::PropletPhase>,
+    ) -> Option<crate::crd::proplet::PropletPhase> {
+        let mut seen = lock(&self.foreign_phases);
+        match phase {
+            Some(phase) => seen.insert(proplet.clone(), phase),
+            None => seen.remove(proplet),
+        }
     }
 
     /// Remembers the scheduler's choice once the assignment is written.

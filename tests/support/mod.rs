@@ -13,6 +13,7 @@ pub mod external;
 pub mod httpbin;
 pub mod image;
 pub mod knode;
+pub mod kube;
 pub mod mqtt_cluster;
 pub mod registry;
 pub mod standalone;

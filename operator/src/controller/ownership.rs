@@ -147,8 +147,14 @@ impl Ownership {
         &self.metrics
     }
 
-    /// Records a successful renewal whose request was sent at `sent_at`.
-    pub fn renewed(&self, sent_at: Instant) {
+    /// Records a successful renewal whose request was sent at `sent_at`. After a lapse
+    /// (the replica was paused or cut off past its limit) it first waits for every reconcile
+    /// begun before the lapse to end, their writes still refused, so none of them writes
+    /// into a share another replica took meanwhile.
+    pub async fn renewed(&self, sent_at: Instant) {
+        if self.is_fenced(Instant::now()) && !self.acting().is_empty() {
+            self.switch(View::default()).await;
+        }
         let mut renewed = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
         if renewed.is_none_or(|at| at < sent_at) {
             *renewed = Some(sent_at);
@@ -285,7 +291,7 @@ mod tests {
         let shard = Ownership::new("a", Duration::from_secs(15));
         let name = ObjectName::new("default", "t");
         assert!(shard.turn("Task", &name).await.is_none());
-        shard.renewed(Instant::now());
+        shard.renewed(Instant::now()).await;
         shard.switch(View::new(["a"])).await;
         assert!(shard.turn("Task", &name).await.is_none(), "not settled yet");
         shard.observe(Vec::new(), Some(&View::new(["a"])), Instant::now());
@@ -295,7 +301,7 @@ mod tests {
     #[tokio::test]
     async fn a_switch_waits_for_the_turns_taken_under_the_old_view() {
         let shard = Arc::new(Ownership::new("a", Duration::from_secs(15)));
-        shard.renewed(Instant::now());
+        shard.renewed(Instant::now()).await;
         shard.switch(View::new(["a"])).await;
         shard.observe(Vec::new(), Some(&View::new(["a"])), Instant::now());
         let name = ObjectName::new("default", "t");
@@ -322,7 +328,7 @@ mod tests {
         let a = Ownership::new("a", Duration::from_secs(15));
         let b = Ownership::new("b", Duration::from_secs(15));
         for (me, other) in [(&a, "b"), (&b, "a")] {
-            me.renewed(now);
+            me.renewed(now).await;
             me.switch(view.clone()).await;
             let peer = Peer {
                 id: other.into(),

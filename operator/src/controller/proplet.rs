@@ -99,15 +99,7 @@ async fn reconcile_once<C: Cluster>(
         }
     }
     if wakes_waiting_tasks(before, status.phase) {
-        for task in cluster.tasks_in(&name.namespace) {
-            let waiting = task
-                .status
-                .as_ref()
-                .is_none_or(|s| s.phase == TaskPhase::Pending);
-            if waiting {
-                cluster.wake(Wake::Task(ObjectName::of(task.as_ref())));
-            }
-        }
+        wake_waiting_tasks(cluster, &name.namespace);
     }
     // Written first, recorded after: 1,000 proplets going Offline together are not each held
     // for an Event.
@@ -115,4 +107,32 @@ async fn reconcile_once<C: Cluster>(
         cluster.note_later(&proplet, note);
     }
     Ok(plan.requeue_at)
+}
+
+/// Wakes the pending tasks of `namespace` (a proplet they may run on became Running).
+fn wake_waiting_tasks<C: Cluster>(cluster: &C, namespace: &str) {
+    for task in cluster.tasks_in(namespace) {
+        let waiting = task
+            .status
+            .as_ref()
+            .is_none_or(|s| s.phase == TaskPhase::Pending);
+        if waiting {
+            cluster.wake(Wake::Task(ObjectName::of(task.as_ref())));
+        }
+    }
+}
+
+/// What a change of `proplet` written by another replica wakes here: the pending tasks,
+/// when it is newly Running (the replica that wrote it wakes only the tasks it owns).
+pub fn wake_after_change_elsewhere<C: Cluster>(
+    cluster: &C,
+    proplet: &Proplet,
+    before: Option<PropletPhase>,
+) {
+    let phase = proplet.status.as_ref().map(|s| s.phase);
+    if let Some(phase) = phase {
+        if wakes_waiting_tasks(before, phase) {
+            wake_waiting_tasks(cluster, &ObjectName::of(proplet).namespace);
+        }
+    }
 }

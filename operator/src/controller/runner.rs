@@ -35,6 +35,9 @@ pub async fn reconcile_proplet<C: Cluster>(
 ) -> Result<Action, ReconcileError> {
     let common = cluster.common();
     let Some(_turn) = common.turn(&*proplet).await else {
+        let phase = proplet.status.as_ref().map(|s| s.phase);
+        let before = common.state.phase_seen(&ObjectName::of(&*proplet), phase);
+        super::proplet::wake_after_change_elsewhere(&*cluster, &proplet, before);
         return Ok(Action::await_change());
     };
     let proplet = cluster.newest_proplet((*proplet).clone());
@@ -50,6 +53,7 @@ pub async fn reconcile_task<C: Cluster>(
 ) -> Result<Action, ReconcileError> {
     let common = cluster.common();
     let Some(_turn) = common.turn(&*task).await else {
+        super::task::wake_after_change_elsewhere(&*cluster, &task);
         if task.metadata.deletion_timestamp.is_some() {
             // Its owner finishes it; what this replica heard for it is not needed.
             common

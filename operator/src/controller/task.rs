@@ -112,3 +112,19 @@ fn wake_related<C: Cluster>(cluster: &C, task: &Task, plan: &crate::decision::ta
         cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
     }
 }
+
+/// What a change of `task` written by another replica wakes here: the dependents of a
+/// finished task and the proplet it occupies (the replica that wrote it wakes only what it
+/// owns itself; each replica acts on its own share of what is woken).
+pub fn wake_after_change_elsewhere<C: Cluster>(cluster: &C, task: &Task) {
+    let name = ObjectName::of(task);
+    let status = task.status.as_ref();
+    if status.is_some_and(|s| s.phase.is_terminal()) {
+        for dependent in cluster.dependents(&name) {
+            cluster.wake(Wake::Task(ObjectName::new(&name.namespace, &dependent)));
+        }
+    }
+    if let Some(proplet) = status.and_then(|s| s.assigned_proplet.as_deref()) {
+        cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
+    }
+}

@@ -127,7 +127,7 @@ mod tests {
             refused.to_string().contains("not renewed in time"),
             "{refused}"
         );
-        shard.renewed(Instant::now());
+        shard.renewed(Instant::now()).await;
         let agent = send(&shard, Method::PATCH)
             .await
             .unwrap_or_else(|e| panic!("{e}"));

@@ -113,7 +113,7 @@ async fn renew_loop(
         }
         let view = shard.acting();
         match tokio::time::timeout(settings.renew_every(), renew(&api, &settings, &view)).await {
-            Ok(Ok(sent)) => shard.renewed(sent),
+            Ok(Ok(sent)) => shard.renewed(sent).await,
             Ok(Err(e)) => {
                 warn!(lease = %settings.lease_name(), error = %error_chain(&e), "renewing the membership Lease")
             }

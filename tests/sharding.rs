@@ -1,0 +1,494 @@
+//! Active-active replicas (`propeller run --shard`) on a real kube-apiserver, a 3-node NATS
+//! cluster and real agents: the replicas share the objects, and what a replica owned is
+//! finished by the others when it is killed, when members come and go in a burst, and when
+//! it is paused past its Lease, with every task completed once and a paused replica writing
+//! nothing between its Lease's expiry and its return.
+//!
+//! Without the envtest assets or `nats-server` the test prints SKIPPED and passes; with
+//! `CI=true` it fails instead.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use support::envtest::{free_port, ControlPlane, Options};
+use support::external::{device_agent, device_manifest, AgentLog, PROPELLER_USER};
+use support::kube::{
+    apply, cluster, http_body, task_manifest, wait_http, wait_phase, wait_phase_explained,
+    STATUS_WAIT,
+};
+use support::mqtt_cluster::NatsCluster;
+use support::{binary, Running};
+
+/// The members' Lease duration in this test.
+const LEASE_SECS: u64 = 6;
+const NS: &str = "shard";
+const DEVICES: [&str; 4] = ["pa", "pb", "pc", "pd"];
+
+/// What every replica is started with.
+struct Fleet {
+    cp: ControlPlane,
+    kubeconfig: PathBuf,
+    brokers: String,
+    password_file: PathBuf,
+    nats: NatsCluster,
+}
+
+/// One replica: its process and its metrics port.
+struct Replica {
+    name: String,
+    process: Running,
+    metrics: u16,
+}
+
+impl Fleet {
+    fn start() -> Option<Self> {
+        let (cp, kubeconfig) = cluster(Options::default())?;
+        let password = "operator-password-0123456789";
+        let initial = format!(
+            "authorization {{\n  users: [\n    {{ user: \"{PROPELLER_USER}\", password: \"{password}\" }}\n  ]\n}}\n"
+        );
+        let nats = NatsCluster::start(&initial, PROPELLER_USER, password)?;
+        let brokers = nats
+            .mqtt_addrs()
+            .iter()
+            .map(|a| format!("mqtt://{a}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let password_file = cp.scratch().join("mqtt-password");
+        std::fs::write(&password_file, password).expect("write the password");
+        Some(Self {
+            cp,
+            kubeconfig,
+            brokers,
+            password_file,
+            nats,
+        })
+    }
+
+    /// Starts replica `name`; the one that `renders` keeps the NATS authorization current.
+    fn replica(&self, name: &str, renders: bool) -> Replica {
+        let metrics = free_port();
+        let mut cmd = binary("propeller");
+        cmd.args(["run", "--shard", "--metrics-listen"])
+            .arg(format!("127.0.0.1:{metrics}"))
+            .args(["--shard-lease-duration", &format!("{LEASE_SECS}s")])
+            .args(["--lease-namespace", "propeller-system"])
+            .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
+            .args(["--status-flush-interval", "1s", "--log-format", "json"])
+            .args(["--mqtt-broker", &self.brokers])
+            .args(["--mqtt-username", PROPELLER_USER, "--mqtt-password-file"])
+            .arg(&self.password_file)
+            .args(["--device-auth", "rendered"])
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("HOSTNAME", name)
+            .env("RUST_LOG", "info");
+        if renders {
+            let pids = self
+                .nats
+                .pids()
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(" ");
+            cmd.arg("--broker-config-file")
+                .arg(self.nats.authorization_path())
+                .args(["--broker-config-reload", &format!("kill -HUP {pids}; true")]);
+        }
+        let process = Running::spawn(cmd);
+        wait_http(metrics, "/readyz", 200);
+        Replica {
+            name: name.to_owned(),
+            process,
+            metrics,
+        }
+    }
+}
+
+/// A gauge or counter on a replica's `/metrics` (the first sample whose name and labels
+/// start with `series`), `None` when it is not there (or the replica does not answer).
+fn metric(port: u16, series: &str) -> Option<f64> {
+    let text = std::panic::catch_unwind(|| http_body(port, "/metrics")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Waits until every replica in `replicas` acts on a view of `members` members; how long it
+/// took.
+fn wait_members(replicas: &[&Replica], members: usize, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let seen: Vec<Option<f64>> = replicas
+            .iter()
+            .map(|r| metric(r.metrics, "propeller_shard_members "))
+            .collect();
+        if seen.iter().all(|m| *m == Some(members as f64)) {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "not every replica acts on {members} members within {limit:?}: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The Tasks of the namespace, by name.
+fn tasks(cp: &ControlPlane) -> BTreeMap<String, Value> {
+    let out = cp.kubectl_ok(&["-n", NS, "get", "tasks", "-o", "json"]);
+    let list: Value = serde_json::from_str(&out).expect("tasks JSON");
+    list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            (
+                t["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                t.clone(),
+            )
+        })
+        .collect()
+}
+
+/// Applies `count` tasks `{prefix}-{i}` adding `i` and 1, in one request.
+fn burst(cp: &ControlPlane, prefix: &str, count: usize) {
+    let manifest = (0..count)
+        .map(|i| task_manifest(&format!("{prefix}-{i}"), &format!("[{i}, 1]"), ""))
+        .collect::<Vec<_>>()
+        .join("---\n");
+    apply(cp, NS, &manifest);
+}
+
+/// How many of the burst's tasks have completed.
+fn completed(cp: &ControlPlane, prefix: &str) -> usize {
+    tasks(cp)
+        .iter()
+        .filter(|(name, t)| {
+            name.starts_with(&format!("{prefix}-")) && t["status"]["phase"] == "completed"
+        })
+        .count()
+}
+
+/// Waits for every task of the burst to complete with its result.
+fn wait_burst(cp: &ControlPlane, prefix: &str, count: usize, replicas: &[&Replica]) {
+    let started = Instant::now();
+    loop {
+        let all = tasks(cp);
+        let ours: Vec<(&String, &Value)> = all
+            .iter()
+            .filter(|(name, _)| name.starts_with(&format!("{prefix}-")))
+            .collect();
+        let done = ours
+            .iter()
+            .filter(|(_, t)| t["status"]["phase"] == "completed")
+            .count();
+        if done == count {
+            for (name, task) in ours {
+                let i: i64 = name
+                    .rsplit('-')
+                    .next()
+                    .and_then(|i| i.parse().ok())
+                    .unwrap_or_default();
+                assert_eq!(
+                    task["status"]["results"],
+                    (i + 1).to_string(),
+                    "{name}: {:#}",
+                    task["status"]
+                );
+            }
+            return;
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            let stuck: Vec<String> = ours
+                .iter()
+                .filter(|(_, t)| t["status"]["phase"] != "completed")
+                .map(|(n, t)| format!("{n}: {}", t["status"]))
+                .take(5)
+                .collect();
+            let logs: Vec<String> = replicas
+                .iter()
+                .map(|r| {
+                    let lines = r.process.stderr_so_far();
+                    format!(
+                        "--- {}:\n{}",
+                        r.name,
+                        lines[lines.len().saturating_sub(30)..].join("\n")
+                    )
+                })
+                .collect();
+            panic!(
+                "{done} of {count} {prefix} tasks completed in 120 s; e.g.\n{}\n{}",
+                stuck.join("\n"),
+                logs.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Every start each agent accepted, by task id: a task run twice shows 2.
+fn runs(agents: &mut [AgentLog]) -> Vec<(String, usize)> {
+    agents
+        .iter_mut()
+        .flat_map(|a| a.runs().into_iter())
+        .filter(|(_, n)| *n > 1)
+        .collect()
+}
+
+fn kill(replica: &mut Replica, signal: &str) {
+    let pid = replica.process.child.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {}", replica.name);
+}
+
+/// The time of a JSON log line.
+fn logged_at(line: &str) -> Option<DateTime<Utc>> {
+    let entry: Value = serde_json::from_str(line).ok()?;
+    entry["timestamp"].as_str()?.parse().ok()
+}
+
+/// Every write `manager` made to the namespace's Tasks, as the API server recorded it
+/// (`managedFields`: one time per object and manager, its latest write).
+fn writes_by(cp: &ControlPlane, manager: &str) -> Vec<(String, DateTime<Utc>)> {
+    tasks(cp)
+        .into_iter()
+        .flat_map(|(name, task)| {
+            task["metadata"]["managedFields"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|f| f["manager"] == manager)
+                .filter_map(|f| f["time"].as_str()?.parse().ok())
+                .map(move |at| (name.clone(), at))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn agents(fleet: &Fleet) -> Vec<AgentLog> {
+    let nodes: Vec<&str> = fleet.brokers.split(',').collect();
+    DEVICES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let order: Vec<&str> = (0..3).map(|k| nodes[(i + k) % 3]).collect();
+            AgentLog::new(device_agent(
+                name,
+                &order.join(","),
+                &fleet.cp.scratch().join(format!("{name}-state")),
+            ))
+        })
+        .collect()
+}
+
+fn wait_rendered(path: &Path) -> String {
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if DEVICES
+            .iter()
+            .all(|d| text.contains(&format!("user: \"{d}\"")))
+        {
+            return text;
+        }
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "the devices were not rendered: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_pauses() {
+    let Some(fleet) = Fleet::start() else {
+        return;
+    };
+    let cp = &fleet.cp;
+    let lease = Duration::from_secs(LEASE_SECS);
+
+    // --- Three replicas share the objects.
+    let r0 = fleet.replica("r0", true);
+    let r1 = fleet.replica("r1", false);
+    let mut r2 = fleet.replica("r2", false);
+    wait_members(&[&r0, &r1, &r2], 3, STATUS_WAIT);
+    let leases = cp.kubectl_ok(&[
+        "-n",
+        "propeller-system",
+        "get",
+        "lease",
+        "-l",
+        "propeller.absmach.eu/shard-group=propeller-member",
+        "-o",
+        "jsonpath={.items[*].spec.holderIdentity}",
+    ]);
+    assert_eq!(
+        leases.split_whitespace().count(),
+        3,
+        "members' Leases: {leases}"
+    );
+    cp.kubectl_ok(&["create", "namespace", NS]);
+    for name in DEVICES {
+        apply(cp, NS, &device_manifest(name, &fleet.brokers));
+    }
+    let rendered = wait_rendered(&fleet.nats.authorization_path());
+    fleet.nats.reload_authorization(&rendered);
+    let mut agents = agents(&fleet);
+    let _ = &mut agents;
+    for name in DEVICES {
+        wait_phase(cp, NS, "proplet", name, "Running");
+    }
+    // Tasks, a DAG, a broadcast and a PropellerJob, wherever their owners are.
+    cp.kubectl_ok(&["-n", NS, "apply", "-f", "configs/samples/task-add.yaml"]);
+    let dag = [
+        task_manifest("first", "[10, 32]", "  workflowId: wf\n"),
+        task_manifest(
+            "second",
+            "[100, 200]",
+            "  workflowId: wf\n  dependsOn: [first]\n  runIf: success\n",
+        ),
+    ]
+    .join("---\n");
+    apply(cp, NS, &dag);
+    cp.kubectl_ok(&[
+        "-n",
+        NS,
+        "apply",
+        "-f",
+        "configs/samples/task-broadcast.yaml",
+    ]);
+    apply(cp, NS, &support::propeller_job_manifest("sequential"));
+    assert_eq!(
+        wait_phase(cp, NS, "task", "wasm-add", "completed")["status"]["results"],
+        "42"
+    );
+    let processes = [
+        ("r0", &r0.process),
+        ("r1", &r1.process),
+        ("r2", &r2.process),
+    ];
+    let second = wait_phase_explained(cp, NS, "task", "second", "completed", &[], &processes);
+    assert_eq!(second["status"]["results"], "300");
+    let broadcast = wait_phase(cp, NS, "task", "wasm-add-everywhere", "completed");
+    let results = broadcast["status"]["results"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(results.len(), DEVICES.len(), "{:#}", broadcast["status"]);
+    wait_phase(cp, NS, "pjob", "sequential", "Completed");
+
+    let shared = 90;
+    burst(cp, "share", shared);
+    wait_burst(cp, "share", shared, &[&r0, &r1, &r2]);
+    let total = tasks(cp).len() as f64;
+    // Each replica's count of what it owns, refreshed every 5 s.
+    let started = Instant::now();
+    let owned = loop {
+        let owned: Vec<f64> = [&r0, &r1, &r2]
+            .iter()
+            .map(|r| metric(r.metrics, "propeller_shard_owned{kind=\"Task\"}").unwrap_or(0.0))
+            .collect();
+        if owned.iter().sum::<f64>() == total {
+            break owned;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "owned {owned:?} of {total}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    eprintln!("tasks owned by r0, r1, r2: {owned:?} of {total}");
+    for share in &owned {
+        assert!(
+            *share >= total / 6.0 && *share <= total / 2.0,
+            "a replica owns {share} of {total} tasks: {owned:?}"
+        );
+    }
+    for r in [&r0, &r1, &r2] {
+        let skipped = metric(r.metrics, "propeller_shard_skipped_total{kind=\"Task\"}");
+        assert!(skipped.unwrap_or(0.0) > 0.0, "{} skipped nothing", r.name);
+    }
+
+    // --- kill -9 of one replica in a burst: its share is taken within the Lease + 5 s.
+    let count = 120;
+    burst(cp, "kill", count);
+    let started = Instant::now();
+    while completed(cp, "kill") < count / 6 {
+        assert!(started.elapsed() < STATUS_WAIT, "the burst did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = r2.process.child.kill();
+    let _ = r2.process.child.wait();
+    let took = wait_members(&[&r0, &r1], 2, lease + Duration::from_secs(5));
+    eprintln!("r2 killed; r0 and r1 took its share after {took:?} (Lease {LEASE_SECS} s)");
+    wait_burst(cp, "kill", count, &[&r0, &r1]);
+    for agent in &mut agents {
+        assert_eq!(agent.sessions(), 1, "a device was disconnected");
+    }
+    assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
+
+    // --- Members come and go during a burst: 2 -> 5 -> 2.
+    let count = 120;
+    burst(cp, "churn", count);
+    let r2 = fleet.replica("r2", false);
+    let r3 = fleet.replica("r3", false);
+    let r4 = fleet.replica("r4", false);
+    wait_members(&[&r0, &r1, &r2, &r3, &r4], 5, STATUS_WAIT);
+    // Three leave cleanly (SIGTERM): their Leases go at once.
+    let mut leaving = [r1, r3, r4];
+    for replica in &mut leaving {
+        kill(replica, "TERM");
+    }
+    let took = wait_members(&[&r0, &r2], 2, STATUS_WAIT);
+    eprintln!("three replicas left; the other two act on their share {took:?} later");
+    assert!(took < lease, "a clean leave waited for the Lease: {took:?}");
+    drop(leaving);
+    wait_burst(cp, "churn", count, &[&r0, &r2]);
+    assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
+
+    // --- A replica paused past its Lease writes nothing until it has rejoined.
+    let mut r2 = r2;
+    let count = 60;
+    burst(cp, "pause", count);
+    let stopped_at = Utc::now();
+    kill(&mut r2, "STOP");
+    std::thread::sleep(lease + Duration::from_secs(3));
+    wait_members(&[&r0], 1, Duration::from_secs(5));
+    r2.process.stderr_so_far();
+    kill(&mut r2, "CONT");
+    wait_burst(cp, "pause", count, &[&r0, &r2]);
+    wait_members(&[&r0, &r2], 2, STATUS_WAIT);
+    let rejoined = r2
+        .process
+        .stderr_so_far()
+        .iter()
+        .find(|l| l.contains("acting on a new view") && l.contains("r0,r2"))
+        .and_then(|l| logged_at(l))
+        .unwrap_or_else(|| panic!("r2 did not log its return"));
+    let expired = stopped_at + chrono::Duration::seconds(LEASE_SECS as i64);
+    let late: Vec<_> = writes_by(cp, "propeller@r2")
+        .into_iter()
+        .filter(|(_, at)| {
+            // Recorded to the second: a write in a whole second strictly between.
+            *at > expired + chrono::Duration::seconds(1)
+                && *at < rejoined - chrono::Duration::seconds(1)
+        })
+        .collect();
+    eprintln!("r2 stopped {stopped_at}, Lease expired {expired}, rejoined {rejoined}");
+    assert_eq!(late, Vec::new(), "r2 wrote after its Lease expired");
+    assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
+    drop(agents);
+}
