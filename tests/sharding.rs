@@ -86,7 +86,10 @@ impl Fleet {
             .args(["--device-auth", "rendered"])
             .env("KUBECONFIG", &self.kubeconfig)
             .env("HOSTNAME", name)
-            .env("RUST_LOG", "info");
+            .env(
+                "RUST_LOG",
+                std::env::var("PROPELLER_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            );
         if renders {
             let pids = self
                 .nats
@@ -179,7 +182,13 @@ fn completed(cp: &ControlPlane, prefix: &str) -> usize {
 }
 
 /// Waits for every task of the burst to complete with its result.
-fn wait_burst(cp: &ControlPlane, prefix: &str, count: usize, replicas: &[&Replica]) {
+fn wait_burst(
+    cp: &ControlPlane,
+    prefix: &str,
+    count: usize,
+    replicas: &[&Replica],
+    agents: &mut [AgentLog],
+) {
     let started = Instant::now();
     loop {
         let all = tasks(cp);
@@ -208,28 +217,36 @@ fn wait_burst(cp: &ControlPlane, prefix: &str, count: usize, replicas: &[&Replic
             return;
         }
         if started.elapsed() > Duration::from_secs(120) {
-            let stuck: Vec<String> = ours
-                .iter()
+            let stuck: Vec<(&String, &Value)> = ours
+                .into_iter()
                 .filter(|(_, t)| t["status"]["phase"] != "completed")
-                .map(|(n, t)| format!("{n}: {}", t["status"]))
-                .take(5)
+                .take(3)
                 .collect();
-            let logs: Vec<String> = replicas
-                .iter()
-                .map(|r| {
-                    let lines = r.process.stderr_so_far();
-                    format!(
-                        "--- {}:\n{}",
-                        r.name,
-                        lines[lines.len().saturating_sub(30)..].join("\n")
-                    )
-                })
-                .collect();
-            panic!(
-                "{done} of {count} {prefix} tasks completed in 120 s; e.g.\n{}\n{}",
-                stuck.join("\n"),
-                logs.join("\n")
-            );
+            // What every process said of the stuck tasks.
+            let mut story = String::new();
+            for (name, task) in &stuck {
+                let uid = task["metadata"]["uid"].as_str().unwrap_or("?");
+                story += &format!("--- {name} ({uid}): {}\n", task["status"]);
+                for r in replicas {
+                    for line in r.process.stderr_so_far() {
+                        if line.contains(name.as_str()) || line.contains(uid) {
+                            story += &format!("{}: {line}\n", r.name);
+                        }
+                    }
+                }
+                for (device, agent) in DEVICES.iter().zip(agents.iter_mut()) {
+                    for line in agent.lines() {
+                        if line.contains(uid) {
+                            story += &format!("{device}: {line}\n");
+                        }
+                    }
+                }
+            }
+            for r in replicas {
+                let received = metric(r.metrics, "propeller_broker_external_messages_received");
+                story += &format!("{} received {received:?} messages\n", r.name);
+            }
+            panic!("{done} of {count} {prefix} tasks completed in 120 s:\n{story}");
         }
         std::thread::sleep(Duration::from_millis(250));
     }
@@ -392,7 +409,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
 
     let shared = 90;
     burst(cp, "share", shared);
-    wait_burst(cp, "share", shared, &[&r0, &r1, &r2]);
+    wait_burst(cp, "share", shared, &[&r0, &r1, &r2], &mut agents);
     let total = tasks(cp).len() as f64;
     // Each replica's count of what it owns, refreshed every 5 s.
     let started = Instant::now();
@@ -434,7 +451,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     let _ = r2.process.child.wait();
     let took = wait_members(&[&r0, &r1], 2, lease + Duration::from_secs(5));
     eprintln!("r2 killed; r0 and r1 took its share after {took:?} (Lease {LEASE_SECS} s)");
-    wait_burst(cp, "kill", count, &[&r0, &r1]);
+    wait_burst(cp, "kill", count, &[&r0, &r1], &mut agents);
     for agent in &mut agents {
         assert_eq!(agent.sessions(), 1, "a device was disconnected");
     }
@@ -456,7 +473,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     eprintln!("three replicas left; the other two act on their share {took:?} later");
     assert!(took < lease, "a clean leave waited for the Lease: {took:?}");
     drop(leaving);
-    wait_burst(cp, "churn", count, &[&r0, &r2]);
+    wait_burst(cp, "churn", count, &[&r0, &r2], &mut agents);
     assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
 
     // --- A replica paused past its Lease writes nothing until it has rejoined.
@@ -469,7 +486,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     wait_members(&[&r0], 1, Duration::from_secs(5));
     r2.process.stderr_so_far();
     kill(&mut r2, "CONT");
-    wait_burst(cp, "pause", count, &[&r0, &r2]);
+    wait_burst(cp, "pause", count, &[&r0, &r2], &mut agents);
     wait_members(&[&r0, &r2], 2, STATUS_WAIT);
     let rejoined = r2
         .process

@@ -185,7 +185,7 @@ pub async fn apply_task<W: ObjectWriter>(
     }
     if !plan.starts.is_empty() {
         let run = current.run_count.unwrap_or(0);
-        if !fx.ledger.contains(uid, run) {
+        if plan.repeat_start || !fx.ledger.contains(uid, run) {
             let absent = plan
                 .starts
                 .iter()

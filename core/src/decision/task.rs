@@ -27,6 +27,7 @@ use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TAS
 mod commands;
 mod pending;
 mod running;
+pub use running::RESULT_OVERDUE;
 
 pub use commands::*;
 use pending::*;
@@ -133,6 +134,9 @@ pub struct TaskPlan {
     pub status: Option<TaskStatus>,
     /// Starts to publish once `status` is persisted.
     pub starts: Vec<StartCommand>,
+    /// The starts repeat a run this process already started (its result is overdue), so
+    /// they go out although the run is in the dispatch ledger.
+    pub repeat_start: bool,
     /// Create the task's ConfigMap and Job (a `k8s` proplet) once `status` is persisted.
     pub create_job: bool,
     /// Stops to publish.
@@ -1736,6 +1740,33 @@ mod tests {
         observed.dispatched_at = Some(now());
         let plan_same_process = plan(&task, &observed, &settings(), now());
         assert!(plan_same_process.starts.is_empty());
+    }
+
+    #[test]
+    fn a_run_whose_result_is_overdue_is_asked_again_and_again_until_it_answers() {
+        let task = task_with_status(running_status("edge", at(9, 50, 0)));
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.dispatched_at = Some(now());
+        let waiting = plan(&task, &observed, &settings(), now() + RESULT_OVERDUE / 2);
+        assert!(waiting.starts.is_empty());
+        assert!(!waiting.repeat_start);
+        assert_eq!(waiting.requeue_at, Some(now() + RESULT_OVERDUE));
+        let overdue = plan(&task, &observed, &settings(), now() + RESULT_OVERDUE);
+        assert_eq!(overdue.starts.len(), 1);
+        assert!(overdue.repeat_start, "the ledger must let it go again");
+        assert_eq!(overdue.starts[0].request.run, Some(1), "the same run");
+        assert_eq!(overdue.status, None, "the run stays as it is");
+        assert_eq!(overdue.requeue_at, Some(now() + RESULT_OVERDUE * 2));
+        // A daemon answers only when stopped: never asked.
+        let mut v = finalized(task_value(), running_status("edge", at(9, 50, 0)));
+        v["spec"]["daemon"] = json!(true);
+        let daemon = plan(
+            &task_from(v),
+            &observed,
+            &settings(),
+            now() + RESULT_OVERDUE,
+        );
+        assert!(daemon.starts.is_empty());
     }
 
     #[test]

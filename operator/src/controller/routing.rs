@@ -53,7 +53,11 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
 /// reconciled when its own watch event comes, and finds what waits for it then.
 pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
     match cluster.task_by_uid(uid) {
-        Some(task) => cluster.wake(Wake::Task(ObjectName::of(task.as_ref()))),
+        Some(task) => {
+            let name = ObjectName::of(task.as_ref());
+            debug!(task = %name, uid, "woken by a report");
+            cluster.wake(Wake::Task(name));
+        }
         None => debug!(task = %uid, "a task not known yet; it waits"),
     }
 }

@@ -53,9 +53,13 @@ pub async fn reconcile_task<C: Cluster>(
 ) -> Result<Action, ReconcileError> {
     let common = cluster.common();
     let Some(_turn) = common.turn(&*task).await else {
+        debug!(task = %ObjectName::of(&*task), "owned by another replica");
         super::task::wake_after_change_elsewhere(&*cluster, &task);
-        if task.metadata.deletion_timestamp.is_some() {
-            // Its owner finishes it; what this replica heard for it is not needed.
+        let finished =
+            task.status.as_ref().is_some_and(|s| s.phase.is_terminal()) && !task.spec.is_recurring;
+        if finished || task.metadata.deletion_timestamp.is_some() {
+            // Its owner finished it: what this replica heard for it is not needed, and kept
+            // it would be reported as late results if this replica takes the task over.
             common
                 .state
                 .forget_task(task.metadata.uid.as_deref().unwrap_or_default());

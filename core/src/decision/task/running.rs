@@ -180,6 +180,53 @@ pub(super) fn plan_running(
         plan.requeue_at = Some(deadline);
         resend_after_restart(task, observed, desired, plan);
     }
+    resend_when_overdue(task, observed, desired, now, plan);
+}
+
+/// How long after its start (or its last repeat) a run's result is overdue: the start goes
+/// again then.
+pub const RESULT_OVERDUE: chrono::TimeDelta = chrono::TimeDelta::seconds(10);
+
+/// A run this process started whose result has not come [`RESULT_OVERDUE`] after the start:
+/// the result, or the start, may have been lost on the way (a broker cluster that dropped a
+/// delivery to one of its subscribers was seen doing so under load). The start goes again,
+/// numbered with the same run, to the proplets that have not answered: an agent that finished
+/// the run answers with the result it kept, one still running it ignores the repeat. Daemons
+/// answer only when stopped, so they are not asked.
+fn resend_when_overdue(
+    task: &Task,
+    observed: &TaskObservations,
+    desired: &TaskStatus,
+    now: DateTime<Utc>,
+    plan: &mut TaskPlan,
+) {
+    let Some(sent) = observed.dispatched_at else {
+        return;
+    };
+    if task.spec.daemon || desired.phase.is_terminal() || runs_as_job(observed, desired) {
+        return;
+    }
+    let due = sent + RESULT_OVERDUE;
+    if now < due {
+        look_again_by(plan, due);
+        return;
+    }
+    let answered = match &desired.results {
+        Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
+        _ => None,
+    };
+    for name in targets_of(desired) {
+        if answered.is_some_and(|per| per.contains_key(&name)) {
+            continue;
+        }
+        if let Some(target) =
+            view(observed, &name).filter(|t| t.candidate.proplet_type != PropletType::K8s)
+        {
+            plan.starts.push(start_for(task, target, desired));
+        }
+    }
+    plan.repeat_start = !plan.starts.is_empty();
+    look_again_by(plan, now + RESULT_OVERDUE);
 }
 
 /// A run recorded as `running` that this process never started was started by a process
