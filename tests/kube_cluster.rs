@@ -992,7 +992,7 @@ fn oci_images_from_a_private_registry_run_through_the_operator() {
 }
 
 /// Value sets that exercise every branch of the chart's templates.
-const CHART_VALUES: [(&str, &str); 4] = [
+const CHART_VALUES: [(&str, &str); 5] = [
     ("defaults", ""),
     (
         "tls-namespaced",
@@ -1025,6 +1025,10 @@ images: {cacheSize: 400MiB, volumeSize: 512Mi, registryLoginSecret: registry-log
         "rbac: {create: false}\nserviceAccount: {create: false, name: existing}\nleaderElect: false\nresources: {}\n",
     ),
     ("cluster-wide-images", "images: {registryLoginSecret: registry-login}\n"),
+    (
+        "sharded",
+        "replicas: 3\nbroker: {external: {addresses: [mqtt://nats-0.nats:1883, mqtt://nats-1.nats:1883], deviceAuth: none}}\nsharding: {leaseDuration: 10s}\n",
+    ),
 ];
 
 /// Value sets the chart must refuse, with a word of the message.
@@ -1073,6 +1077,26 @@ fn check_rendered_chart(name: &str, rendered: &str) {
                 "{name}: Service port {port} targets no container port {ports:?}"
             );
         }
+    }
+    // Sharded replicas (replicas > 1 on an external broker): --shard instead of leader
+    // election, a PodDisruptionBudget, spread over nodes, no leader Lease.
+    let args = pod["containers"][0]["args"].to_string();
+    let sharded = deployments[0]["spec"]["replicas"].as_u64() > Some(1)
+        && rendered.contains("PROPELLER_MQTT_BROKER");
+    assert_eq!(args.contains("--shard"), sharded, "{name}: {args}");
+    assert_eq!(
+        of("PodDisruptionBudget").len(),
+        usize::from(sharded),
+        "{name}"
+    );
+    if sharded {
+        assert!(!args.contains("--leader-elect"), "{name}: {args}");
+        assert!(of("Lease").is_empty(), "{name}: a leader Lease");
+        assert!(
+            pod["affinity"]["podAntiAffinity"].is_object(),
+            "{name}: {:#}",
+            pod["affinity"]
+        );
     }
     let account = pod["serviceAccountName"].as_str().unwrap_or_default();
     let roles: Vec<&str> = of("ClusterRole")

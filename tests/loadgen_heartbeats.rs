@@ -18,6 +18,10 @@ pub(crate) struct HeartbeatArgs {
     /// Client id prefix.
     #[arg(long, default_value = "hb")]
     prefix: String,
+    /// Number of the first proplet: several processes share one fleet (each holds at most
+    /// what the descriptor limit allows), e.g. `--first 15000 --proplets 15000`.
+    #[arg(long, default_value_t = 0)]
+    first: usize,
     /// Domain id of the channel.
     #[arg(long, default_value = "d")]
     domain: String,
@@ -104,7 +108,7 @@ async fn simulated_proplet(
     connecting: Arc<Semaphore>,
     signals: Signals,
 ) -> anyhow::Result<()> {
-    let id = format!("{}-{i}", args.prefix);
+    let id = format!("{}-{}", args.prefix, args.first + i);
     let alive = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
         .map_err(|e| anyhow::anyhow!("channel: {e}"))?
         .alive();

@@ -507,5 +507,36 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     eprintln!("r2 stopped {stopped_at}, Lease expired {expired}, rejoined {rejoined}");
     assert_eq!(late, Vec::new(), "r2 wrote after its Lease expired");
     assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
+
+    // --- A member killed for good: its Lease is deleted by the others after 4 durations.
+    let mut gone = fleet.replica("r5", false);
+    wait_members(&[&r0, &r2, &gone], 3, STATUS_WAIT);
+    let _ = gone.process.child.kill();
+    let _ = gone.process.child.wait();
+    let killed = Instant::now();
+    let leases = || {
+        cp.kubectl_ok(&[
+            "-n",
+            "propeller-system",
+            "get",
+            "lease",
+            "-l",
+            "propeller.absmach.eu/shard-group=propeller-member",
+            "-o",
+            "jsonpath={.items[*].spec.holderIdentity}",
+        ])
+    };
+    while leases().split_whitespace().any(|m| m == "r5") {
+        assert!(
+            killed.elapsed() < lease * 6 + Duration::from_secs(5),
+            "r5's Lease is still there: {}",
+            leases()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!(
+        "r5's Lease deleted {:?} after it was killed",
+        killed.elapsed()
+    );
     drop(agents);
 }

@@ -154,6 +154,51 @@ fn observe_leases(store: &Store<Lease>, sightings: &mut Sightings, now: Instant)
     sightings.retain(&present);
 }
 
+/// How many Lease durations after its last renewal was seen a departed member's Lease is
+/// deleted (a replica killed without leaving cannot delete its own).
+const DEPARTED_AFTER: u32 = 4;
+
+/// Deletes the Leases of members gone for [`DEPARTED_AFTER`] durations, each only at the
+/// version read (a member that renewed meanwhile keeps its Lease).
+async fn remove_departed(
+    api: &Api<Lease>,
+    store: &Store<Lease>,
+    sightings: &Sightings,
+    now: Instant,
+) {
+    for lease in store.state() {
+        let Some(member) = lease
+            .spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_deref())
+        else {
+            continue;
+        };
+        let gone = sightings.get(member).is_some_and(|s| {
+            now.saturating_duration_since(s.seen_at) >= s.duration * DEPARTED_AFTER
+        });
+        if !gone {
+            continue;
+        }
+        let Some(name) = lease.metadata.name.as_deref() else {
+            continue;
+        };
+        let params = DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                resource_version: lease.metadata.resource_version.clone(),
+                uid: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(name, &params).await {
+            Ok(_) => info!(%member, "deleted the Lease of a member gone without leaving"),
+            Err(e) => {
+                debug!(%member, error = %error_chain(&e), "not deleting a departed member's Lease")
+            }
+        }
+    }
+}
+
 /// Keeps this replica's membership until `stop` resolves, then leaves the group: it stops
 /// acting and deletes its Lease.
 pub async fn run(
@@ -180,6 +225,7 @@ pub async fn run(
     let mut events = std::pin::pin!(events);
     let mut check = tokio::time::interval(CHECK_EVERY);
     let mut sightings = Sightings::default();
+    let mut cleaned = Instant::now();
     let mut stop = std::pin::pin!(stop);
     info!(member = %settings.identity, group = %settings.group, "joining the group");
     loop {
@@ -209,6 +255,10 @@ pub async fn run(
             .get(&settings.identity)
             .map(|s| s.announced.clone());
         shard.observe(live, own.as_ref(), Instant::now());
+        if now.saturating_duration_since(cleaned) >= settings.lease_duration {
+            cleaned = now;
+            remove_departed(&api, &store, &sightings, now).await;
+        }
     }
     info!(member = %settings.identity, "leaving the group");
     shard.switch(View::default()).await;

@@ -45,6 +45,17 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/*
+Whether the replicas share the objects (active-active, `propeller run --shard`): more than
+one replica on an external MQTT cluster, which every replica reaches. With the embedded
+broker, extra replicas stay leader-elected standbys.
+*/}}
+{{- define "propeller.sharded" -}}
+{{- if and (gt (int .Values.replicas) 1) .Values.broker.external.addresses -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Fails early on values the operator would reject at start-up. */}}
 {{- define "propeller.validate" -}}
 {{- if and .Values.scheduler (not (has .Values.scheduler (list "round-robin" "least-loaded" "priority"))) -}}

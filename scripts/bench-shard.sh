@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Active-active replicas (`propeller run --shard`, release) against a real kube-apiserver on
+# this machine and a 3-node NATS cluster: 1 replica, then 3, each time on a fresh control
+# plane and cluster (scripts/bench_shard.py says what is measured).
+#
+#   scripts/bench-shard.sh [N] [REPLICAS...]     (default: N = 30000, replicas 1 and 3)
+#
+# Needs etcd, nats-server and the envtest binaries, as the tests do (scripts/test.sh
+# installs them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-30000}
+shift || true
+COUNTS=("$@")
+[ ${#COUNTS[@]} -gt 0 ] || COUNTS=(1 3)
+scripts/build-release.sh
+cargo build --release -q -p propeller-e2e --bin propeller-mqtt-cluster --bin propeller-envtest \
+  --bin propeller-loadgen
+BIN=target/release
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+source scripts/lib/harness.sh
+
+for replicas in "${COUNTS[@]}"; do
+  dir="$WORK/r$replicas"
+  start_control_plane "$dir" "$BIN"
+  PIDS+=("$ENVTEST_PID")
+  "$PYTHON" scripts/bench_shard.py "$BIN" "$N" "$replicas" "$dir" "$APISERVER_PID"
+  kill "$ENVTEST_PID" 2>/dev/null || true
+  wait "$ENVTEST_PID" 2>/dev/null || true
+done

@@ -1,0 +1,250 @@
+"""One sharded measurement for scripts/bench-shard.sh: REPLICAS `propeller run --shard`
+replicas on a real kube-apiserver and a 3-node NATS cluster (rendered device authorization).
+
+    bench_shard.py BIN_DIR N REPLICAS WORK APISERVER_PID
+
+1. N Proplets with their Secrets, N simulated proplets (`propeller-loadgen heartbeats`, in
+   processes of at most 15,000 connections each: the descriptor limit here is 20,000)
+   heartbeating every 10 s through the cluster: the time until all are Running, then over a
+   steady 40 s each replica's CPU and RSS, the brokers' and the API server's CPU, and the
+   Proplet status writes the API server served.
+2. 4 real agents and 1,000 Tasks POSTed at once from 8 connections: tasks/s from the first
+   POST to the last completion seen on a watch, the API server's requests per task (the
+   user's POSTs included), each replica's CPU and reconciles during the burst, and what each
+   replica owns.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_api import children_of, cpu_or_zero, free_port, parse_metrics, pick, rss_mib  # noqa: E402
+from bench_kube import GROUP, Kube, add_task  # noqa: E402
+
+bin_dir, n, replicas, work, apiserver_pid = sys.argv[1:6]
+n, replicas, apiserver_pid = int(n), int(replicas), int(apiserver_pid)
+admin = Kube(os.path.join(work, "admin.kubeconfig"))
+NS = "default"
+ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
+PASSWORD = "bench-propeller-password"
+AGENTS = 4
+PER_LOADGEN = 15000
+
+
+def objects(name, brokers, channel):
+    """A device's Secret and external Proplet."""
+    return [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-key"},
+             "stringData": {"key": f"{name}-key" if channel == "c" else f"{name}-secret"}},
+            {"apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
+             "metadata": {"name": name},
+             "spec": {"type": "external", "connectionConfig": {
+                 "mqttAddress": brokers, "domainId": "d", "channelId": channel, "clientId": name,
+                 "clientKeySecretRef": {"name": f"{name}-key", "key": "key"}}}}]
+
+
+def create_many(docs, threads=8):
+    local = threading.local()
+
+    def post(doc):
+        if not hasattr(local, "kube"):
+            local.kube = Kube(os.path.join(work, "admin.kubeconfig"))
+        if doc["kind"] == "Secret":
+            path = f"/api/v1/namespaces/{NS}/secrets"
+        else:
+            path = f"{GROUP}/namespaces/{NS}/{doc['kind'].lower()}s"
+        local.kube.call("POST", path, doc)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(post, docs))
+
+
+def metrics_of(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return parse_metrics(r.read().decode())
+
+
+def api_requests():
+    """Requests the API server has served so far, and its proplet status writes."""
+    total = writes = 0.0
+    for name, labels, value in admin.metrics():
+        if name != "apiserver_request_total" or labels.get("verb") in ("WATCH", "LIST", "GET"):
+            continue
+        total += value
+        if labels.get("resource") == "proplets" and labels.get("subresource") == "status":
+            writes += value
+    return total, writes
+
+
+def wait_until(what, check, limit):
+    deadline = time.time() + limit
+    while not check():
+        if time.time() > deadline:
+            raise SystemExit(f"{replicas} replica(s): {what} not within {limit} s")
+        time.sleep(0.5)
+
+
+def main():
+    # The cluster.
+    initial = os.path.join(work, "authorization.conf")
+    with open(initial, "w") as f:
+        f.write(f'authorization {{\n  users: [\n    {{ user: "propeller", password: "{PASSWORD}" }}\n  ]\n}}\n')
+    cluster = subprocess.Popen([os.path.join(bin_dir, "propeller-mqtt-cluster"), "nats", "--authorization",
+                                initial, "--user", "propeller", "--password", PASSWORD],
+                               stdout=subprocess.PIPE, text=True)
+    info = json.loads(cluster.stdout.readline())
+    nodes = [f"mqtt://{a}" for a in info["mqtt"]]
+    brokers = ",".join(nodes)
+    broker_pids = children_of(cluster.pid)
+    authorization = info["authorization"]
+    password_file = os.path.join(work, "mqtt-password")
+    with open(password_file, "w") as f:
+        f.write(PASSWORD)
+    procs, loadgens, agents = [], [], []
+    try:
+        # The replicas: one renders the NATS authorization.
+        ports = []
+        for i in range(replicas):
+            metrics = free_port()
+            args = [os.path.join(bin_dir, "propeller"), "run", "--shard", "--lease-namespace", "propeller-system",
+                    "--metrics-listen", f"127.0.0.1:{metrics}", "--liveliness-interval", "10s",
+                    "--last-seen-threshold", "30s", "--status-flush-interval", "5s",
+                    "--mqtt-broker", brokers, "--mqtt-password-file", password_file,
+                    "--device-auth", "rendered"]
+            if i == 0:
+                reload = "kill -HUP " + " ".join(str(p) for p in info["pids"]) + "; true"
+                args += ["--broker-config-file", authorization, "--broker-config-reload", reload]
+            log = open(os.path.join(work, f"propeller-{i}.log"), "w")
+            env = dict(os.environ, KUBECONFIG=os.path.join(work, "propeller.kubeconfig"),
+                       HOSTNAME=f"r{i}", RUST_LOG="warn")
+            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+            ports.append(metrics)
+
+        def members_ok():
+            try:
+                return all(pick(metrics_of(p), "propeller_shard_members") == replicas for p in ports)
+            except OSError:
+                return False
+        wait_until("every replica acting on all members", members_ok, 60)
+
+        # 1. N heartbeating proplets.
+        t = time.time()
+        names = [f"hb-{i}" for i in range(n)]
+        docs = [d for x in names for d in objects(x, brokers, "c")]
+        create_many([d for d in docs if d["kind"] == "Secret"])
+        create_many([d for d in docs if d["kind"] == "Proplet"])
+        created = time.time() - t
+
+        def rendered(names):
+            with open(authorization) as f:
+                text = f.read()
+            return all(f'"{x}"' in text for x in names)
+        wait_until("the authorization rendered", lambda: rendered([names[-1]]), 300)
+        time.sleep(3)  # the reload the replica ran
+        ports_csv = ",".join(a.rsplit(":", 1)[1] for a in info["mqtt"])
+        started = time.time()
+        for first in range(0, n, PER_LOADGEN):
+            count = min(PER_LOADGEN, n - first)
+            # Each process's proplets are `hb-<first + i>`: prefix `hb`, an offset by name.
+            loadgens.append(subprocess.Popen(
+                [os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", ports_csv,
+                 "--proplets", str(count), "--first", str(first), "--prefix", "hb",
+                 "--interval-secs", "10", "--silent", "0", "--silence-after-secs", "600",
+                 "--run-after-silence-secs", "1"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        def running():
+            try:
+                return pick(metrics_of(ports[0]), "propeller_proplets", phase="Running")
+            except OSError:
+                return 0
+        wait_until(f"all {n} Running", lambda: running() >= n, 900)
+        all_running = time.time() - started
+        time.sleep(10)
+        steady = 40
+        cpu0 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
+            cpu_or_zero(apiserver_pid), api_requests(), time.time()
+        time.sleep(steady)
+        cpu1 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
+            cpu_or_zero(apiserver_pid), api_requests(), time.time()
+        span = cpu1[4] - cpu0[4]
+        result = {
+            "replicas": replicas,
+            "proplets": n,
+            "created_s": round(created, 1),
+            "all_running_s": round(all_running, 1),
+            "steady_replica_cpu_pct": [round((b - a) / span * 100, 1) for a, b in zip(cpu0[0], cpu1[0])],
+            "steady_replica_rss_mib": [round(rss_mib(p.pid), 1) for p in procs],
+            "steady_brokers_cpu_pct": round((cpu1[1] - cpu0[1]) / span * 100, 1),
+            "steady_brokers_rss_mib": round(sum(rss_mib(p) for p in broker_pids), 1),
+            "steady_apiserver_cpu_pct": round((cpu1[2] - cpu0[2]) / span * 100, 1),
+            "steady_status_writes_per_s": round((cpu1[3][1] - cpu0[3][1]) / span, 1),
+        }
+
+        # 2. A 1,000-task burst on 4 real agents.
+        workers = [f"w{i}" for i in range(AGENTS)]
+        create_many([d for x in workers for d in objects(x, brokers, x)])
+        wait_until("the agents rendered", lambda: rendered(workers), 120)
+        time.sleep(3)
+        for i, x in enumerate(workers):
+            order = ",".join(nodes[(i + k) % len(nodes)] for k in range(len(nodes)))
+            env = dict(os.environ, PROPLET_MQTT_ADDRESS=order, PROPLET_DOMAIN_ID="d", PROPLET_CHANNEL_ID=x,
+                       PROPLET_CLIENT_ID=x, PROPLET_CLIENT_KEY=f"{x}-secret",
+                       PROPLET_STATE_DIR=os.path.join(work, x), RUST_LOG="warn")
+            agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_until("the agents Running", lambda: running() >= n + AGENTS, 120)
+        tasks_path = f"{GROUP}/namespaces/{NS}/tasks"
+        rv = admin.call("GET", f"{tasks_path}?limit=1")["metadata"]["resourceVersion"]
+        done = set()
+        events = Kube(os.path.join(work, "admin.kubeconfig"), timeout=600).watch(tasks_path, rv)
+
+        def watcher():
+            for event in events:
+                obj = event["object"]
+                if obj.get("status", {}).get("phase") in ("completed", "failed"):
+                    done.add(obj["metadata"]["name"])
+                    if len(done) >= 1000:
+                        return
+        watch = threading.Thread(target=watcher, daemon=True)
+        watch.start()
+        reconciles0 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
+        before = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
+        t0 = time.time()
+        create_many([add_task(f"burst-{i}", ADD) for i in range(1000)])
+        watch.join(600)
+        span = time.time() - t0
+        after = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
+        reconciles1 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
+        time.sleep(6)  # the owned-objects gauges refresh every 5 s
+        owned = [pick(metrics_of(p), "propeller_shard_owned", kind="Task") for p in ports]
+        result |= {
+            "burst_completed": len(done),
+            "burst_tasks_per_s": round(len(done) / span),
+            "burst_replica_cpu_s": [round(b - a, 2) for a, b in zip(before[0], after[0])],
+            "burst_apiserver_cpu_s": round(after[1] - before[1], 2),
+            "burst_requests_per_task": round((after[2] - before[2]) / 1000, 2),
+            "burst_task_reconciles": [round(b - a) for a, b in zip(reconciles0, reconciles1)],
+            "tasks_owned": owned,
+            "reports_received_per_replica": [
+                pick(metrics_of(p), "propeller_broker_external_messages_received_total") for p in ports],
+        }
+        print(json.dumps(result))
+        sys.stdout.flush()
+    finally:
+        for p in agents + loadgens + procs:
+            p.terminate()
+        for p in agents + loadgens + procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        cluster.terminate()
+        cluster.wait(timeout=60)
+
+
+main()
