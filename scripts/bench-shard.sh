@@ -14,8 +14,6 @@ shift || true
 COUNTS=("$@")
 [ ${#COUNTS[@]} -gt 0 ] || COUNTS=(1 3)
 scripts/build-release.sh
-cargo build --release -q -p propeller-e2e --bin propeller-mqtt-cluster --bin propeller-envtest \
-  --bin propeller-loadgen
 BIN=target/release
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 WORK="$(mktemp -d)"

@@ -9,7 +9,7 @@ replicas on a real kube-apiserver and a 3-node NATS cluster (rendered device aut
    steady 40 s each replica's CPU and RSS, the brokers' and the API server's CPU, and the
    Proplet status writes the API server served.
 2. 4 real agents and 1,000 Tasks POSTed at once from 8 connections: tasks/s from the first
-   POST to the last completion seen on a watch, the API server's requests per task (the
+   POST to the last completion (a list polled every 0.5 s), the API server's requests per task (the
    user's POSTs included), each replica's CPU and reconciles during the burst, and what each
    replica owns.
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_api import children_of, cpu_or_zero, free_port, parse_metrics, pick, rss_mib  # noqa: E402
 from bench_kube import GROUP, Kube, add_task  # noqa: E402
 
+
 bin_dir, n, replicas, work, apiserver_pid = sys.argv[1:6]
 n, replicas, apiserver_pid = int(n), int(replicas), int(apiserver_pid)
 admin = Kube(os.path.join(work, "admin.kubeconfig"))
@@ -41,10 +42,17 @@ def objects(name, brokers, channel):
     return [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-key"},
              "stringData": {"key": f"{name}-key" if channel == "c" else f"{name}-secret"}},
             {"apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
-             "metadata": {"name": name},
+             "metadata": {"name": name, "labels": {"bench-role": "heartbeat" if channel == "c" else "worker"}},
              "spec": {"type": "external", "connectionConfig": {
                  "mqttAddress": brokers, "domainId": "d", "channelId": channel, "clientId": name,
                  "clientKeySecretRef": {"name": f"{name}-key", "key": "key"}}}}]
+
+
+def worker_task(name):
+    """add(10, 32) on one of the real agents (the simulated proplets run nothing)."""
+    task = add_task(name, ADD)
+    task["spec"]["propletSelector"] = {"matchLabels": {"bench-role": "worker"}}
+    return task
 
 
 def create_many(docs, threads=8):
@@ -113,7 +121,7 @@ def main():
             args = [os.path.join(bin_dir, "propeller"), "run", "--shard", "--lease-namespace", "propeller-system",
                     "--metrics-listen", f"127.0.0.1:{metrics}", "--liveliness-interval", "10s",
                     "--last-seen-threshold", "30s", "--status-flush-interval", "5s",
-                    "--mqtt-broker", brokers, "--mqtt-password-file", password_file,
+                    "--mqtt-broker", brokers, "--mqtt-username", "propeller", "--mqtt-password-file", password_file,
                     "--device-auth", "rendered"]
             if i == 0:
                 reload = "kill -HUP " + " ".join(str(p) for p in info["pids"]) + "; true"
@@ -162,8 +170,20 @@ def main():
                 return pick(metrics_of(ports[0]), "propeller_proplets", phase="Running")
             except OSError:
                 return 0
-        wait_until(f"all {n} Running", lambda: running() >= n, 900)
-        all_running = time.time() - started
+        # All of them, or 30 s after 95% were (some of 30,000 can
+        # fall Offline on this machine; the figure says how many).
+        reached = None
+        while running() < n:
+            now_running = running()
+            if now_running >= 0.95 * n:
+                reached = reached or time.time()
+                if time.time() - reached > 30:
+                    break
+            if time.time() - started > 900:
+                raise SystemExit(f"{replicas} replica(s): {now_running} of {n} Running after 900 s")
+            time.sleep(1)
+        running_count = running()
+        all_running = (reached or time.time()) - started
         time.sleep(10)
         steady = 40
         cpu0 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
@@ -176,7 +196,8 @@ def main():
             "replicas": replicas,
             "proplets": n,
             "created_s": round(created, 1),
-            "all_running_s": round(all_running, 1),
+            "running": running_count,
+            "running_95pct_s": round(all_running, 1),
             "steady_replica_cpu_pct": [round((b - a) / span * 100, 1) for a, b in zip(cpu0[0], cpu1[0])],
             "steady_replica_rss_mib": [round(rss_mib(p.pid), 1) for p in procs],
             "steady_brokers_cpu_pct": round((cpu1[1] - cpu0[1]) / span * 100, 1),
@@ -184,6 +205,9 @@ def main():
             "steady_apiserver_cpu_pct": round((cpu1[2] - cpu0[2]) / span * 100, 1),
             "steady_status_writes_per_s": round((cpu1[3][1] - cpu0[3][1]) / span, 1),
         }
+
+        print(json.dumps(result))  # the steady state, even if the burst does not finish
+        sys.stdout.flush()
 
         # 2. A 1,000-task burst on 4 real agents.
         workers = [f"w{i}" for i in range(AGENTS)]
@@ -197,34 +221,31 @@ def main():
                        PROPLET_STATE_DIR=os.path.join(work, x), RUST_LOG="warn")
             agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_until("the agents Running", lambda: running() >= n + AGENTS, 120)
+        wait_until("the agents Running", lambda: running() >= running_count + AGENTS, 120)
         tasks_path = f"{GROUP}/namespaces/{NS}/tasks"
-        rv = admin.call("GET", f"{tasks_path}?limit=1")["metadata"]["resourceVersion"]
-        done = set()
-        events = Kube(os.path.join(work, "admin.kubeconfig"), timeout=600).watch(tasks_path, rv)
 
-        def watcher():
-            for event in events:
-                obj = event["object"]
-                if obj.get("status", {}).get("phase") in ("completed", "failed"):
-                    done.add(obj["metadata"]["name"])
-                    if len(done) >= 1000:
-                        return
-        watch = threading.Thread(target=watcher, daemon=True)
-        watch.start()
+        def finished():
+            items = admin.call("GET", tasks_path)["items"]
+            return sum(1 for t in items if t.get("status", {}).get("phase") in ("completed", "failed"))
         reconciles0 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
         before = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
         t0 = time.time()
-        create_many([add_task(f"burst-{i}", ADD) for i in range(1000)])
-        watch.join(600)
+        create_many([worker_task(f"burst-{i}") for i in range(1000)])
+        # Polled (a list every 0.5 s; not counted as requests): a watch open this long was
+        # seen to end early.
+        deadline = t0 + 900
+        done = finished()
+        while done < 1000 and time.time() < deadline:
+            time.sleep(0.5)
+            done = finished()
         span = time.time() - t0
         after = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
         reconciles1 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
         time.sleep(6)  # the owned-objects gauges refresh every 5 s
         owned = [pick(metrics_of(p), "propeller_shard_owned", kind="Task") for p in ports]
         result |= {
-            "burst_completed": len(done),
-            "burst_tasks_per_s": round(len(done) / span),
+            "burst_completed": done,
+            "burst_tasks_per_s": round(done / span),
             "burst_replica_cpu_s": [round(b - a, 2) for a, b in zip(before[0], after[0])],
             "burst_apiserver_cpu_s": round(after[1] - before[1], 2),
             "burst_requests_per_task": round((after[2] - before[2]) / 1000, 2),

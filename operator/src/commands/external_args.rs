@@ -32,7 +32,8 @@ pub struct ExternalBrokerArgs {
     /// resumes the same persistent session.
     #[arg(long, env = "PROPELLER_MQTT_CLIENT_ID", default_value = "propeller")]
     pub mqtt_client_id: String,
-    /// Propeller's username on the cluster (the client id when unset).
+    /// Propeller's username on the cluster (the client id when unset; with `--shard`, the
+    /// client id before the replica's name is added).
     #[arg(long, env = "PROPELLER_MQTT_USERNAME")]
     pub mqtt_username: Option<String>,
     /// File holding propeller's password on the cluster (e.g. a mounted Secret).

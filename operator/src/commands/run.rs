@@ -252,8 +252,13 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
             identity: identity.clone(),
             lease_duration: cmd.shard_lease_duration,
         };
-        // Each replica keeps its own persistent session on the cluster.
-        cmd.external.mqtt_client_id = format!("{}-{identity}", cmd.external.mqtt_client_id);
+        // Each replica keeps its own persistent session on the cluster, under the login all
+        // replicas share (by default the client id they were given, not their own).
+        let base = cmd.external.mqtt_client_id.clone();
+        cmd.external
+            .mqtt_username
+            .get_or_insert_with(|| base.clone());
+        cmd.external.mqtt_client_id = format!("{base}-{identity}");
         members = Some(tokio::spawn(membership::run(
             plain_client.clone(),
             settings,
