@@ -296,6 +296,20 @@ fn writes_by(cp: &ControlPlane, manager: &str) -> Vec<(String, DateTime<Utc>)> {
         .collect()
 }
 
+/// The holders of the group's member Leases, space-separated.
+fn member_leases(cp: &ControlPlane) -> String {
+    cp.kubectl_ok(&[
+        "-n",
+        "propeller-system",
+        "get",
+        "lease",
+        "-l",
+        "propeller.absmach.eu/shard-group=propeller-member",
+        "-o",
+        "jsonpath={.items[*].spec.holderIdentity}",
+    ])
+}
+
 fn agents(fleet: &Fleet) -> Vec<AgentLog> {
     let nodes: Vec<&str> = fleet.brokers.split(',').collect();
     DEVICES
@@ -343,16 +357,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     let r1 = fleet.replica("r1", false);
     let mut r2 = fleet.replica("r2", false);
     wait_members(&[&r0, &r1, &r2], 3, STATUS_WAIT);
-    let leases = cp.kubectl_ok(&[
-        "-n",
-        "propeller-system",
-        "get",
-        "lease",
-        "-l",
-        "propeller.absmach.eu/shard-group=propeller-member",
-        "-o",
-        "jsonpath={.items[*].spec.holderIdentity}",
-    ]);
+    let leases = member_leases(cp);
     assert_eq!(
         leases.split_whitespace().count(),
         3,
@@ -524,18 +529,7 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     let _ = gone.process.child.kill();
     let _ = gone.process.child.wait();
     let killed = Instant::now();
-    let leases = || {
-        cp.kubectl_ok(&[
-            "-n",
-            "propeller-system",
-            "get",
-            "lease",
-            "-l",
-            "propeller.absmach.eu/shard-group=propeller-member",
-            "-o",
-            "jsonpath={.items[*].spec.holderIdentity}",
-        ])
-    };
+    let leases = || member_leases(cp);
     while leases().split_whitespace().any(|m| m == "r5") {
         assert!(
             killed.elapsed() < lease * 6 + Duration::from_secs(5),

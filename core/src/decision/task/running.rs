@@ -211,20 +211,7 @@ fn resend_when_overdue(
         look_again_by(plan, due);
         return;
     }
-    let answered = match &desired.results {
-        Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
-        _ => None,
-    };
-    for name in targets_of(desired) {
-        if answered.is_some_and(|per| per.contains_key(&name)) {
-            continue;
-        }
-        if let Some(target) =
-            view(observed, &name).filter(|t| t.candidate.proplet_type != PropletType::K8s)
-        {
-            plan.starts.push(start_for(task, target, desired));
-        }
-    }
+    ask_again(task, observed, desired, plan);
     plan.repeat_start = !plan.starts.is_empty();
     look_again_by(plan, now + RESULT_OVERDUE);
 }
@@ -243,6 +230,12 @@ pub(super) fn resend_after_restart(
     if observed.dispatched_at.is_some() || runs_as_job(observed, desired) {
         return;
     }
+    ask_again(task, observed, desired, plan);
+}
+
+/// Starts of the current run, with its number, to the proplets that have not answered it
+/// (a broadcast's answered ones are skipped; `k8s` proplets run Jobs, not starts).
+fn ask_again(task: &Task, observed: &TaskObservations, desired: &TaskStatus, plan: &mut TaskPlan) {
     let answered = match &desired.results {
         Some(Value::Object(per)) if !desired.broadcast_proplets.is_empty() => Some(per),
         _ => None,
