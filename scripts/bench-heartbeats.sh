@@ -37,6 +37,9 @@ cleanup() {
 }
 trap cleanup EXIT
 source scripts/lib/harness.sh
+# Room for every simulated proplet and the few other clients (a binary without the setting
+# holds 10,000).
+export PROPELLER_MAX_CONNECTIONS=$(( N + 100 ))
 RUST_LOG=warn,rumqttd=off start_standalone "$PROPELLER" "$WORK/data" "$WORK/standalone.log" \
   --liveliness-interval 10s --last-seen-threshold 30s --status-flush-interval 5s
 PIDS+=("$STANDALONE_PID")

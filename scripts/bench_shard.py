@@ -12,9 +12,15 @@ replicas on a real kube-apiserver and a 3-node NATS cluster (rendered device aut
    POST to the last completion (a list polled every 0.5 s), the API server's requests per task (the
    user's POSTs included), each replica's CPU and reconciles during the burst, and what each
    replica owns.
+
+PROPELLER_BIN: the propeller binary to measure instead of BIN_DIR's (before/after).
+BENCH_PERF=DIR: `perf record` samples the first replica (cpu-clock, 499 Hz) during the
+steady window and during the burst, into DIR/steady.data and DIR/burst.data (`perf report
+-i DIR/burst.data --no-children`).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +40,8 @@ NS = "default"
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
 PASSWORD = "bench-propeller-password"
 AGENTS = 4
+# Another propeller binary to measure (an earlier build, for before/after).
+PROPELLER = os.environ.get("PROPELLER_BIN") or os.path.join(bin_dir, "propeller")
 PER_LOADGEN = 15000
 
 
@@ -98,6 +106,23 @@ def requests_by_kind():
     return counts
 
 
+def perf_record(pid, name):
+    """Samples `pid` into $BENCH_PERF/NAME.data until perf_done; None without BENCH_PERF."""
+    out = os.environ.get("BENCH_PERF")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    return subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "499", "-p", str(pid),
+                             "-o", os.path.join(out, f"{name}.data")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def perf_done(recorder):
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=120)
+
+
 def wait_until(what, check, limit):
     deadline = time.time() + limit
     while not check():
@@ -128,7 +153,7 @@ def main():
         ports = []
         for i in range(replicas):
             metrics = free_port()
-            args = [os.path.join(bin_dir, "propeller"), "run", "--shard", "--lease-namespace", "propeller-system",
+            args = [PROPELLER, "run", "--shard", "--lease-namespace", "propeller-system",
                     "--metrics-listen", f"127.0.0.1:{metrics}", "--liveliness-interval", "10s",
                     "--last-seen-threshold", "30s", "--status-flush-interval", "5s",
                     "--mqtt-broker", brokers, "--mqtt-username", "propeller", "--mqtt-password-file", password_file,
@@ -198,7 +223,9 @@ def main():
         steady = 40
         cpu0 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
             cpu_or_zero(apiserver_pid), api_requests(), time.time()
+        recorder = perf_record(procs[0].pid, "steady")
         time.sleep(steady)
+        perf_done(recorder)
         cpu1 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
             cpu_or_zero(apiserver_pid), api_requests(), time.time()
         span = cpu1[4] - cpu0[4]
@@ -240,6 +267,7 @@ def main():
         reconciles0 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
         before = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
         kinds0 = requests_by_kind()
+        recorder = perf_record(procs[0].pid, "burst")
         t0 = time.time()
         create_many([worker_task(f"burst-{i}") for i in range(1000)])
         # Polled (a list every 0.5 s; not counted as requests): a watch open this long was
@@ -250,6 +278,7 @@ def main():
             time.sleep(0.5)
             done = finished()
         span = time.time() - t0
+        perf_done(recorder)
         after = [cpu_or_zero(p.pid) for p in procs], cpu_or_zero(apiserver_pid), api_requests()[0]
         kinds1 = requests_by_kind()
         reconciles1 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]

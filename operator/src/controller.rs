@@ -35,10 +35,11 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::crd::proplet::Proplet;
-use crate::crd::task::Task;
+use crate::crd::task::{Task, TaskPhase};
+use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::{PropletPlan, PropletSettings};
-use crate::decision::task::{Note, TaskObservations, TaskPlan, TaskSettings};
+use crate::decision::task::{Note, TaskPlan, TaskSettings};
 use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError, TaskEffects};
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
@@ -309,8 +310,17 @@ pub trait Cluster: Send + Sync {
     /// Names of the Tasks of `namespace` that depend on `name`.
     fn dependents(&self, name: &ObjectName) -> Vec<String>;
 
-    /// What the scheduler and the DAG need to know about `task`'s surroundings.
-    fn observe_task(&self, task: &Task) -> TaskObservations;
+    /// The Proplets of `namespace`.
+    fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>>;
+
+    /// One Proplet.
+    fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>>;
+
+    /// The phase of Task `name`, if it exists.
+    fn task_phase(&self, name: &ObjectName) -> Option<TaskPhase>;
+
+    /// The dependency graph of the Tasks of `namespace`.
+    fn dependency_graph(&self, namespace: &str) -> Graph;
 
     // --- the queue and the record
 

@@ -4,6 +4,7 @@
 //! credential table for the broker plus the problems to report on each Proplet's status.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -11,54 +12,47 @@ use propeller_broker::server::{ChannelScope, Credential};
 
 use crate::crd::proplet::{ClientKeySource, Proplet};
 
-/// Decides when the credential table must be rebuilt: when the Proplets that feed it changed
-/// (one added, removed, being deleted, or a new spec generation), when a Secret changed
-/// (the driver calls [`RefreshGate::invalidate`]), or when `max_age` passed. Rebuilding
-/// reads every referenced Secret, so it must not happen on every heartbeat-driven reconcile.
+/// Decides when the credential table must be rebuilt: after a change of its inputs (a
+/// Proplet added, removed, being deleted or given a new spec generation, see
+/// [`changes_credentials`]; a Secret changed), each counted by the driver with
+/// [`RefreshGate::invalidate`] once its cache shows it, or when `max_age` passed. Rebuilding
+/// reads every Proplet and referenced Secret, so it must not follow status writes and
+/// heartbeats; and the check itself costs the same for ten proplets or a hundred thousand.
 #[derive(Debug, Default)]
 pub struct RefreshGate {
-    last: Mutex<Option<(Vec<GateInput>, Instant)>>,
+    changes: AtomicU64,
+    built: Mutex<Option<(u64, Instant)>>,
 }
 
-/// One Proplet as the gate sees it: `namespace/name` and spec generation.
-type GateInput = (String, Option<i64>);
-
 impl RefreshGate {
-    /// Whether to rebuild now; remembers the inputs when it says yes.
-    pub fn due<'a>(
-        &self,
-        proplets: impl IntoIterator<Item = &'a Proplet>,
-        max_age: Duration,
-    ) -> bool {
-        let mut inputs: Vec<GateInput> = proplets
-            .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .map(|p| {
-                (
-                    format!(
-                        "{}/{}",
-                        p.metadata.namespace.as_deref().unwrap_or_default(),
-                        p.metadata.name.as_deref().unwrap_or_default()
-                    ),
-                    p.metadata.generation,
-                )
-            })
-            .collect();
-        inputs.sort();
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        let fresh = last
+    /// Counts one change of the table's inputs; call it after the cache shows the change.
+    pub fn invalidate(&self) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Whether to rebuild now; when it says yes, the changes counted so far are taken as
+    /// built (the caller reads its cache after this).
+    pub fn due(&self, max_age: Duration) -> bool {
+        let changes = self.changes.load(Ordering::SeqCst);
+        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = built
             .as_ref()
-            .is_some_and(|(seen, at)| *seen == inputs && at.elapsed() < max_age);
+            .is_some_and(|(seen, at)| *seen == changes && at.elapsed() < max_age);
         if !fresh {
-            *last = Some((inputs, Instant::now()));
+            *built = Some((changes, Instant::now()));
         }
         !fresh
     }
+}
 
-    /// Makes the next [`RefreshGate::due`] say yes (a Secret changed).
-    pub fn invalidate(&self) {
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    }
+/// Whether `new`, replacing `old` (`None`: a new Proplet), changes the credential table:
+/// status writes and heartbeats do not.
+pub fn changes_credentials(old: Option<&Proplet>, new: &Proplet) -> bool {
+    old.is_none_or(|old| {
+        old.metadata.generation != new.metadata.generation
+            || old.metadata.deletion_timestamp.is_some()
+                != new.metadata.deletion_timestamp.is_some()
+    })
 }
 
 /// Why a Proplet has no broker credential.
@@ -73,8 +67,8 @@ pub struct CredentialProblem {
 /// Builds the broker's credential table. A Proplet's client id is `connectionConfig.clientId`
 /// (or its upstream alias), else the Proplet's name. Two Proplets claiming one client id are
 /// both refused, since either could impersonate the other.
-pub fn credential_table(
-    proplets: &[Proplet],
+pub fn credential_table<'a>(
+    proplets: impl IntoIterator<Item = &'a Proplet>,
     read_secret: impl Fn(&str, &str, &str) -> Option<String>,
 ) -> (HashMap<String, Credential>, Vec<CredentialProblem>) {
     let mut table: HashMap<String, Credential> = HashMap::new();
@@ -170,19 +164,29 @@ mod tests {
     fn the_table_is_rebuilt_only_when_its_inputs_change() {
         let gate = RefreshGate::default();
         let hour = Duration::from_secs(3600);
-        let a = proplet("a", 1);
-        assert!(gate.due([&a], hour));
-        assert!(
-            !gate.due([&a], hour),
-            "a status-only change needs no rebuild"
-        );
-        let a2 = proplet("a", 2);
-        assert!(gate.due([&a2], hour), "a new spec generation does");
-        let b = proplet("b", 1);
-        assert!(gate.due([&a2, &b], hour), "a new proplet does");
+        assert!(gate.due(hour), "the first table");
+        assert!(!gate.due(hour), "nothing changed");
         gate.invalidate();
-        assert!(gate.due([&a2, &b], hour), "a Secret change does");
-        assert!(gate.due([&a2, &b], Duration::ZERO), "and so does age");
+        assert!(gate.due(hour), "a counted change");
+        assert!(!gate.due(hour), "counted once");
+        assert!(gate.due(Duration::ZERO), "age");
+
+        let a = proplet("a", 1);
+        assert!(changes_credentials(None, &a), "a new proplet");
+        let mut status_only = a.clone();
+        status_only.status = Some(Default::default());
+        assert!(
+            !changes_credentials(Some(&a), &status_only),
+            "a status write"
+        );
+        assert!(
+            changes_credentials(Some(&a), &proplet("a", 2)),
+            "a new spec generation"
+        );
+        let mut deleting = a.clone();
+        deleting.metadata.deletion_timestamp =
+            serde_json::from_value(json!("2026-11-26T00:00:00Z")).ok();
+        assert!(changes_credentials(Some(&a), &deleting), "a deletion begun");
     }
 
     #[test]

@@ -14,4 +14,5 @@ pub mod observations;
 pub mod oci;
 pub mod standalone;
 pub mod state;
+pub mod task_index;
 pub mod validation;

@@ -211,19 +211,82 @@ pub const NEXT_IN_LINE_SCORE: f64 = 0.1;
 /// Round-robin score of every other candidate.
 pub const DEFAULT_SCORE: f64 = 1.0;
 
+/// What the selector rules look at: a [`CandidateProplet`], or a Proplet object itself
+/// (which lets a driver pass the scheduler only the proplets that could take a task).
+pub trait Schedulable {
+    /// `metadata.name`.
+    fn name(&self) -> &str;
+    /// `status.phase`.
+    fn phase(&self) -> PropletPhase;
+    /// `spec.type`.
+    fn proplet_type(&self) -> PropletType;
+    /// The value of label `key`.
+    fn label(&self, key: &str) -> Option<&str>;
+    /// `spec.external.deviceType`.
+    fn device_type(&self) -> Option<&str>;
+    /// Whether `spec.external.capabilities` lists `capability`.
+    fn has_capability(&self, capability: &str) -> bool;
+}
+
+impl Schedulable for CandidateProplet {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn phase(&self) -> PropletPhase {
+        self.phase
+    }
+    fn proplet_type(&self) -> PropletType {
+        self.proplet_type
+    }
+    fn label(&self, key: &str) -> Option<&str> {
+        self.labels.get(key).map(String::as_str)
+    }
+    fn device_type(&self) -> Option<&str> {
+        self.device_type.as_deref()
+    }
+    fn has_capability(&self, capability: &str) -> bool {
+        self.capabilities.iter().any(|c| c == capability)
+    }
+}
+
+impl Schedulable for crate::crd::proplet::Proplet {
+    fn name(&self) -> &str {
+        self.metadata.name.as_deref().unwrap_or_default()
+    }
+    fn phase(&self) -> PropletPhase {
+        self.status.as_ref().map(|s| s.phase).unwrap_or_default()
+    }
+    fn proplet_type(&self) -> PropletType {
+        self.spec.type_
+    }
+    fn label(&self, key: &str) -> Option<&str> {
+        self.metadata.labels.as_ref()?.get(key).map(String::as_str)
+    }
+    fn device_type(&self) -> Option<&str> {
+        self.spec.external.as_ref()?.device_type.as_deref()
+    }
+    fn has_capability(&self, capability: &str) -> bool {
+        self.spec
+            .external
+            .as_ref()
+            .is_some_and(|e| e.capabilities.iter().any(|c| c == capability))
+    }
+}
+
 /// The first selector rule `proplet` fails, or `None` if it is a candidate.
-pub fn exclusion(proplet: &CandidateProplet, selector: &SelectorView) -> Option<Exclusion> {
-    if proplet.phase != PropletPhase::Running {
-        return Some(Exclusion::NotRunning(proplet.phase));
+pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<Exclusion> {
+    let phase = proplet.phase();
+    if phase != PropletPhase::Running {
+        return Some(Exclusion::NotRunning(phase));
     }
     if let Some(wanted) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
-        if proplet.name != wanted {
+        if proplet.name() != wanted {
             return Some(Exclusion::NotRequested {
                 wanted: wanted.to_owned(),
             });
         }
     }
-    if !accepts(selector.preferred_type, proplet.proplet_type) {
+    if !accepts(selector.preferred_type, proplet.proplet_type()) {
         let wanted = match selector.preferred_type {
             PreferredType::External => PropletType::External,
             PreferredType::K8s | PreferredType::Any => PropletType::K8s,
@@ -231,7 +294,7 @@ pub fn exclusion(proplet: &CandidateProplet, selector: &SelectorView) -> Option<
         return Some(Exclusion::WrongType { wanted });
     }
     for (key, value) in &selector.match_labels {
-        if proplet.labels.get(key) != Some(value) {
+        if proplet.label(key) != Some(value.as_str()) {
             return Some(Exclusion::LabelMismatch {
                 key: key.clone(),
                 value: value.clone(),
@@ -239,11 +302,11 @@ pub fn exclusion(proplet: &CandidateProplet, selector: &SelectorView) -> Option<
         }
     }
     if !selector.match_device_types.is_empty() {
-        match &proplet.device_type {
+        match proplet.device_type() {
             None => return Some(Exclusion::NoDeviceType),
-            Some(d) if !selector.match_device_types.contains(d) => {
+            Some(d) if !selector.match_device_types.iter().any(|t| t == d) => {
                 return Some(Exclusion::DeviceTypeNotAllowed {
-                    device_type: d.clone(),
+                    device_type: d.to_owned(),
                 })
             }
             Some(_) => {}
@@ -252,7 +315,7 @@ pub fn exclusion(proplet: &CandidateProplet, selector: &SelectorView) -> Option<
     selector
         .match_capabilities
         .iter()
-        .find(|c| !proplet.capabilities.contains(c))
+        .find(|c| !proplet.has_capability(c))
         .map(|c| Exclusion::MissingCapability(c.clone()))
 }
 
@@ -274,16 +337,21 @@ pub fn filter_candidates<'a>(
             namespace: namespace.to_owned(),
         });
     }
-    in_ns.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut candidates = Vec::new();
-    let mut excluded: BTreeMap<Exclusion, Vec<String>> = BTreeMap::new();
-    for p in &in_ns {
-        match exclusion(p, selector) {
-            None => candidates.push(*p),
-            Some(reason) => excluded.entry(reason).or_default().push(p.name.clone()),
-        }
-    }
+    let mut candidates: Vec<&CandidateProplet> = in_ns
+        .iter()
+        .copied()
+        .filter(|p| exclusion(*p, selector).is_none())
+        .collect();
+    candidates.sort_by(|a, b| a.name.cmp(&b.name));
     if candidates.is_empty() {
+        // Why each was passed over, in name order: gathered only when nothing fits.
+        in_ns.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut excluded: BTreeMap<Exclusion, Vec<String>> = BTreeMap::new();
+        for p in &in_ns {
+            if let Some(reason) = exclusion(*p, selector) {
+                excluded.entry(reason).or_default().push(p.name.clone());
+            }
+        }
         return Err(ScheduleError::NoCandidates {
             namespace: namespace.to_owned(),
             total: in_ns.len(),

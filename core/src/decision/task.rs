@@ -34,8 +34,9 @@ use pending::*;
 use running::*;
 
 pub use super::task_observations::{
-    active_tasks, needs_image_resolution, observe_caches, observe_indexed, occupied, occupies,
-    proplet_view, ImageObservation, JobOutcome, PropletView, ReportedResult, TaskObservations,
+    could_take, needs_image_resolution, observe_indexed, occupied, occupies, proplet_scope,
+    proplet_view, ImageObservation, JobOutcome, PropletScope, PropletView, ReportedResult,
+    TaskObservations,
 };
 
 /// Condition: a proplet has been assigned.
@@ -151,6 +152,8 @@ pub struct TaskPlan {
     pub chosen: Option<String>,
     /// Start resolving the OCI `imageUrl` for the next run (its outcome triggers a reconcile).
     pub resolve_image: bool,
+    /// The task was to be scheduled and none of the observed proplets could take it.
+    pub no_candidates: bool,
     /// Events for users.
     pub notes: Vec<Note>,
 }
@@ -878,6 +881,169 @@ mod tests {
         let (ok, reason, message) = condition(failed, COMPLETED);
         assert_eq!((ok, reason), ("False", "Failed"));
         assert!(message.contains("gone"), "{message}");
+    }
+
+    /// `observed` cut down to what `proplet_scope(task)` names.
+    fn scoped(task: &Task, observed: &TaskObservations) -> TaskObservations {
+        let mut cut = observed.clone();
+        match proplet_scope(task) {
+            PropletScope::Named(names) => {
+                cut.proplets.retain(|p| names.contains(&p.candidate.name));
+            }
+            PropletScope::Candidates => {
+                let selector = selector_of(task);
+                cut.proplets.retain(|p| {
+                    runs_on(task, p.candidate.proplet_type)
+                        && crate::decision::scheduler::exclusion(&p.candidate, &selector).is_none()
+                });
+            }
+            PropletScope::Namespace => {}
+        }
+        cut
+    }
+
+    /// The plan a reconcile makes from the scoped observations: again over the whole
+    /// namespace when no candidate could take the task.
+    fn scoped_plan(task: &Task, observed: &TaskObservations, when: DateTime<Utc>) -> TaskPlan {
+        let first = plan(task, &scoped(task, observed), &settings(), when);
+        if first.no_candidates && proplet_scope(task) == PropletScope::Candidates {
+            plan(task, observed, &settings(), when)
+        } else {
+            first
+        }
+    }
+
+    #[test]
+    fn the_candidates_filter_reads_proplet_objects_as_the_scheduler_reads_views() {
+        let mut offline = proplet_value("off", "off-client");
+        offline["status"]["phase"] = json!("Offline");
+        let mut labelled = proplet_value("edge", "edge-client");
+        labelled["metadata"]["labels"] = json!({"zone": "north"});
+        labelled["spec"]["external"] = json!({"deviceType": "esp32", "capabilities": ["gpu"]});
+        let mut selectors = vec![task_value(); 4];
+        selectors[1]["spec"]["propletSelector"] = json!({"matchLabels": {"zone": "north"}});
+        selectors[2]["spec"]["propletSelector"] =
+            json!({"matchDeviceTypes": ["esp32"], "matchCapabilities": ["gpu"]});
+        selectors[3]["spec"]["propletSelector"] = json!({"propletId": "off"});
+        for value in [offline, labelled, proplet_value("plain", "plain-client")] {
+            let object = proplet_from(value);
+            let view = proplet_view(&object, 0);
+            for selector in &selectors {
+                let task = task_from(selector.clone());
+                let wanted = selector_of(&task);
+                assert_eq!(
+                    crate::decision::scheduler::exclusion(&object, &wanted),
+                    crate::decision::scheduler::exclusion(&view.candidate, &wanted),
+                );
+                assert_eq!(
+                    could_take(&task, &wanted, &object),
+                    runs_on(&task, view.candidate.proplet_type)
+                        && crate::decision::scheduler::exclusion(&view.candidate, &wanted)
+                            .is_none()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_plan_reads_only_the_proplets_of_its_scope() {
+        let fleet = || {
+            observing(vec![
+                proplet("a", "a-client"),
+                proplet("b", "b-client"),
+                proplet("c", "c-client"),
+            ])
+        };
+        let with_results = |results: Vec<ReportedResult>| TaskObservations {
+            results,
+            dispatched_at: Some(at(9, 50, 0)),
+            ..fleet()
+        };
+        let completed = json!({"phase": "completed", "assignedProplet": "a", "runCount": 1,
+            "createdAt": at(9, 0, 0), "finishedAt": at(9, 55, 0), "observedGeneration": 1});
+        let mut rerun = finalized(task_value(), completed.clone());
+        rerun["metadata"]["annotations"] = json!({ RERUN_ANNOTATION: "again" });
+        let mut recurring = finalized(task_value(), completed.clone());
+        recurring["spec"]["isRecurring"] = json!(true);
+        recurring["spec"]["schedule"] = json!("* * * * *");
+        let mut deleted = finalized(task_value(), running_status("a", at(9, 50, 0)));
+        deleted["metadata"]["deletionTimestamp"] = json!(at(9, 58, 0));
+        let mut north = task_value();
+        north["spec"]["propletSelector"] = json!({"matchLabels": {"zone": "north"}});
+        let mut nowhere = task_value();
+        nowhere["spec"]["propletSelector"] = json!({"matchLabels": {"zone": "south"}});
+        let mixed = || {
+            let mut b = proplet_value("b", "b-client");
+            b["metadata"]["labels"] = json!({"zone": "north"});
+            let mut c = proplet_value("c", "c-client");
+            c["status"]["phase"] = json!("Offline");
+            c["metadata"]["labels"] = json!({"zone": "north"});
+            observing(vec![
+                proplet("a", "a-client"),
+                proplet_view(&proplet_from(b), 0),
+                proplet_view(&proplet_from(c), 0),
+            ])
+        };
+        let cases: Vec<(&str, Task, TaskObservations, bool)> = vec![
+            ("new", new_task(), fleet(), true),
+            (
+                "new, one proplet of three matches",
+                task_from(north),
+                mixed(),
+                true,
+            ),
+            ("new, none matches", task_from(nowhere), mixed(), true),
+            (
+                "pending",
+                task_with_status(json!({"phase": "pending", "createdAt": at(9, 0, 0)})),
+                fleet(),
+                true,
+            ),
+            (
+                "scheduled, start not sent here",
+                task_with_status(json!({"phase": "scheduled", "assignedProplet": "b",
+                    "createdAt": at(9, 0, 0), "runCount": 1, "observedGeneration": 1})),
+                fleet(),
+                false,
+            ),
+            (
+                "running, its proplet's result",
+                task_with_status(running_status("a", at(9, 50, 0))),
+                with_results(vec![result("a-client", json!("42"), None)]),
+                false,
+            ),
+            (
+                "running, another device's result",
+                task_with_status(running_status("a", at(9, 50, 0))),
+                with_results(vec![result("b-client", json!("42"), None)]),
+                false,
+            ),
+            (
+                "broadcast running, one result",
+                broadcast_running(Value::Null),
+                with_results(vec![result("b-client", json!("7"), None)]),
+                false,
+            ),
+            ("deleted while running", task_from(deleted), fleet(), false),
+            ("completed", task_with_status(completed), fleet(), false),
+            ("completed, rerun asked", task_from(rerun), fleet(), true),
+            ("completed, recurring", task_from(recurring), fleet(), true),
+        ];
+        for (case, task, observed, schedules) in cases {
+            let scope = proplet_scope(&task);
+            assert_eq!(
+                scope == PropletScope::Candidates,
+                schedules,
+                "{case}: {scope:?}"
+            );
+            for when in [now(), at(10, 30, 0)] {
+                assert_eq!(
+                    scoped_plan(&task, &observed, when),
+                    plan(&task, &observed, &settings(), when),
+                    "{case} at {when}"
+                );
+            }
+        }
     }
 
     // 4. Nowhere to run.

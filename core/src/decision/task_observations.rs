@@ -2,7 +2,7 @@
 //! reports and Job outcome waiting for it, its image resolution, and the lookups the drivers
 //! build these from (their caches and indexes).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -102,6 +102,64 @@ pub enum JobOutcome {
     },
 }
 
+/// Which proplets a plan for a task reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PropletScope {
+    /// The proplets of the task's namespace that could take it now ([`could_take`]): the
+    /// plan may schedule it, and chooses among these alone. When none could, the plan says
+    /// so (`TaskPlan::no_candidates`) and is made again over [`PropletScope::Namespace`], so
+    /// that its wait names why each proplet was passed over.
+    Candidates,
+    /// Every proplet of the task's namespace.
+    Namespace,
+    /// Only these, the proplets its run occupies (the plan addresses its starts and stops
+    /// to them and checks its results' senders against them): a task that cannot be
+    /// scheduled now costs the same whatever the fleet's size.
+    Named(Vec<String>),
+}
+
+/// The proplets [`super::task::plan`] reads for `task`: only those its run occupies while
+/// it is out (scheduled, running, being deleted) or finished for good; those that could take
+/// it when it may be scheduled (new, pending, due to run again).
+pub fn proplet_scope(task: &Task) -> PropletScope {
+    let Some(status) = task.status.as_ref() else {
+        return PropletScope::Candidates;
+    };
+    let rerun_asked = task
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(crate::crd::task::RERUN_ANNOTATION))
+        .is_some_and(|token| !token.is_empty() && status.rerun_token.as_ref() != Some(token));
+    let settled = status.phase.is_terminal() && !task.spec.is_recurring && !rerun_asked;
+    let out = matches!(status.phase, TaskPhase::Scheduled | TaskPhase::Running);
+    if task.metadata.deletion_timestamp.is_some() || out || settled {
+        let mut names: Vec<String> = status
+            .assigned_proplet
+            .iter()
+            .chain(&status.broadcast_proplets)
+            .cloned()
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        PropletScope::Named(names)
+    } else {
+        PropletScope::Candidates
+    }
+}
+
+/// Whether `proplet` could take `task` now by the scheduler's rules (its type, phase and the
+/// task's selector, see [`super::scheduler::exclusion`]); `selector` is
+/// [`super::task::selector_of`]`(task)`. Checked on the object itself, with no copy.
+pub fn could_take(
+    task: &Task,
+    selector: &super::scheduler::SelectorView,
+    proplet: &crate::crd::proplet::Proplet,
+) -> bool {
+    super::task::runs_on(task, proplet.spec.type_)
+        && super::scheduler::exclusion(proplet, selector).is_none()
+}
+
 /// How a Proplet looks to the Task plan; `active_tasks` is counted by the driver.
 pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -> PropletView {
     let name = proplet.metadata.name.clone().unwrap_or_default();
@@ -128,80 +186,16 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
     }
 }
 
-/// How many tasks occupy `proplet` (its `taskCount`, and the least-loaded score).
-pub fn active_tasks<'a>(
-    proplet: &crate::crd::proplet::Proplet,
-    tasks: impl IntoIterator<Item = &'a Task>,
-) -> u32 {
-    let name = proplet.metadata.name.as_deref().unwrap_or_default();
-    let ns = &proplet.metadata.namespace;
-    let count = tasks
-        .into_iter()
-        .filter(|t| t.metadata.namespace == *ns && occupies(t, name))
-        .count();
-    u32::try_from(count).unwrap_or(u32::MAX)
-}
-
-/// The part of a task's observations that comes from a driver's caches: its dependencies'
-/// phases, a dependency cycle through it, and the proplets of its namespace. The inbox,
-/// ledger, scheduler memory and Job are added by the driver.
-pub fn observe_caches(
-    task: &Task,
-    tasks: &[&Task],
-    proplets: &[&crate::crd::proplet::Proplet],
-) -> TaskObservations {
-    let ns = task.metadata.namespace.clone();
-    let same_ns: Vec<&Task> = tasks
-        .iter()
-        .copied()
-        .filter(|t| t.metadata.namespace == ns)
-        .collect();
-    // One pass for every proplet's load, rather than one pass per proplet.
-    let mut load: HashMap<&str, u32> = HashMap::new();
-    for t in &same_ns {
-        for name in occupied(t) {
-            *load.entry(name).or_default() += 1;
-        }
-    }
-    observe_indexed(
-        task,
-        |dep| {
-            same_ns
-                .iter()
-                .find(|t| t.metadata.name.as_deref() == Some(dep))
-                .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default())
-        },
-        || {
-            same_ns
-                .iter()
-                .map(|t| {
-                    (
-                        t.metadata.name.clone().unwrap_or_default(),
-                        t.spec.depends_on.clone(),
-                    )
-                })
-                .collect()
-        },
-        proplets,
-        |p| {
-            load.get(p.metadata.name.as_deref().unwrap_or_default())
-                .copied()
-                .unwrap_or(0)
-        },
-    )
-}
-
-/// [`observe_caches`] from lookups a driver answers from its indexes: the phase of a task
-/// of the same namespace by name, the namespace's dependency graph (asked only when the task
-/// has dependencies), and a proplet's load.
+/// A task's observations from what a driver's caches answer: the phase of a task of the
+/// same namespace by name, the namespace's dependency graph (asked only when the task has
+/// dependencies), and the views of the proplets the plan reads (see [`proplet_scope`]).
+/// The inbox, ledger and Job parts are filled in by the driver state and the executor.
 pub fn observe_indexed(
     task: &Task,
     phase_of: impl Fn(&str) -> Option<TaskPhase>,
     graph: impl FnOnce() -> super::dag::Graph,
-    proplets: &[&crate::crd::proplet::Proplet],
-    load: impl Fn(&crate::crd::proplet::Proplet) -> u32,
+    proplets: Vec<PropletView>,
 ) -> TaskObservations {
-    let ns = &task.metadata.namespace;
     let dependencies = task
         .spec
         .depends_on
@@ -213,11 +207,6 @@ pub fn observe_indexed(
     } else {
         super::dag::cycle_through(&graph(), task.metadata.name.as_deref().unwrap_or_default())
     };
-    let proplets = proplets
-        .iter()
-        .filter(|p| p.metadata.namespace == *ns)
-        .map(|p| proplet_view(p, load(p)))
-        .collect();
     TaskObservations {
         proplets,
         dependencies,

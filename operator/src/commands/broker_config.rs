@@ -78,10 +78,7 @@ pub async fn print(cmd: BrokerConfigCommand) -> anyhow::Result<()> {
     }
     let read = |ns: &str, name: &str, key: &str| {
         let secret = secrets.get(&(ns.to_owned(), name.to_owned()))?;
-        if let Some(value) = secret.data.as_ref().and_then(|d| d.get(key)) {
-            return String::from_utf8(value.0.clone()).ok();
-        }
-        secret.string_data.as_ref()?.get(key).cloned()
+        propeller_operator::credentials::secret_entry(secret, key)
     };
     let (table, problems) = credential_table(&proplets, read);
     for problem in problems {

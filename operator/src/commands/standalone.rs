@@ -46,6 +46,10 @@ pub struct StandaloneCommand {
     /// MQTT listener of the embedded broker.
     #[arg(long, env = "PROPELLER_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     pub mqtt_listen: SocketAddr,
+    /// Devices the embedded broker holds at once; sockets beyond this are closed at once.
+    /// Each costs a file descriptor: keep it below `ulimit -n`.
+    #[arg(long, env = "PROPELLER_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
     #[command(flatten)]
     pub external: ExternalBrokerArgs,
     #[command(flatten)]
@@ -137,6 +141,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     };
     let config = BrokerConfig {
         tcp_listen: Some(cmd.mqtt_listen),
+        max_connections: cmd.max_connections,
         ..BrokerConfig::default()
     };
     let mut broker = DeviceBroker::start(config, cmd.external.plan(None, None)?, &logins).await?;

@@ -2,13 +2,18 @@
 //! the core, apply the plan (status, Job or starts, stops, finalizer), resolve its image,
 //! record its notes, and wake what its change affects.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use tracing::{debug, info, warn};
 
+use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
-use crate::decision::task::{awaits_job, plan};
+use crate::decision::task::{
+    awaits_job, could_take, observe_indexed, plan, proplet_scope, proplet_view, selector_of,
+    PropletScope, PropletView, TaskObservations,
+};
 use crate::executor::{Dispatch, JobRunner};
 
 use super::{count, Cluster, Next, ObjectName, ReconcileError, Wake};
@@ -40,7 +45,8 @@ async fn reconcile_once<C: Cluster>(
 ) -> Result<Next, ReconcileError> {
     let common = cluster.common();
     let name = ObjectName::of(task);
-    let mut observed = cluster.observe_task(task);
+    let scope = proplet_scope(task);
+    let mut observed = observe(cluster, task, &scope);
     common.state.complete(task, &mut observed);
     let images = common.images();
     observed.image = images.and_then(|i| i.observe(task));
@@ -50,7 +56,15 @@ async fn reconcile_once<C: Cluster>(
             None => None,
         };
     }
-    let plan = plan(task, &observed, &common.task, now);
+    let first = plan(task, &observed, &common.task, now);
+    let plan = if first.no_candidates && scope == PropletScope::Candidates {
+        // None could take it: plan again over the whole namespace, so that the wait says
+        // why each proplet was passed over.
+        observed.proplets = proplet_views(cluster, task, &PropletScope::Namespace);
+        plan(task, &observed, &common.task, now)
+    } else {
+        first
+    };
     let dispatch = cluster.apply_task(task, &plan).await?;
     if plan.resolve_image {
         match images {
@@ -79,6 +93,43 @@ async fn reconcile_once<C: Cluster>(
         return Ok(Some(now + DEVICE_WAIT));
     }
     Ok(plan.requeue_at)
+}
+
+/// What `task`'s plan reads of its surroundings, from the driver's caches and indexes, with
+/// the proplets of `scope`.
+fn observe<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> TaskObservations {
+    let name = ObjectName::of(task);
+    let namespace = &name.namespace;
+    observe_indexed(
+        task,
+        |dependency| cluster.task_phase(&ObjectName::new(namespace, dependency)),
+        || cluster.dependency_graph(namespace),
+        proplet_views(cluster, task, scope),
+    )
+}
+
+/// The proplets of `scope` as the plan sees them: while the task may be scheduled, only
+/// those that could take it are copied into views (a fleet of thousands costs a pass over
+/// the cache, not thousands of copies); else the ones its run occupies, looked up by name.
+fn proplet_views<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> Vec<PropletView> {
+    let namespace = ObjectName::of(task).namespace;
+    let proplets: Vec<Arc<Proplet>> = match scope {
+        PropletScope::Candidates => {
+            let selector = selector_of(task);
+            let mut all = cluster.proplets_in(&namespace);
+            all.retain(|p| could_take(task, &selector, p));
+            all
+        }
+        PropletScope::Namespace => cluster.proplets_in(&namespace),
+        PropletScope::Named(names) => names
+            .iter()
+            .filter_map(|n| cluster.proplet(&ObjectName::new(&namespace, n)))
+            .collect(),
+    };
+    proplets
+        .iter()
+        .map(|p| proplet_view(p, cluster.load_of(p)))
+        .collect()
 }
 
 /// Wakes what this reconcile's change affects: the dependents of a finished task, and the

@@ -34,15 +34,16 @@ use crate::crd::job::PropellerJob;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
-use crate::decision::task::{active_tasks, observe_caches, Note, TaskSettings};
+use crate::decision::task::{Note, TaskSettings};
 use crate::executor::{Dispatch, TaskApplyError};
 use crate::state::lock;
+use crate::task_index::SharedTaskIndex;
 
 use super::deployment::PROPLET_LABEL;
 use super::patch::finalizers_patch;
 use super::proplet::{apply as apply_proplet, PropletSettings};
 use super::task::{apply as apply_task, TaskWrites};
-use crate::credentials::{credential_table, RefreshGate};
+use crate::credentials::{changes_credentials, credential_table, RefreshGate};
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 
@@ -159,6 +160,42 @@ where
     }
 }
 
+/// The Proplet watch through its cache (`writer`, read by `cached`), counting on `gate`
+/// each change that alters the credential table once the cache shows it.
+fn credential_changes(
+    events: impl futures::Stream<Item = Result<watcher::Event<Proplet>, watcher::Error>>
+        + Send
+        + 'static,
+    cached: Store<Proplet>,
+    writer: reflector::store::Writer<Proplet>,
+    gate: Arc<RefreshGate>,
+) -> impl futures::Stream<Item = Result<Proplet, watcher::Error>> + Send + 'static {
+    let changed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let noted = changed.clone();
+    events
+        // Before the cache takes the event: it still holds the previous version.
+        .inspect(move |event| {
+            let alters = match event {
+                Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
+                    let old = cached.get(&ObjectRef::from_obj(p));
+                    changes_credentials(old.as_deref(), p)
+                }
+                Ok(watcher::Event::Delete(_) | watcher::Event::InitDone) => true,
+                Ok(watcher::Event::Init) | Err(_) => false,
+            };
+            if alters {
+                noted.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        })
+        .reflect(writer)
+        .inspect(move |_| {
+            if changed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                gate.invalidate();
+            }
+        })
+        .applied_objects()
+}
+
 /// The Tasks carrying `label`: a cache, and the stream of changes (already applied to that
 /// cache) for the controller that owns them.
 fn labelled_tasks(
@@ -210,23 +247,48 @@ pub async fn run(
         ),
     )
     .default_backoff();
-    let proplet_controller = Controller::new(
-        scoped::<Proplet>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .with_config(bounded())
-    .owns_stream(deployment_stream);
+    let credential_gate = Arc::new(RefreshGate::default());
+    let (proplet_reader, proplet_writer) = reflector::store::<Proplet>();
+    let proplet_events = credential_changes(
+        watcher(
+            scoped::<Proplet>(&client, ns.as_deref()),
+            watcher::Config::default(),
+        ),
+        proplet_reader.clone(),
+        proplet_writer,
+        credential_gate.clone(),
+    );
+    let proplet_controller = Controller::for_stream(proplet_events, proplet_reader)
+        .with_config(bounded())
+        .owns_stream(deployment_stream);
+    // The Task watch feeds the controller's cache and, right after it, the index of the
+    // Tasks by UID, proplet and dependency.
+    let task_index = SharedTaskIndex::default();
+    let (task_reader, task_writer) = reflector::store::<Task>();
+    let task_events = {
+        let index = task_index.clone();
+        reflector::reflector(
+            task_writer,
+            watcher(
+                scoped::<Task>(&client, ns.as_deref()),
+                watcher::Config::default(),
+            ),
+        )
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                index.apply(event);
+            }
+        })
+        .applied_objects()
+    };
     // A task on a `k8s` proplet finishes when its Job does: the Job's changes (it is owned
     // by the Task) wake the Task's reconcile.
-    let task_controller = Controller::new(
-        scoped::<Task>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .with_config(bounded())
-    .owns(
-        scoped::<Job>(&client, ns.as_deref()),
-        watcher::Config::default().labels(super::task_job::TASK_LABEL),
-    );
+    let task_controller = Controller::for_stream(task_events, task_reader)
+        .with_config(bounded())
+        .owns(
+            scoped::<Job>(&client, ns.as_deref()),
+            watcher::Config::default().labels(super::task_job::TASK_LABEL),
+        );
     // A job's or round's reconcile reads its Tasks from the cache of the watch that woke it.
     // Read from the Task controller's cache instead, a reconcile woken by a Task's completion
     // could run before that other watch delivered it, plan from the Task still running, and
@@ -244,6 +306,8 @@ pub async fn run(
     let caches = Caches {
         proplets: proplet_controller.store(),
         tasks: task_controller.store(),
+        task_index,
+        credential_gate,
         job_tasks,
         round_tasks,
         deployments: deployment_reader,

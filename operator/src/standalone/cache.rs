@@ -9,7 +9,7 @@
 //! before a write returns: once a writer has seen its write complete, the cache has it too.
 //! The indexes hold the same `Arc`s as the reflector stores, so each object is kept once.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kube::runtime::reflector::store::Writer;
@@ -22,14 +22,14 @@ use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
+use crate::credentials::{changes_credentials, RefreshGate};
 use crate::decision::dag::Graph;
-use crate::decision::task::occupied;
+use crate::task_index::TaskIndex;
 
 use super::driver::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
 use super::store::{Change, ObjectStore, StoreError};
 
-/// `(namespace, name)`.
-type Name = (String, String);
+use crate::task_index::Name;
 
 /// A reflector store of one kind: written here, read by a `Controller`.
 struct Reflected<K: kube::Resource<DynamicType = ()> + Clone + 'static> {
@@ -68,6 +68,8 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Reflected<K> {
 #[derive(Default)]
 pub struct ObjectCache {
     inner: RwLock<Cached>,
+    /// Counts the Proplet changes that alter the broker's credential table.
+    credential_gate: RefreshGate,
 }
 
 #[derive(Default)]
@@ -80,12 +82,7 @@ struct Cached {
     proplets: BTreeMap<Name, Arc<Proplet>>,
     tasks: BTreeMap<Name, Arc<Task>>,
     proplet_by_client: HashMap<String, Name>,
-    task_by_uid: HashMap<String, Name>,
-    /// Tasks occupying each proplet (`(namespace, proplet)` → task names): its load.
-    occupants: HashMap<Name, BTreeSet<String>>,
-    /// Tasks depending on each task (`(namespace, dependency)` → task names).
-    dependents: HashMap<Name, BTreeSet<String>>,
-    credential_epoch: u64,
+    task_index: TaskIndex,
 }
 
 fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Name {
@@ -103,18 +100,15 @@ fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 }
 
 impl Cached {
-    fn put_proplet(&mut self, proplet: Proplet, only_if_newer: bool) {
+    /// Caches `proplet`; whether that changes the credential table.
+    fn put_proplet(&mut self, proplet: Proplet, only_if_newer: bool) -> bool {
         let key = name_of(&proplet.metadata);
         let old = self.proplets.get(&key);
         if only_if_newer && old.is_some_and(|o| version(&o.metadata) >= version(&proplet.metadata))
         {
-            return;
+            return false;
         }
-        let credentials_change = old.is_none_or(|o| {
-            o.metadata.generation != proplet.metadata.generation
-                || o.metadata.deletion_timestamp.is_some()
-                    != proplet.metadata.deletion_timestamp.is_some()
-        });
+        let credentials_change = changes_credentials(old.map(|o| &**o), &proplet);
         if let Some(old) = old {
             self.proplet_by_client.remove(old.client_id());
         }
@@ -122,19 +116,19 @@ impl Cached {
             .insert(proplet.client_id().to_owned(), key.clone());
         let shared = self.reflected_proplets.put(proplet);
         self.proplets.insert(key, shared);
-        if credentials_change {
-            self.credential_epoch += 1;
-        }
+        credentials_change
     }
 
-    fn remove_proplet(&mut self, key: &Name) {
+    /// Drops the proplet `key`; whether it was cached (its credential goes with it).
+    fn remove_proplet(&mut self, key: &Name) -> bool {
         self.reflected_proplets.remove(key);
-        if let Some(old) = self.proplets.remove(key) {
-            if self.proplet_by_client.get(old.client_id()) == Some(key) {
-                self.proplet_by_client.remove(old.client_id());
-            }
-            self.credential_epoch += 1;
+        let Some(old) = self.proplets.remove(key) else {
+            return false;
+        };
+        if self.proplet_by_client.get(old.client_id()) == Some(key) {
+            self.proplet_by_client.remove(old.client_id());
         }
+        true
     }
 
     fn put_task(&mut self, task: Task, only_if_newer: bool) {
@@ -149,55 +143,15 @@ impl Cached {
         }
         // Replaced in the reflector store by `put`, never absent from it meanwhile (a
         // Controller reading it then would drop the reconcile).
-        self.unindex_task(&key);
-        if let Some(uid) = &task.metadata.uid {
-            self.task_by_uid.insert(uid.clone(), key.clone());
-        }
-        let (ns, name) = &key;
-        for proplet in occupied(&task) {
-            self.occupants
-                .entry((ns.clone(), proplet.to_owned()))
-                .or_default()
-                .insert(name.clone());
-        }
-        for dep in &task.spec.depends_on {
-            self.dependents
-                .entry((ns.clone(), dep.clone()))
-                .or_default()
-                .insert(name.clone());
-        }
+        self.task_index.put(&task);
         let shared = self.reflected_tasks.put(task);
         self.tasks.insert(key, shared);
     }
 
     fn remove_task(&mut self, key: &Name) {
         self.reflected_tasks.remove(key);
-        self.unindex_task(key);
-    }
-
-    fn unindex_task(&mut self, key: &Name) {
-        let Some(old) = self.tasks.remove(key) else {
-            return;
-        };
-        if let Some(uid) = &old.metadata.uid {
-            self.task_by_uid.remove(uid);
-        }
-        let (ns, name) = key;
-        let unlink = |index: &mut HashMap<Name, BTreeSet<String>>, of: &str| {
-            let at = (ns.clone(), of.to_owned());
-            if let Some(names) = index.get_mut(&at) {
-                names.remove(name);
-                if names.is_empty() {
-                    index.remove(&at);
-                }
-            }
-        };
-        for proplet in occupied(&old) {
-            unlink(&mut self.occupants, proplet);
-        }
-        for dep in &old.spec.depends_on {
-            unlink(&mut self.dependents, dep);
-        }
+        self.tasks.remove(key);
+        self.task_index.remove(&key.0, &key.1);
     }
 }
 
@@ -276,11 +230,18 @@ impl ObjectCache {
         let key = (change.namespace.clone(), change.name.clone());
         match (change.kind.as_str(), object) {
             (PROPLET, Some(value)) => {
-                if let Some(p) = decode::<Proplet>(value) {
-                    self.write().put_proplet(p, false);
+                let changed =
+                    decode::<Proplet>(value).is_some_and(|p| self.write().put_proplet(p, false));
+                // Counted once the cache shows it, so a rebuild that saw the count sees it.
+                if changed {
+                    self.credential_gate.invalidate();
                 }
             }
-            (PROPLET, None) => self.write().remove_proplet(&key),
+            (PROPLET, None) => {
+                if self.write().remove_proplet(&key) {
+                    self.credential_gate.invalidate();
+                }
+            }
             (TASK, Some(value)) => {
                 if let Some(t) = decode::<Task>(value) {
                     self.write().put_task(t, false);
@@ -342,7 +303,7 @@ impl ObjectCache {
     /// The Task with this UID.
     pub fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
         let cached = self.read();
-        let key = cached.task_by_uid.get(uid)?;
+        let key = cached.task_index.by_uid(uid)?;
         cached.tasks.get(key).cloned()
     }
 
@@ -403,35 +364,23 @@ impl ObjectCache {
     /// Names of the Tasks that occupy proplet `namespace`/`proplet` (scheduled or running
     /// there).
     pub fn occupants(&self, namespace: &str, proplet: &str) -> Vec<String> {
-        self.read()
-            .occupants
-            .get(&(namespace.to_owned(), proplet.to_owned()))
-            .map(|names| names.iter().cloned().collect())
-            .unwrap_or_default()
+        self.read().task_index.occupants(namespace, proplet)
     }
 
     /// How many Tasks occupy proplet `namespace`/`proplet`.
     pub fn load(&self, namespace: &str, proplet: &str) -> u32 {
-        self.read()
-            .occupants
-            .get(&(namespace.to_owned(), proplet.to_owned()))
-            .map(|names| u32::try_from(names.len()).unwrap_or(u32::MAX))
-            .unwrap_or(0)
+        self.read().task_index.load(namespace, proplet)
     }
 
     /// Names of the Tasks in `namespace` that depend on Task `name`.
     pub fn dependents(&self, namespace: &str, name: &str) -> Vec<String> {
-        self.read()
-            .dependents
-            .get(&(namespace.to_owned(), name.to_owned()))
-            .map(|names| names.iter().cloned().collect())
-            .unwrap_or_default()
+        self.read().task_index.dependents(namespace, name)
     }
 
     /// Moves whenever the broker's credential table must be rebuilt: a Proplet appeared or
     /// went, started terminating, or got a new spec generation.
-    pub fn credential_epoch(&self) -> u64 {
-        self.read().credential_epoch
+    pub fn credential_gate(&self) -> &RefreshGate {
+        &self.credential_gate
     }
 }
 
@@ -466,7 +415,8 @@ mod tests {
             cache.proplet_by_client("c-before").is_some(),
             "loaded at attach"
         );
-        let epoch = cache.credential_epoch();
+        let hour = std::time::Duration::from_secs(3600);
+        assert!(cache.credential_gate().due(hour), "the first table");
 
         store
             .apply(proplet("after", "c-after"))
@@ -479,11 +429,10 @@ mod tests {
             Some("after")
         );
         assert!(
-            cache.credential_epoch() > epoch,
-            "a new Proplet moves the epoch"
+            cache.credential_gate().due(hour),
+            "a new Proplet is counted"
         );
 
-        let epoch = cache.credential_epoch();
         store
             .write_status(
                 PROPLET,
@@ -493,7 +442,7 @@ mod tests {
                 None,
             )
             .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(cache.credential_epoch(), epoch, "status writes do not");
+        assert!(!cache.credential_gate().due(hour), "status writes are not");
 
         let mut dependent = task("t2");
         dependent["spec"]["dependsOn"] = json!(["t1"]);

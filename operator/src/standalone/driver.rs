@@ -168,7 +168,6 @@ pub struct Driver {
     events: Arc<EventLog>,
     cache: Arc<ObjectCache>,
     /// The cache's credential epoch and the time of the last rebuild.
-    credentials_built: Mutex<Option<(u64, Instant)>>,
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
@@ -196,7 +195,6 @@ impl Driver {
             wake,
             events,
             cache,
-            credentials_built: Mutex::new(None),
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
             load_wakes: LoadWakes::default(),

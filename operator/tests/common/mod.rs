@@ -205,6 +205,22 @@ fn answer(
     (200, body.clone())
 }
 
+/// The Task cache and its index, updated together as the Task watch updates them.
+pub struct TaskCache {
+    writer: kube::runtime::reflector::store::Writer<propeller_operator::crd::task::Task>,
+    index: propeller_operator::task_index::SharedTaskIndex,
+}
+
+impl TaskCache {
+    pub fn apply_watcher_event(
+        &mut self,
+        event: &kube::runtime::watcher::Event<propeller_operator::crd::task::Task>,
+    ) {
+        self.writer.apply_watcher_event(event);
+        self.index.apply(event);
+    }
+}
+
 /// Shared reconciler state over a fake API, a real loopback broker, and caches holding
 /// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
 pub struct Harness {
@@ -212,7 +228,7 @@ pub struct Harness {
     pub triggers: propeller_operator::k8s::runtime::Triggers,
     pub proplets:
         kube::runtime::reflector::store::Writer<propeller_operator::crd::proplet::Proplet>,
-    pub tasks: kube::runtime::reflector::store::Writer<propeller_operator::crd::task::Task>,
+    pub tasks: TaskCache,
     pub broker: propeller_broker::server::EmbeddedBroker,
     pub logins: Arc<propeller_broker::server::CredentialStore>,
 }
@@ -236,9 +252,13 @@ impl Harness {
         for p in proplets {
             proplet_writer.apply_watcher_event(&watcher::Event::Apply(p));
         }
-        let (task_reader, mut task_writer) = reflector::store();
+        let (task_reader, task_writer) = reflector::store();
+        let mut task_cache = TaskCache {
+            writer: task_writer,
+            index: Default::default(),
+        };
         for t in tasks {
-            task_writer.apply_watcher_event(&watcher::Event::Apply(t));
+            task_cache.apply_watcher_event(&watcher::Event::Apply(t));
         }
         let (deployments, _) = reflector::store();
         let settings = Settings {
@@ -266,6 +286,8 @@ impl Harness {
                 job_tasks: task_reader.clone(),
                 round_tasks: task_reader.clone(),
                 tasks: task_reader,
+                task_index: task_cache.index.clone(),
+                credential_gate: Default::default(),
                 deployments,
                 secrets: kube::runtime::reflector::store().0,
             },
@@ -274,7 +296,7 @@ impl Harness {
             shared: Arc::new(shared),
             triggers,
             proplets: proplet_writer,
-            tasks: task_writer,
+            tasks: task_cache,
             broker,
             logins,
         }

@@ -124,6 +124,7 @@ pub(super) fn plan_pending(
     let names = match chosen {
         Ok(names) => names,
         Err(message) => {
+            plan.no_candidates = true;
             waiting(desired, "NoCandidates", message, gen, now);
             plan.requeue_at = Some(now + NO_CANDIDATE_RETRY);
             return;

@@ -7,7 +7,9 @@ use serde_json::Value;
 
 use super::*;
 use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
-use crate::decision::task::{occupies, JobOutcome, TaskObservations, TaskPlan};
+use crate::crd::task::TaskPhase;
+use crate::decision::dag::Graph;
+use crate::decision::task::{JobOutcome, TaskPlan};
 use crate::executor::{BackendError, JobRunner};
 
 /// Runs `k8s` proplets' tasks as Jobs through the API server.
@@ -178,17 +180,15 @@ impl Cluster for Shared {
     }
 
     fn load_of(&self, proplet: &Proplet) -> u32 {
-        let tasks = self.tasks.state();
-        active_tasks(proplet, tasks.iter().map(|t| &**t))
+        let name = ObjectName::of(proplet);
+        self.task_index.read().load(&name.namespace, &name.name)
     }
 
     fn tasks_on(&self, proplet: &Proplet) -> Vec<String> {
-        let name = proplet.name_any();
-        let tasks = self.tasks.state();
-        Self::in_namespace(&tasks, &ObjectName::of(proplet).namespace)
-            .filter(|t| occupies(t, &name))
-            .map(|t| t.name_any())
-            .collect()
+        let name = ObjectName::of(proplet);
+        self.task_index
+            .read()
+            .occupants(&name.namespace, &name.name)
     }
 
     fn fleet_size(&self) -> usize {
@@ -222,19 +222,34 @@ impl Cluster for Shared {
     }
 
     fn dependents(&self, name: &ObjectName) -> Vec<String> {
-        let tasks = self.tasks.state();
-        Self::in_namespace(&tasks, &name.namespace)
-            .filter(|t| t.spec.depends_on.contains(&name.name))
-            .map(|t| t.name_any())
+        self.task_index
+            .read()
+            .dependents(&name.namespace, &name.name)
+    }
+
+    fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>> {
+        let proplets = self.proplets.state();
+        proplets
+            .into_iter()
+            .filter(|p| p.metadata.namespace.as_deref().unwrap_or("default") == namespace)
             .collect()
     }
 
-    fn observe_task(&self, task: &Task) -> TaskObservations {
+    fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {
+        self.proplets.get(&object_ref(name))
+    }
+
+    fn task_phase(&self, name: &ObjectName) -> Option<TaskPhase> {
+        self.tasks
+            .get(&object_ref(name))
+            .map(|t| t.status.as_ref().map(|s| s.phase).unwrap_or_default())
+    }
+
+    fn dependency_graph(&self, namespace: &str) -> Graph {
         let tasks = self.tasks.state();
-        let task_refs: Vec<&Task> = tasks.iter().map(|t| &**t).collect();
-        let proplets = self.proplets.state();
-        let proplet_refs: Vec<&Proplet> = proplets.iter().map(|p| &**p).collect();
-        observe_caches(task, &task_refs, &proplet_refs)
+        Self::in_namespace(&tasks, namespace)
+            .map(|t| (t.name_any(), t.spec.depends_on.clone()))
+            .collect()
     }
 
     fn wake(&self, wake: Wake) {

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::controller::ObjectName;
+use crate::task_index::SharedTaskIndex;
 
 /// State shared by the reconcilers and the event router.
 pub struct Shared {
@@ -13,11 +14,13 @@ pub struct Shared {
     /// Runs `k8s` proplets' tasks as Jobs.
     pub(super) jobs: KubeJobs,
     /// When the credential table needs rebuilding.
-    pub credential_gate: RefreshGate,
+    pub credential_gate: Arc<RefreshGate>,
     /// Cached Proplets.
     pub proplets: Store<Proplet>,
     /// Cached Tasks.
     pub tasks: Store<Task>,
+    /// The cached Tasks by UID, by the proplet they occupy and by dependency.
+    pub task_index: SharedTaskIndex,
     /// Cached Tasks that PropellerJobs created: filled by the watch that wakes their
     /// reconciles, so a reconcile sees the change that woke it.
     pub job_tasks: Store<Task>,
@@ -69,6 +72,11 @@ pub struct Caches {
     pub proplets: Store<Proplet>,
     /// Tasks.
     pub tasks: Store<Task>,
+    /// The index of `tasks`, fed by the same watch.
+    pub task_index: SharedTaskIndex,
+    /// Counts the watched Proplet changes that alter the credential table (the Secret
+    /// watch adds its own).
+    pub credential_gate: Arc<RefreshGate>,
     /// Tasks carrying a PropellerJob's label.
     pub job_tasks: Store<Task>,
     /// Tasks carrying a TrainingRound's label.
@@ -114,9 +122,10 @@ impl Shared {
             jobs: KubeJobs::new(client.clone()),
             client,
             common: Common::new(publisher, settings.proplet, settings.task, metrics),
-            credential_gate: RefreshGate::default(),
+            credential_gate: caches.credential_gate,
             proplets: caches.proplets,
             tasks: caches.tasks,
+            task_index: caches.task_index,
             job_tasks: caches.job_tasks,
             round_tasks: caches.round_tasks,
             deployments: caches.deployments,
@@ -153,7 +162,8 @@ impl Shared {
     }
 
     pub(super) fn task_by_uid(&self, uid: &str) -> Option<Arc<Task>> {
-        self.tasks.find(|t| t.metadata.uid.as_deref() == Some(uid))
+        let (namespace, name) = self.task_index.read().by_uid(uid)?.clone();
+        self.tasks.get(&ObjectRef::new(&name).within(&namespace))
     }
 
     /// Publishes `note` as an Event about `reference` (a failure is logged, not returned).
@@ -225,30 +235,27 @@ impl Shared {
     /// Rebuilds the broker's credential table and the client index from the cached
     /// Proplets and Secrets, when either changed (or at least every [`RESYNC`]).
     pub fn refresh_credentials(&self) {
-        let cached = self.proplets.state();
-        if !self
-            .credential_gate
-            .due(cached.iter().map(|p| &**p), RESYNC)
-        {
+        if !self.credential_gate.due(RESYNC) {
             return;
         }
-        let proplets: Vec<Proplet> = cached
+        let cached = self.proplets.state();
+        let proplets: Vec<&Proplet> = cached
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .map(|p| (**p).clone())
+            .map(|p| &**p)
             .collect();
         let read = |ns: &str, name: &str, key: &str| {
             let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
             crate::credentials::secret_entry(&secret, key)
         };
-        let (table, problems) = credential_table(&proplets, read);
+        let (table, problems) = credential_table(proplets.iter().copied(), read);
         for problem in problems {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
         let index = proplets
             .iter()
-            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(p)))
+            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(*p)))
             .collect();
         *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
     }

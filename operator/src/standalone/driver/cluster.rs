@@ -4,9 +4,11 @@
 
 use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
 use crate::crd::task::Task;
+use crate::crd::task::TaskPhase;
+use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::PropletPlan;
-use crate::decision::task::{observe_indexed, Note, TaskObservations, TaskPlan};
+use crate::decision::task::{Note, TaskPlan};
 use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
 
 use super::*;
@@ -165,21 +167,20 @@ impl Cluster for Driver {
         self.cache.dependents(&name.namespace, &name.name)
     }
 
-    fn observe_task(&self, task: &Task) -> TaskObservations {
-        let name = ObjectName::of(task);
-        let proplets = self.cache.proplets_in(&name.namespace);
-        observe_indexed(
-            task,
-            |dep| self.cache.task_phase(&name.namespace, dep),
-            || self.cache.dependency_graph(&name.namespace),
-            &refs(&proplets),
-            |p| {
-                self.cache.load(
-                    &name.namespace,
-                    p.metadata.name.as_deref().unwrap_or_default(),
-                )
-            },
-        )
+    fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>> {
+        self.cache.proplets_in(namespace)
+    }
+
+    fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {
+        self.cache.proplet(&name.namespace, &name.name)
+    }
+
+    fn task_phase(&self, name: &ObjectName) -> Option<TaskPhase> {
+        self.cache.task_phase(&name.namespace, &name.name)
+    }
+
+    fn dependency_graph(&self, namespace: &str) -> Graph {
+        self.cache.dependency_graph(namespace)
     }
 
     fn wake(&self, wake: Wake) {

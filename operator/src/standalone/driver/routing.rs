@@ -7,32 +7,27 @@ use crate::crd::federated::TrainingRound;
 
 impl Driver {
     /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the
-    /// Proplets changed (see [`ObjectCache::credential_epoch`]), when `force`d (a Secret
-    /// changed) or when the table is older than [`CREDENTIAL_MAX_AGE`].
+    /// Proplets changed (the cache counts those changes, see
+    /// [`crate::credentials::changes_credentials`]), when `force`d (a Secret changed) or
+    /// when the table is older than [`CREDENTIAL_MAX_AGE`].
     pub fn refresh_credentials(&self, force: bool) {
-        let epoch = self.cache.credential_epoch();
-        {
-            let mut built = lock(&self.credentials_built);
-            let fresh =
-                built.is_some_and(|(seen, at)| seen == epoch && at.elapsed() < CREDENTIAL_MAX_AGE);
-            if fresh && !force {
-                return;
-            }
-            *built = Some((epoch, Instant::now()));
+        if force {
+            self.cache.credential_gate().invalidate();
         }
-        let proplets: Vec<Proplet> = self
-            .cache
-            .proplets()
-            .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .map(|p| p.as_ref().clone())
-            .collect();
+        if !self.cache.credential_gate().due(CREDENTIAL_MAX_AGE) {
+            return;
+        }
+        let proplets = self.cache.proplets();
         let read = |ns: &str, name: &str, key: &str| -> Option<String> {
             let secret = self.store.get(SECRET, ns, name).ok()??;
             let secret = serde_json::from_value(secret).ok()?;
             crate::credentials::secret_entry(&secret, key)
         };
-        let (table, problems) = credential_table(&proplets, read);
+        let live = proplets
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| &**p);
+        let (table, problems) = credential_table(live, read);
         for problem in problems {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }

@@ -107,7 +107,3 @@ pub(super) fn version_of(obj: &Value) -> Option<String> {
         .as_str()
         .map(str::to_owned)
 }
-
-pub(super) fn refs<K>(objects: &[Arc<K>]) -> Vec<&K> {
-    objects.iter().map(Arc::as_ref).collect()
-}
