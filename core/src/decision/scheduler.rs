@@ -273,17 +273,28 @@ impl Schedulable for crate::crd::proplet::Proplet {
     }
 }
 
-/// The first selector rule `proplet` fails, or `None` if it is a candidate.
-pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<Exclusion> {
+/// The rule a proplet fails, borrowing from the selector: finding it copies nothing.
+enum Failure<'s> {
+    NotRunning(PropletPhase),
+    NotRequested(&'s str),
+    WrongType(PropletType),
+    LabelMismatch(&'s str, &'s str),
+    NoDeviceType,
+    DeviceTypeNotAllowed,
+    MissingCapability(&'s str),
+}
+
+fn first_failure<'s>(
+    proplet: &impl Schedulable,
+    selector: &'s SelectorView,
+) -> Option<Failure<'s>> {
     let phase = proplet.phase();
     if phase != PropletPhase::Running {
-        return Some(Exclusion::NotRunning(phase));
+        return Some(Failure::NotRunning(phase));
     }
     if let Some(wanted) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
         if proplet.name() != wanted {
-            return Some(Exclusion::NotRequested {
-                wanted: wanted.to_owned(),
-            });
+            return Some(Failure::NotRequested(wanted));
         }
     }
     if !accepts(selector.preferred_type, proplet.proplet_type()) {
@@ -291,23 +302,18 @@ pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<
             PreferredType::External => PropletType::External,
             PreferredType::K8s | PreferredType::Any => PropletType::K8s,
         };
-        return Some(Exclusion::WrongType { wanted });
+        return Some(Failure::WrongType(wanted));
     }
     for (key, value) in &selector.match_labels {
         if proplet.label(key) != Some(value.as_str()) {
-            return Some(Exclusion::LabelMismatch {
-                key: key.clone(),
-                value: value.clone(),
-            });
+            return Some(Failure::LabelMismatch(key, value));
         }
     }
     if !selector.match_device_types.is_empty() {
         match proplet.device_type() {
-            None => return Some(Exclusion::NoDeviceType),
+            None => return Some(Failure::NoDeviceType),
             Some(d) if !selector.match_device_types.iter().any(|t| t == d) => {
-                return Some(Exclusion::DeviceTypeNotAllowed {
-                    device_type: d.to_owned(),
-                })
+                return Some(Failure::DeviceTypeNotAllowed)
             }
             Some(_) => {}
         }
@@ -316,7 +322,34 @@ pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<
         .match_capabilities
         .iter()
         .find(|c| !proplet.has_capability(c))
-        .map(|c| Exclusion::MissingCapability(c.clone()))
+        .map(|c| Failure::MissingCapability(c))
+}
+
+/// Whether `proplet` satisfies every rule of `selector` (see [`exclusion`]); copies nothing.
+pub fn admits(proplet: &impl Schedulable, selector: &SelectorView) -> bool {
+    first_failure(proplet, selector).is_none()
+}
+
+/// The first selector rule `proplet` fails, or `None` if it is a candidate.
+pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<Exclusion> {
+    Some(match first_failure(proplet, selector)? {
+        Failure::NotRunning(phase) => Exclusion::NotRunning(phase),
+        Failure::NotRequested(wanted) => Exclusion::NotRequested {
+            wanted: wanted.to_owned(),
+        },
+        Failure::WrongType(wanted) => Exclusion::WrongType { wanted },
+        Failure::LabelMismatch(key, value) => Exclusion::LabelMismatch {
+            key: key.to_owned(),
+            value: value.to_owned(),
+        },
+        Failure::NoDeviceType => Exclusion::NoDeviceType,
+        Failure::DeviceTypeNotAllowed => Exclusion::DeviceTypeNotAllowed {
+            device_type: proplet.device_type().unwrap_or_default().to_owned(),
+        },
+        Failure::MissingCapability(capability) => {
+            Exclusion::MissingCapability(capability.to_owned())
+        }
+    })
 }
 
 /// Filter phase: the proplets of `namespace` that satisfy `selector`, sorted by name.
@@ -340,7 +373,7 @@ pub fn filter_candidates<'a>(
     let mut candidates: Vec<&CandidateProplet> = in_ns
         .iter()
         .copied()
-        .filter(|p| exclusion(*p, selector).is_none())
+        .filter(|p| admits(*p, selector))
         .collect();
     candidates.sort_by(|a, b| a.name.cmp(&b.name));
     if candidates.is_empty() {

@@ -149,15 +149,14 @@ pub fn proplet_scope(task: &Task) -> PropletScope {
 }
 
 /// Whether `proplet` could take `task` now by the scheduler's rules (its type, phase and the
-/// task's selector, see [`super::scheduler::exclusion`]); `selector` is
+/// task's selector, see [`super::scheduler::admits`]); `selector` is
 /// [`super::task::selector_of`]`(task)`. Checked on the object itself, with no copy.
 pub fn could_take(
     task: &Task,
     selector: &super::scheduler::SelectorView,
     proplet: &crate::crd::proplet::Proplet,
 ) -> bool {
-    super::task::runs_on(task, proplet.spec.type_)
-        && super::scheduler::exclusion(proplet, selector).is_none()
+    super::task::runs_on(task, proplet.spec.type_) && super::scheduler::admits(proplet, selector)
 }
 
 /// How a Proplet looks to the Task plan; `active_tasks` is counted by the driver.
