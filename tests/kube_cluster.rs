@@ -361,6 +361,87 @@ fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
     drop(operator);
 }
 
+/// The Task finalizer costs the API server a request of its own, so only a task written
+/// `running` gets it: a quick task never does, and one deleted while its young run is out is
+/// stopped from the Task watch's deletion.
+#[test]
+fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    // A long running-write delay keeps the spinning task `scheduled`, without the
+    // finalizer, for the whole test.
+    let (operator, mqtt, _) =
+        start_operator_with(&kubeconfig, "operator-a", &["--running-write-delay", "5m"]);
+    let ns = "finalizers";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let agent = device(&cp, ns, "edge", mqtt);
+    wait_phase(&cp, ns, "proplet", "edge", "Running");
+
+    apply(&cp, ns, &task_manifest("quick", "[1, 2]", ""));
+    let quick = wait_phase(&cp, ns, "task", "quick", "completed");
+    assert_eq!(quick["status"]["results"], "3");
+    assert!(
+        quick["metadata"]["finalizers"]
+            .as_array()
+            .is_none_or(|f| f.is_empty()),
+        "{:#}",
+        quick["metadata"]
+    );
+
+    let spin = support::standalone::spin_module();
+    apply(
+        &cp,
+        ns,
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: young\nspec:\n  name: young\n  functionName: spin\n  file: {spin}\n  inputs: [2000000000]\n"
+        ),
+    );
+    let young = wait_phase(&cp, ns, "task", "young", "scheduled");
+    let uid = young["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(!uid.is_empty(), "{young:#}");
+    let sent = Instant::now();
+    while !agent
+        .stderr_so_far()
+        .iter()
+        .any(|l| l.contains("task accepted") && l.contains(&uid))
+    {
+        assert!(sent.elapsed() < STATUS_WAIT, "the agent never took {uid}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let young = get(&cp, ns, "task", "young").expect("the young task");
+    assert_eq!(young["status"]["phase"], "scheduled", "{young:#}");
+    assert!(
+        young["metadata"]["finalizers"]
+            .as_array()
+            .is_none_or(|f| f.is_empty()),
+        "{:#}",
+        young["metadata"]
+    );
+
+    cp.kubectl_ok(&["-n", ns, "delete", "task", "young", "--wait=false"]);
+    wait_gone(&cp, ns, "task", "young");
+    let stopped = agent.stderr_line_within("stop requested", STATUS_WAIT);
+    assert!(stopped.contains(&uid), "{stopped}");
+    let noted = Instant::now();
+    while !event_reasons(&cp, ns, "young")
+        .iter()
+        .any(|r| r == "Stopped")
+    {
+        assert!(
+            noted.elapsed() < STATUS_WAIT,
+            "no Stopped Event for the deleted task: {:?}",
+            event_reasons(&cp, ns, "young")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(agent);
+    drop(operator);
+}
+
 #[test]
 fn leader_election_fails_over_and_a_task_applied_meanwhile_runs_once() {
     let Some((cp, kubeconfig)) = cluster(Options::default()) else {

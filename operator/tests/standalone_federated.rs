@@ -67,6 +67,7 @@ async fn two_rounds_of_fedavg_through_the_standalone_driver() {
             strategy: Strategy::RoundRobin,
             default_timeout: Duration::from_secs(3600),
             running_write_delay: Duration::from_secs(1),
+            finalizer: Default::default(),
         },
         sweep: Duration::from_secs(10),
     };

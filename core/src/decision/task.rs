@@ -59,6 +59,41 @@ pub struct TaskSettings {
     /// How long after its start a task's result may come before `running` is written: a
     /// result within it makes `completed` the only status write after the assignment.
     pub running_write_delay: Duration,
+    /// When a live task gets the Task finalizer.
+    pub finalizer: FinalizerTiming,
+}
+
+/// When a live task gets the Task finalizer, which holds its deletion until its run is
+/// stopped on its devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FinalizerTiming {
+    /// At its first reconcile. For a backend that writes it in the same transaction as the
+    /// first status (the embedded store), where it costs nothing.
+    #[default]
+    FirstReconcile,
+    /// Only once the task is written `running` (its result is overdue by
+    /// [`TaskSettings::running_write_delay`]), and to daemons. For the API server, where it
+    /// is a request of its own: a quick task never gets one, and the driver stops a run
+    /// whose task was deleted without it when its watch shows the deletion
+    /// ([`stops_for_deleted`]).
+    WhileRunning,
+}
+
+impl FinalizerTiming {
+    /// Whether a live task whose status is (about to be) `status` should hold the finalizer.
+    fn wanted(self, task: &Task, status: &TaskStatus) -> bool {
+        match self {
+            Self::FirstReconcile => true,
+            Self::WhileRunning => {
+                status.phase == TaskPhase::Running
+                    || (task.spec.daemon
+                        && matches!(
+                            status.phase,
+                            TaskPhase::Scheduled | TaskPhase::Running | TaskPhase::Completed
+                        ))
+            }
+        }
+    }
 }
 
 /// Where one start goes.
@@ -320,9 +355,6 @@ pub fn plan(
         }
         return plan;
     }
-    if !has_finalizer {
-        plan.finalizer = Some(FinalizerChange::Add);
-    }
     if desired.created_at.is_none() {
         desired.created_at = Some(now);
     }
@@ -391,6 +423,9 @@ pub fn plan(
     }
 
     note_new_wait(&written, &desired, &mut plan);
+    if !has_finalizer && settings.finalizer.wanted(task, &desired) {
+        plan.finalizer = Some(FinalizerChange::Add);
+    }
     desired.observed_generation = gen;
     // The executor forgets consumed reports only after a status write, so consuming one
     // (even an ignored result) must write, or it would be re-read at every reconcile.
@@ -411,6 +446,31 @@ fn later(at: DateTime<Utc>, by: Duration) -> DateTime<Utc> {
 
 fn look_again_by(plan: &mut TaskPlan, at: DateTime<Utc>) {
     plan.requeue_at = Some(plan.requeue_at.map_or(at, |t| t.min(at)));
+}
+
+/// The stops `task`, deleted without the finalizer (the driver saw it go in its watch, in
+/// its last state), still needs: its run was out on the devices `observed` shows. Empty when
+/// the finalizer held it (its reconcile stopped the run and wrote it interrupted) or when no
+/// run was out.
+pub fn stops_for_deleted(task: &Task, observed: &TaskObservations) -> Vec<StopCommand> {
+    let finalized = task
+        .metadata
+        .finalizers
+        .as_ref()
+        .is_some_and(|f| f.iter().any(|x| x == TASK_FINALIZER));
+    let Some(status) = task.status.as_ref() else {
+        return Vec::new();
+    };
+    let out = matches!(status.phase, TaskPhase::Scheduled | TaskPhase::Running)
+        || (task.spec.daemon && status.phase == TaskPhase::Completed);
+    if finalized || !out {
+        return Vec::new();
+    }
+    targets_of(status)
+        .iter()
+        .filter_map(|name| view(observed, name))
+        .map(|target| stop_for(task, target))
+        .collect()
 }
 
 /// Whether `task` runs now as a Job on a `k8s` proplet (the driver should look at the Job).
@@ -444,6 +504,7 @@ mod tests {
             strategy: Strategy::RoundRobin,
             default_timeout: Duration::from_secs(3600),
             running_write_delay: Duration::from_secs(1),
+            finalizer: Default::default(),
         }
     }
 
@@ -782,6 +843,112 @@ mod tests {
         assert_eq!(plan.finalizer, None);
         assert_eq!(written(&plan).phase, TaskPhase::Scheduled);
         assert_eq!(written(&plan).created_at, Some(at(9, 0, 0)));
+    }
+
+    fn while_running() -> TaskSettings {
+        TaskSettings {
+            finalizer: FinalizerTiming::WhileRunning,
+            ..settings()
+        }
+    }
+
+    /// `task` as the first plan left it, without the finalizer.
+    fn as_written(task: &Task, first: &TaskPlan) -> Task {
+        let mut next = task.clone();
+        next.status = Some(written(first).clone());
+        next
+    }
+
+    #[test]
+    fn while_running_a_quick_task_never_gets_the_finalizer() {
+        let task = new_task();
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        let first = plan(&task, &observed, &while_running(), now());
+        assert_eq!(first.finalizer, None);
+        assert_eq!(written(&first).phase, TaskPhase::Scheduled);
+        assert_eq!(first.starts.len(), 1);
+
+        observed.dispatched_at = Some(now());
+        observed.results = vec![result("edge-client", json!(42), None)];
+        let done = plan(
+            &as_written(&task, &first),
+            &observed,
+            &while_running(),
+            at(10, 0, 0) + chrono::Duration::milliseconds(300),
+        );
+        assert_eq!(done.finalizer, None);
+        assert_eq!(written(&done).phase, TaskPhase::Completed);
+    }
+
+    #[test]
+    fn while_running_the_finalizer_comes_with_the_running_write() {
+        let task = new_task();
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        let first = plan(&task, &observed, &while_running(), now());
+        observed.dispatched_at = Some(now());
+        let scheduled = as_written(&task, &first);
+
+        let early = plan(
+            &scheduled,
+            &observed,
+            &while_running(),
+            at(10, 0, 0) + chrono::Duration::milliseconds(500),
+        );
+        assert_eq!(early.finalizer, None);
+        assert_eq!(early.status, None);
+
+        let overdue = plan(&scheduled, &observed, &while_running(), at(10, 0, 2));
+        assert_eq!(written(&overdue).phase, TaskPhase::Running);
+        assert_eq!(overdue.finalizer, Some(FinalizerChange::Add));
+    }
+
+    #[test]
+    fn while_running_a_daemon_gets_the_finalizer_at_once() {
+        let mut v = task_value();
+        v["spec"]["daemon"] = json!(true);
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &while_running(),
+            now(),
+        );
+        assert_eq!(plan.finalizer, Some(FinalizerChange::Add));
+    }
+
+    #[test]
+    fn a_run_deleted_without_the_finalizer_is_stopped_from_the_watch() {
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let unfinalized = |status: Value| {
+            let mut v = task_value();
+            v["status"] = status;
+            task_from(v)
+        };
+        let stops = stops_for_deleted(
+            &unfinalized(running_status("edge", at(9, 59, 0))),
+            &observed,
+        );
+        assert_eq!(stops.len(), 1, "{stops:?}");
+        assert_eq!(stops[0].request.proplet_id.as_deref(), Some("edge-client"));
+        assert_eq!(
+            (stops[0].domain.as_str(), stops[0].channel.as_str()),
+            ("d1", "c1")
+        );
+
+        let mut scheduled = running_status("edge", at(9, 59, 0));
+        scheduled["phase"] = json!("scheduled");
+        assert_eq!(
+            stops_for_deleted(&unfinalized(scheduled), &observed).len(),
+            1
+        );
+
+        // The finalizer held it: its reconcile stopped the run.
+        let held = task_with_status(running_status("edge", at(9, 59, 0)));
+        assert!(stops_for_deleted(&held, &observed).is_empty());
+        // No run was out.
+        let mut finished = running_status("edge", at(9, 59, 0));
+        finished["phase"] = json!("completed");
+        assert!(stops_for_deleted(&unfinalized(finished), &observed).is_empty());
+        assert!(stops_for_deleted(&new_task(), &observed).is_empty());
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::Args;
 use propeller_broker::protocol::parse_setting_duration;
 use propeller_operator::decision::scheduler::Strategy;
-use propeller_operator::decision::task::TaskSettings;
+use propeller_operator::decision::task::{FinalizerTiming, TaskSettings};
 use propeller_operator::k8s::proplet::PropletSettings;
 
 /// Liveness, status-write and scheduling flags; each also reads a `PROPELLER_*` variable.
@@ -52,12 +52,13 @@ impl ReconcileArgs {
         }
     }
 
-    /// The Task plan's settings.
-    pub fn task(&self) -> TaskSettings {
+    /// The Task plan's settings, for a backend whose finalizer writes come at `finalizer`.
+    pub fn task(&self, finalizer: FinalizerTiming) -> TaskSettings {
         TaskSettings {
             strategy: self.scheduler,
             default_timeout: self.task_timeout,
             running_write_delay: self.running_write_delay,
+            finalizer,
         }
     }
 }

@@ -14,6 +14,7 @@ use propeller_broker::http::{Handler, Reply, OPENMETRICS};
 use propeller_broker::protocol::parse_setting_duration;
 use propeller_broker::server::CredentialStore;
 use propeller_operator::controller::ownership::Ownership;
+use propeller_operator::decision::task::FinalizerTiming;
 use propeller_operator::k8s::fence::FenceLayer;
 use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
@@ -347,7 +348,7 @@ async fn serve(
     let settings = Settings {
         watch_namespace: cmd.watch_namespace.clone().filter(|s| !s.is_empty()),
         proplet: cmd.reconcile.proplet(),
-        task: cmd.reconcile.task(),
+        task: cmd.reconcile.task(FinalizerTiming::WhileRunning),
     };
     let rt = Runtime {
         client,

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use propeller_broker::server::{BrokerConfig, CredentialStore};
+use propeller_operator::decision::task::FinalizerTiming;
 use propeller_operator::metrics::ControllerMetrics;
 use propeller_operator::standalone::api::{self, canonical_kind, ApiState, MetricsText};
 use propeller_operator::standalone::client::{
@@ -153,7 +154,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         .context("broker event stream unavailable")?;
     let settings = StandaloneSettings {
         proplet: cmd.reconcile.proplet(),
-        task: cmd.reconcile.task(),
+        task: cmd.reconcile.task(FinalizerTiming::FirstReconcile),
         // A safety net only: each proplet has its own timer for the offline check.
         sweep: cmd
             .reconcile

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, TimeDelta, Utc};
+use propeller_broker::protocol::Channel;
 use tracing::{debug, info, warn};
 
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::decision::task::{
     awaits_job, could_take, observe_indexed, plan, proplet_scope, proplet_view, selector_of,
-    PropletScope, PropletView, TaskObservations,
+    stops_for_deleted, Note, PropletScope, PropletView, TaskObservations,
 };
 use crate::executor::{Dispatch, JobRunner};
 
@@ -178,4 +179,58 @@ pub fn wake_after_change_elsewhere<C: Cluster>(cluster: &C, task: &Task) {
     if let Some(proplet) = status.and_then(|s| s.assigned_proplet.as_deref()) {
         cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
     }
+}
+
+/// Acts on `task`'s deletion as the driver's watch showed it (its last state): forgets what
+/// this process recorded for it and, when this replica owns it and it went without the
+/// finalizer while its run was out (a run younger than the running-write delay under
+/// [`crate::decision::task::FinalizerTiming::WhileRunning`]), stops the run on its devices.
+pub async fn deleted<C: Cluster>(cluster: &C, task: &Task) {
+    let common = cluster.common();
+    common
+        .state
+        .forget_task(task.metadata.uid.as_deref().unwrap_or_default());
+    let mut targets: Vec<String> = task
+        .status
+        .iter()
+        .flat_map(|s| s.assigned_proplet.iter().chain(&s.broadcast_proplets))
+        .cloned()
+        .collect();
+    targets.sort_unstable();
+    targets.dedup();
+    if targets.is_empty() {
+        return;
+    }
+    let Some(_turn) = common.turn(task).await else {
+        return;
+    };
+    let observed = TaskObservations {
+        proplets: proplet_views(cluster, task, &PropletScope::Named(targets)),
+        ..TaskObservations::default()
+    };
+    let stops = stops_for_deleted(task, &observed);
+    if stops.is_empty() {
+        return;
+    }
+    let name = ObjectName::of(task);
+    for stop in &stops {
+        let sent = match Channel::new(stop.domain.clone(), stop.channel.clone()) {
+            Ok(channel) => common
+                .publisher
+                .stop(&channel, &stop.request)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = sent {
+            warn!(task = %name, error = %e, "the task was deleted while it ran; its stop could not be sent");
+        }
+    }
+    let note = Note {
+        warning: false,
+        reason: "Stopped",
+        message: "the task was deleted while it ran; stop sent".to_owned(),
+    };
+    info!(task = %name, reason = note.reason, "{}", note.message);
+    cluster.note(task, &note).await;
 }

@@ -263,8 +263,11 @@ pub async fn run(
         .owns_stream(deployment_stream);
     // The Task watch feeds the controller's cache and, right after it, the index of the
     // Tasks by UID, proplet and dependency.
+    // Deletions go on to `deleted` below: a quick task holds no finalizer, so its run is
+    // stopped from here if it was deleted while out.
     let task_index = SharedTaskIndex::default();
     let (task_reader, task_writer) = reflector::store::<Task>();
+    let (deleted_tx, mut deleted_rx) = tokio::sync::mpsc::unbounded_channel::<Task>();
     let task_events = {
         let index = task_index.clone();
         reflector::reflector(
@@ -277,6 +280,9 @@ pub async fn run(
         .inspect(move |event| {
             if let Ok(event) = event {
                 index.apply(event);
+                if let watcher::Event::Delete(task) = event {
+                    let _ = deleted_tx.send(task.clone());
+                }
             }
         })
         .applied_objects()
@@ -340,6 +346,14 @@ pub async fn run(
         });
     }
     let router = tokio::spawn(route_events(rt.events, shared.clone()));
+    let deletions = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            while let Some(task) = deleted_rx.recv().await {
+                crate::controller::task::deleted(&*shared, &task).await;
+            }
+        })
+    };
     let secrets = {
         let shared = shared.clone();
         tokio::spawn(async move {
@@ -459,6 +473,7 @@ pub async fn run(
         ),
     }
     router.abort();
+    deletions.abort();
     secrets.abort();
     credential_tick.abort();
     liveness_tick.abort();

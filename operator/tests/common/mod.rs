@@ -272,6 +272,7 @@ impl Harness {
                 strategy: propeller_operator::decision::scheduler::Strategy::RoundRobin,
                 default_timeout: std::time::Duration::from_secs(3600),
                 running_write_delay: std::time::Duration::from_secs(1),
+                finalizer: Default::default(),
             },
         };
         let (shared, triggers) = Shared::new(
