@@ -25,6 +25,8 @@ cd "$(dirname "$0")/.."
 MODE=${1:-all}
 scripts/build-release.sh
 BIN=target/release
+# PROPELLER_BIN: another propeller binary to measure (an earlier build, for before/after).
+PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 WORK="$(mktemp -d)"
 PIDS=()
@@ -48,7 +50,7 @@ run_one() {
   if [ "$what" = pipeline ]; then
     "$PYTHON" scripts/bench_k8s_run.py baseline 0 "$dir/admin.kubeconfig" 0 "$BIN" 0 "$apiserver" "$dir"
   fi
-  KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$BIN/propeller" run \
+  KUBECONFIG="$dir/propeller.kubeconfig" RUST_LOG=warn,rumqttd=off "$PROPELLER" run \
     --leader-elect --lease-namespace propeller-system --mqtt-listen "127.0.0.1:$mqtt" \
     --metrics-listen "127.0.0.1:$metrics" --liveliness-interval 10s --last-seen-threshold 30s \
     --status-flush-interval 5s >"$dir/propeller.log" 2>&1 &
