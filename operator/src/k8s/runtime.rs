@@ -48,6 +48,7 @@ use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 
 mod cluster;
+mod deletions;
 mod reconcile;
 mod routing;
 mod shared;
@@ -263,13 +264,14 @@ pub async fn run(
         .owns_stream(deployment_stream);
     // The Task watch feeds the controller's cache and, right after it, the index of the
     // Tasks by UID, proplet and dependency.
-    // Deletions go on to `deleted` below: a quick task holds no finalizer, so its run is
-    // stopped from here if it was deleted while out.
+    // Deletions (also those a relist reveals) go on to `deleted` below: a quick task holds
+    // no finalizer, so its run is stopped from here if it was deleted while out.
     let task_index = SharedTaskIndex::default();
     let (task_reader, task_writer) = reflector::store::<Task>();
     let (deleted_tx, mut deleted_rx) = tokio::sync::mpsc::unbounded_channel::<Task>();
     let task_events = {
         let index = task_index.clone();
+        let mut deletions = deletions::Deletions::new(task_reader.clone());
         reflector::reflector(
             task_writer,
             watcher(
@@ -280,8 +282,8 @@ pub async fn run(
         .inspect(move |event| {
             if let Ok(event) = event {
                 index.apply(event);
-                if let watcher::Event::Delete(task) = event {
-                    let _ = deleted_tx.send(task.clone());
+                for task in deletions.seen(event) {
+                    let _ = deleted_tx.send(task);
                 }
             }
         })
