@@ -145,7 +145,16 @@ fn wait_members(replicas: &[&Replica], members: usize, limit: Duration) -> Durat
 
 /// The Tasks of the namespace, by name.
 fn tasks(cp: &ControlPlane) -> BTreeMap<String, Value> {
-    let out = cp.kubectl_ok(&["-n", NS, "get", "tasks", "-o", "json"]);
+    let out = cp.kubectl_ok(&[
+        "-n",
+        NS,
+        "get",
+        "tasks",
+        "-o",
+        "json",
+        // kubectl leaves them out otherwise: `writes_by` reads them.
+        "--show-managed-fields",
+    ]);
     let list: Value = serde_json::from_str(&out).expect("tasks JSON");
     list["items"]
         .as_array()
@@ -543,4 +552,110 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
         killed.elapsed()
     );
     drop(agents);
+}
+
+/// The most tasks `agent` ran at once, from its log (a start accepted opens a run, its
+/// success or failure closes it), and how many runs it finished.
+fn most_at_once(agent: &mut AgentLog) -> (usize, usize) {
+    let (mut running, mut most, mut finished) = (0usize, 0usize, 0usize);
+    for line in agent.lines() {
+        if line.contains("task accepted") {
+            running += 1;
+            most = most.max(running);
+        } else if line.contains("task succeeded") || line.contains("task failed") {
+            running = running.saturating_sub(1);
+            finished += 1;
+        }
+    }
+    (most, finished)
+}
+
+/// Two replicas scheduling onto one proplet of capacity 1 at the same time, each for the
+/// tasks it owns: its slot is taken with a conditional write, so the device never runs two
+/// at once, and every task still runs exactly once.
+#[test]
+fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
+    let Some(fleet) = Fleet::start() else {
+        return;
+    };
+    let cp = &fleet.cp;
+    let r0 = fleet.replica("r0", true);
+    let r1 = fleet.replica("r1", false);
+    wait_members(&[&r0, &r1], 2, STATUS_WAIT);
+    cp.kubectl_ok(&["create", "namespace", NS]);
+    for name in DEVICES {
+        apply(cp, NS, &device_manifest(name, &fleet.brokers));
+    }
+    cp.kubectl_ok(&[
+        "-n",
+        NS,
+        "patch",
+        "proplet",
+        "a",
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"capacity":1}}"#,
+    ]);
+    let rendered = wait_rendered(&fleet.nats.authorization_path());
+    fleet.nats.reload_authorization(&rendered);
+    let mut agents = agents(&fleet);
+    for name in DEVICES {
+        wait_phase(cp, NS, "proplet", name, "Running");
+    }
+
+    // Spinning tasks pinned to `a`, applied at once: each replica schedules its share.
+    const COUNT: usize = 8;
+    let spin = support::standalone::spin_module();
+    let manifest = (0..COUNT)
+        .map(|i| {
+            format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: slot-{i}\nspec:\n  name: slot-{i}\n  functionName: spin\n  file: {spin}\n  inputs: [50000000]\n  propletSelector:\n    propletId: a\n"
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("---\n");
+    apply(cp, NS, &manifest);
+    let started = Instant::now();
+    while completed(cp, "slot") < COUNT {
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "{} of {COUNT} completed; the tasks:\n{:#?}",
+            completed(cp, "slot"),
+            tasks(cp)
+                .iter()
+                .map(|(n, t)| (n.clone(), t["status"]["phase"].clone()))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let (most, finished) = most_at_once(&mut agents[0]);
+    eprintln!("device a: {finished} runs, at most {most} at once");
+    assert_eq!(most, 1, "the capacity of 1 was exceeded");
+    assert_eq!(finished, COUNT);
+    assert!(runs(&mut agents).is_empty(), "a task ran twice");
+    // Both replicas scheduled some of them: the race was real.
+    let managers: std::collections::BTreeSet<String> = tasks(cp)
+        .iter()
+        .filter(|(name, _)| name.starts_with("slot-"))
+        .flat_map(|(_, t)| {
+            t["metadata"]["managedFields"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|f| f["manager"].as_str().map(str::to_owned))
+        .filter(|m| m.starts_with("propeller"))
+        .collect();
+    assert!(
+        managers.len() >= 2,
+        "one replica scheduled every task: {managers:?}"
+    );
+    let proplet = support::kube::get(cp, NS, "proplet", "a").expect("proplet a");
+    eprintln!(
+        "proplet a's slots after the run: {}",
+        proplet["status"]["slots"]
+    );
+    drop(r1);
+    drop(r0);
 }

@@ -1030,3 +1030,49 @@ fn standalone_and_a_busy_agent_stop_within_seconds_of_sigterm_mid_burst() {
     });
     assert_eq!(count, 200, "{tasks}");
 }
+
+/// A proplet with `capacity: 1` runs the tasks sent to it one at a time: the others wait,
+/// then run, each once.
+#[test]
+fn a_proplet_at_capacity_runs_its_tasks_one_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_server, api, port) = support::start_standalone(dir.path(), &[]);
+    let device = format!("{}  capacity: 1\n", support::device_manifest("pi", &port));
+    support::standalone::apply_text(&api, dir.path(), "pi.yaml", &device);
+    let state = tempfile::tempdir().expect("agent state");
+    let agent = support::device_agent("pi", &port, state.path());
+    support::standalone::wait_for_object_phase(&api, dir.path(), "proplet", "pi", "Running");
+    let spin = support::standalone::spin_module();
+    let names: Vec<String> = (0..4).map(|i| format!("one-{i}")).collect();
+    let manifests: Vec<String> = names
+        .iter()
+        .map(|name| {
+            format!(
+                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: spin\n  file: {spin}\n  inputs: [50000000]\n"
+            )
+        })
+        .collect();
+    support::standalone::apply_text(&api, dir.path(), "tasks.yaml", &manifests.join("---\n"));
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let finished = support::standalone::finished_tasks_within(
+        &api,
+        dir.path(),
+        &refs,
+        std::time::Duration::from_secs(60),
+    );
+    for (name, task) in &finished {
+        assert_eq!(task["status"]["phase"], "completed", "{name}: {task:#}");
+    }
+    let (mut running, mut most, mut accepted) = (0usize, 0usize, 0usize);
+    for line in agent.stderr_so_far() {
+        if line.contains("task accepted") {
+            running += 1;
+            accepted += 1;
+            most = most.max(running);
+        } else if line.contains("task succeeded") || line.contains("task failed") {
+            running = running.saturating_sub(1);
+        }
+    }
+    assert_eq!(accepted, 4, "each task runs once");
+    assert_eq!(most, 1, "the capacity of 1 was exceeded");
+}

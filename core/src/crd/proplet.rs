@@ -48,6 +48,12 @@ pub struct PropletSpec {
     pub resources: Option<BTreeMap<String, Quantity>>,
     /// How the proplet reaches the broker and who it is there.
     pub connection_config: ConnectionConfig,
+    /// The most tasks scheduled or running on this proplet at once (none: no limit). Every
+    /// replica honours it: a task takes one of `status.slots` with a conditional write
+    /// before it is assigned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub capacity: Option<u32>,
 }
 
 /// The two kinds of proplet.
@@ -380,6 +386,20 @@ pub struct PropletStatus {
     /// Generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The slots of `spec.capacity` taken, by the UID of the task holding each. A slot whose
+    /// task has finished is given back by the next reservation.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub slots: BTreeMap<String, SlotHolder>,
+}
+
+/// The task holding one slot of a proplet's capacity.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotHolder {
+    /// The task's name.
+    pub task: String,
+    /// When the slot was taken.
+    pub since: DateTime<Utc>,
 }
 
 /// Replica counts of a proplet Deployment.

@@ -3,6 +3,7 @@
 //! these functions decide, so every rule is testable without a server.
 
 pub mod aggregation;
+pub mod capacity;
 pub mod conditions;
 pub mod cron;
 pub mod dag;

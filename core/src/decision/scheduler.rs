@@ -52,6 +52,8 @@ pub struct CandidateProplet {
     pub capabilities: Vec<String>,
     /// Tasks currently scheduled or running on this proplet (used by least-loaded scoring).
     pub active_tasks: u32,
+    /// `spec.capacity`: the most tasks it takes at once (`None`: no limit).
+    pub capacity: Option<u32>,
 }
 
 /// A Task's `spec.propletSelector` plus `spec.preferredPropletType`.
@@ -70,7 +72,7 @@ pub struct SelectorView {
 }
 
 /// Why a proplet was not a candidate: the first selector rule it failed, in the order
-/// phase, propletId, type, labels, device type, capabilities.
+/// phase, propletId, type, labels, device type, capabilities, capacity.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Exclusion {
     /// Its phase is not `Running`.
@@ -101,6 +103,11 @@ pub enum Exclusion {
     },
     /// A required capability is missing.
     MissingCapability(String),
+    /// It already holds as many tasks as its `spec.capacity`.
+    AtCapacity {
+        /// Its capacity.
+        capacity: u32,
+    },
 }
 
 /// Proplets excluded for the same reason, named in name order.
@@ -226,6 +233,11 @@ pub trait Schedulable {
     fn device_type(&self) -> Option<&str>;
     /// Whether `spec.external.capabilities` lists `capability`.
     fn has_capability(&self, capability: &str) -> bool;
+    /// Its capacity, when the tasks it holds already fill it (as far as is known: a Proplet
+    /// object alone does not know its load).
+    fn full(&self) -> Option<u32> {
+        None
+    }
 }
 
 impl Schedulable for CandidateProplet {
@@ -246,6 +258,9 @@ impl Schedulable for CandidateProplet {
     }
     fn has_capability(&self, capability: &str) -> bool {
         self.capabilities.iter().any(|c| c == capability)
+    }
+    fn full(&self) -> Option<u32> {
+        self.capacity.filter(|c| self.active_tasks >= *c)
     }
 }
 
@@ -282,6 +297,7 @@ enum Failure<'s> {
     NoDeviceType,
     DeviceTypeNotAllowed,
     MissingCapability(&'s str),
+    AtCapacity(u32),
 }
 
 fn first_failure<'s>(
@@ -318,11 +334,14 @@ fn first_failure<'s>(
             Some(_) => {}
         }
     }
-    selector
+    if let Some(c) = selector
         .match_capabilities
         .iter()
         .find(|c| !proplet.has_capability(c))
-        .map(|c| Failure::MissingCapability(c))
+    {
+        return Some(Failure::MissingCapability(c));
+    }
+    proplet.full().map(Failure::AtCapacity)
 }
 
 /// Whether `proplet` satisfies every rule of `selector` (see [`exclusion`]); copies nothing.
@@ -349,6 +368,7 @@ pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<
         Failure::MissingCapability(capability) => {
             Exclusion::MissingCapability(capability.to_owned())
         }
+        Failure::AtCapacity(capacity) => Exclusion::AtCapacity { capacity },
     })
 }
 
@@ -555,6 +575,9 @@ fn render_group(g: &ExclusionGroup) -> String {
         Exclusion::MissingCapability(cap) => {
             format!("{n} lack{s} capability {cap} ({names})")
         }
+        Exclusion::AtCapacity { capacity } => {
+            format!("{n} at capacity, {capacity} task(s) each ({names})")
+        }
     }
 }
 
@@ -601,6 +624,7 @@ mod tests {
             device_type: None,
             capabilities: Vec::new(),
             active_tasks: 0,
+            capacity: None,
         }
     }
 
@@ -1099,6 +1123,7 @@ mod tests {
                 device_type: dev.map(str::to_owned),
                 capabilities: caps.into_iter().map(str::to_owned).collect(),
                 active_tasks: active,
+                capacity: None,
             })
     }
 

@@ -19,7 +19,7 @@ use super::conditions::{remove_condition, set_condition, DesiredCondition};
 use super::dag::{evaluate, Readiness};
 use super::recurrence::{gate, rerun_at, ScheduleGate};
 use super::scheduler::{
-    filter_candidates, select_proplet, CandidateProplet, SelectorView, Strategy,
+    filter_candidates, select_proplet, CandidateProplet, Schedulable, SelectorView, Strategy,
 };
 use crate::crd::proplet::PropletType;
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
@@ -48,6 +48,8 @@ pub const COMPLETED: &str = "Completed";
 
 /// How often a task that waits for a proplet looks again even without an event.
 pub const NO_CANDIDATE_RETRY: Duration = Duration::from_secs(30);
+/// How often a task that waits for room on a proplet at its capacity looks again.
+pub const CAPACITY_RETRY: Duration = Duration::from_secs(1);
 
 /// Operator settings the Task plan depends on.
 #[derive(Debug, Clone, Copy)]
@@ -189,6 +191,10 @@ pub struct TaskPlan {
     pub resolve_image: bool,
     /// The task was to be scheduled and none of the observed proplets could take it.
     pub no_candidates: bool,
+    /// Proplets with a `spec.capacity` the assignment needs a slot of: the driver takes
+    /// each (see [`super::capacity`]) before it writes the assignment, and holds the plan
+    /// back if one is full.
+    pub reserve: Vec<String>,
     /// Events for users.
     pub notes: Vec<Note>,
 }
@@ -949,6 +955,57 @@ mod tests {
         finished["phase"] = json!("completed");
         assert!(stops_for_deleted(&unfinalized(finished), &observed).is_empty());
         assert!(stops_for_deleted(&new_task(), &observed).is_empty());
+    }
+
+    #[test]
+    fn a_proplet_with_a_capacity_is_reserved_and_skipped_once_full() {
+        let limited = |load: u32| {
+            let mut v = proplet_value("edge", "edge-client");
+            v["spec"]["capacity"] = json!(1);
+            proplet_view(&proplet_from(v), load)
+        };
+        let plan_free = plan(
+            &new_task(),
+            &observing(vec![limited(0)]),
+            &settings(),
+            now(),
+        );
+        assert_eq!(
+            written(&plan_free).assigned_proplet.as_deref(),
+            Some("edge")
+        );
+        assert_eq!(plan_free.reserve, vec!["edge".to_owned()]);
+
+        let plan_full = plan(
+            &new_task(),
+            &observing(vec![limited(1)]),
+            &settings(),
+            now(),
+        );
+        assert!(plan_full.no_candidates);
+        assert!(plan_full.starts.is_empty() && plan_full.reserve.is_empty());
+        let waiting = written(&plan_full);
+        assert_eq!(waiting.phase, TaskPhase::Pending);
+        assert!(
+            waiting
+                .conditions
+                .iter()
+                .any(|c| c.message.contains("at capacity")),
+            "{waiting:?}"
+        );
+        assert_eq!(
+            plan_full.requeue_at,
+            Some(now() + chrono::Duration::from_std(CAPACITY_RETRY).unwrap_or_default())
+        );
+
+        // Without a capacity nothing is reserved.
+        let plain = plan(
+            &new_task(),
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            now(),
+        );
+        assert!(plain.reserve.is_empty());
     }
 
     #[test]

@@ -178,6 +178,7 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
             device_type: external.device_type,
             capabilities: external.capabilities,
             active_tasks,
+            capacity: proplet.spec.capacity,
         },
         client_id: proplet.client_id().to_owned(),
         domain: conn.domain().unwrap_or_default().to_owned(),

@@ -11,6 +11,7 @@ use tracing::{debug, info, warn};
 
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
+use crate::decision::capacity::{reserve, Holder, Reservation};
 use crate::decision::task::{
     awaits_job, could_take, observe_indexed, plan, proplet_scope, proplet_view, selector_of,
     stops_for_deleted, Note, PropletScope, PropletView, TaskObservations,
@@ -21,6 +22,11 @@ use super::{count, Cluster, Next, ObjectName, ReconcileError, Wake};
 
 /// How often a task whose start waits for its device looks again.
 pub const DEVICE_WAIT: TimeDelta = TimeDelta::seconds(1);
+/// How often a task that lost the race for a proplet's last slot looks again.
+pub const CAPACITY_WAIT: TimeDelta = TimeDelta::seconds(1);
+/// Conflicting slot writes a reservation retries before it leaves the rest to the retry
+/// policy.
+const SLOT_WRITE_ATTEMPTS: usize = 5;
 
 /// Reconciles `task` as read from the driver's cache.
 #[tracing::instrument(
@@ -66,6 +72,10 @@ async fn reconcile_once<C: Cluster>(
     } else {
         first
     };
+    if let Some((proplet, holders)) = reserve_slots(cluster, task, &plan.reserve, now).await? {
+        debug!(task = %name, %proplet, ?holders, "the proplet is at its capacity; waiting for a slot");
+        return Ok(Some(now + CAPACITY_WAIT));
+    }
     let dispatch = cluster.apply_task(task, &plan).await?;
     if plan.resolve_image {
         match images {
@@ -94,6 +104,65 @@ async fn reconcile_once<C: Cluster>(
         return Ok(Some(now + DEVICE_WAIT));
     }
     Ok(plan.requeue_at)
+}
+
+/// Takes a slot of each proplet in `proplets` (those with a `spec.capacity`) for `task`,
+/// with a write conditional on the proplet's version read from the backend (see
+/// [`crate::decision::capacity`]). Returns the first proplet found full, with its holders.
+async fn reserve_slots<C: Cluster>(
+    cluster: &C,
+    task: &Task,
+    proplets: &[String],
+    now: DateTime<Utc>,
+) -> Result<Option<(String, Vec<String>)>, ReconcileError> {
+    let name = ObjectName::of(task);
+    let uid = task.metadata.uid.as_deref().unwrap_or_default();
+    for proplet_name in proplets {
+        let key = ObjectName::new(&name.namespace, proplet_name);
+        for attempt in 1..=SLOT_WRITE_ATTEMPTS {
+            // Gone since it was chosen: the dispatch fails the run, as for any assignment.
+            let Some(proplet) = cluster.get::<Proplet>(&key).await? else {
+                break;
+            };
+            let Some(capacity) = proplet.spec.capacity else {
+                break;
+            };
+            let status = proplet.status.clone().unwrap_or_default();
+            let holder = |holder: &str| slot_holder(cluster, holder, proplet_name);
+            let slots = match reserve(&status.slots, capacity, uid, &name.name, now, holder) {
+                Reservation::Held => break,
+                Reservation::Full { holders } => return Ok(Some((proplet_name.clone(), holders))),
+                Reservation::Take(slots) => slots,
+            };
+            let old =
+                serde_json::to_value(&status).map_err(|e| ReconcileError::Backend(e.into()))?;
+            let mut new = status;
+            new.slots = slots;
+            let new = serde_json::to_value(&new).map_err(|e| ReconcileError::Backend(e.into()))?;
+            match cluster.write_status(&proplet, &old, &new).await {
+                Ok(()) => break,
+                Err(e) => {
+                    let error = ReconcileError::Backend(e);
+                    if !error.is_conflict() || attempt == SLOT_WRITE_ATTEMPTS {
+                        return Err(error);
+                    }
+                }
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// What the caches say of the task `uid` holding a slot of proplet `proplet`.
+fn slot_holder<C: Cluster>(cluster: &C, uid: &str, proplet: &str) -> Holder {
+    let Some(task) = cluster.task_by_uid(uid) else {
+        return Holder::Unknown;
+    };
+    match task.status.as_ref() {
+        Some(s) if s.phase.is_terminal() => Holder::Finished,
+        _ if crate::decision::task::occupies(&task, proplet) => Holder::Occupies,
+        _ => Holder::Elsewhere,
+    }
 }
 
 /// What `task`'s plan reads of its surroundings, from the driver's caches and indexes, with

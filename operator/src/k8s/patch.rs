@@ -8,27 +8,39 @@
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-/// The merge patch turning `old` into `new` at the top level of `status`, conditional on
-/// `resource_version` when given.
+/// The merge patch turning `old` into `new` in `status`, conditional on `resource_version`
+/// when given. Nested objects are diffed too, so a key a map no longer has (a released slot
+/// of `status.slots`) is written as `null`; arrays are replaced whole.
 pub fn status_patch<T: Serialize>(old: &T, new: &T, resource_version: Option<&str>) -> Value {
     let old = serde_json::to_value(old).unwrap_or(Value::Null);
     let new = serde_json::to_value(new).unwrap_or(Value::Null);
+    let diff = match (&old, &new) {
+        (Value::Object(old), Value::Object(new)) => Value::Object(object_diff(old, new)),
+        _ => new,
+    };
+    with_version(json!({ "status": diff }), resource_version)
+}
+
+/// The merge patch (RFC 7386) turning object `old` into `new`.
+fn object_diff(old: &Map<String, Value>, new: &Map<String, Value>) -> Map<String, Value> {
     let mut diff = Map::new();
-    if let (Value::Object(old), Value::Object(new)) = (&old, &new) {
-        for (key, value) in new {
-            if old.get(key) != Some(value) {
+    for (key, value) in new {
+        match (old.get(key), value) {
+            (Some(before), _) if before == value => {}
+            (Some(Value::Object(before)), Value::Object(after)) => {
+                diff.insert(key.clone(), Value::Object(object_diff(before, after)));
+            }
+            _ => {
                 diff.insert(key.clone(), value.clone());
             }
         }
-        for key in old.keys() {
-            if !new.contains_key(key) {
-                diff.insert(key.clone(), Value::Null);
-            }
-        }
-    } else {
-        return with_version(json!({ "status": new }), resource_version);
     }
-    with_version(json!({ "status": Value::Object(diff) }), resource_version)
+    for key in old.keys() {
+        if !new.contains_key(key) {
+            diff.insert(key.clone(), Value::Null);
+        }
+    }
+    diff
 }
 
 /// A patch of `metadata.finalizers` to exactly `finalizers`, conditional on the version.
@@ -62,6 +74,16 @@ mod tests {
         assert_eq!(
             status_patch(&old, &new, Some("7")),
             json!({"metadata": {"resourceVersion": "7"}, "status": {"phase": "pending", "error": null}})
+        );
+    }
+
+    #[test]
+    fn a_key_a_nested_map_lost_becomes_null_and_arrays_are_replaced() {
+        let old = json!({"slots": {"a": {"task": "x"}, "b": {"task": "y"}}, "history": [1, 2]});
+        let new = json!({"slots": {"b": {"task": "y"}, "c": {"task": "z"}}, "history": [2]});
+        assert_eq!(
+            status_patch(&old, &new, None),
+            json!({"status": {"slots": {"a": null, "c": {"task": "z"}}, "history": [2]}})
         );
     }
 

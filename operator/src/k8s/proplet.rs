@@ -32,6 +32,10 @@ pub async fn apply(
             .await?;
     }
     if let Some(status) = &plan.status {
+        // Not the slots: tasks take and give them back with conditional writes of their
+        // own, which this unconditional merge must not undo (left out, they stay as stored).
+        let mut status = status.clone();
+        status.slots.clear();
         let proplets: Api<Proplet> = Api::namespaced(client.clone(), namespace);
         let written = proplets
             .patch_status(

@@ -126,7 +126,14 @@ pub(super) fn plan_pending(
         Err(message) => {
             plan.no_candidates = true;
             waiting(desired, "NoCandidates", message, gen, now);
-            plan.requeue_at = Some(now + NO_CANDIDATE_RETRY);
+            // A full proplet frees a slot when one of its tasks finishes: look again soon.
+            let full = candidates.iter().any(|c| c.full().is_some());
+            let retry = if full {
+                CAPACITY_RETRY
+            } else {
+                NO_CANDIDATE_RETRY
+            };
+            plan.requeue_at = Some(now + retry);
             return;
         }
     };
@@ -167,6 +174,11 @@ pub(super) fn plan_pending(
     }
     desired.phase = TaskPhase::Scheduled;
     desired.run_count = Some(desired.run_count.unwrap_or(0) + 1);
+    plan.reserve = names
+        .iter()
+        .filter(|name| view(observed, name).is_some_and(|v| v.candidate.capacity.is_some()))
+        .cloned()
+        .collect();
     if task.spec.broadcast {
         desired.assigned_proplet = None;
         desired.broadcast_proplets = names.clone();
