@@ -1,10 +1,11 @@
 //! Active-active replicas (`propeller run --shard`) on a real kube-apiserver, a 3-node NATS
-//! cluster and real agents: the replicas share the objects, and what a replica owned is
+//! or RabbitMQ cluster and real agents: the replicas share the objects, and what a replica owned is
 //! finished by the others when it is killed, when members come and go in a burst, and when
 //! it is paused past its Lease, with every task completed once and a paused replica writing
 //! nothing between its Lease's expiry and its return.
 //!
-//! Without the envtest assets or `nats-server` the test prints SKIPPED and passes; with
+//! Without the envtest assets, `nats-server` or `rabbitmq-server` the tests print SKIPPED
+//! and pass; with
 //! `CI=true` it fails instead.
 
 mod support;
@@ -16,12 +17,12 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
-use support::external::{device_agent, device_manifest, AgentLog, PROPELLER_USER};
+use support::external::{device_agent, device_manifest, AgentLog, Secrets, PROPELLER_USER};
 use support::kube::{
-    apply, cluster, http_body, task_manifest, wait_http, wait_phase, wait_phase_explained,
+    apply, cluster, http_body, http_status, task_manifest, wait_phase, wait_phase_explained,
     STATUS_WAIT,
 };
-use support::mqtt_cluster::NatsCluster;
+use support::mqtt_cluster::{NatsCluster, RabbitCluster};
 use support::{binary, Running};
 
 /// The members' Lease duration in this test.
@@ -30,13 +31,26 @@ const NS: &str = "shard";
 /// The devices; `a` and `bb` are the FederatedJob's participants.
 const DEVICES: [&str; 4] = ["a", "bb", "pc", "pd"];
 
+/// The MQTT cluster the replicas and devices share, and how it authenticates devices.
+enum Broker {
+    /// NATS with an `authorization` block that replica `r0` renders.
+    Nats(NatsCluster),
+    /// RabbitMQ asking `r0`'s auth callbacks (every replica serves them; in a cluster a
+    /// Service spreads the calls, here `r0`, which runs throughout, answers them all).
+    Rabbit {
+        cluster: RabbitCluster,
+        callback_port: u16,
+        callback_secret_file: PathBuf,
+    },
+}
+
 /// What every replica is started with.
 struct Fleet {
     cp: ControlPlane,
     kubeconfig: PathBuf,
     brokers: String,
     password_file: PathBuf,
-    nats: NatsCluster,
+    broker: Broker,
 }
 
 /// One replica: its process and its metrics port.
@@ -47,31 +61,55 @@ struct Replica {
 }
 
 impl Fleet {
-    fn start() -> Option<Self> {
+    /// A control plane and a 3-node cluster of `engine` ("nats" or "rabbitmq").
+    fn start(engine: &str) -> Option<Self> {
         let (cp, kubeconfig) = cluster(Options::default())?;
-        let password = "operator-password-0123456789";
-        let initial = format!(
-            "authorization {{\n  users: [\n    {{ user: \"{PROPELLER_USER}\", password: \"{password}\" }}\n  ]\n}}\n"
-        );
-        let nats = NatsCluster::start(&initial, PROPELLER_USER, password)?;
-        let brokers = nats
-            .mqtt_addrs()
+        let secrets = Secrets::write(cp.scratch());
+        let broker = match engine {
+            "nats" => {
+                let initial = format!(
+                    "authorization {{\n  users: [\n    {{ user: \"{PROPELLER_USER}\", password: \"{}\" }}\n  ]\n}}\n",
+                    secrets.password
+                );
+                Broker::Nats(NatsCluster::start(
+                    &initial,
+                    PROPELLER_USER,
+                    &secrets.password,
+                )?)
+            }
+            _ => {
+                let callback_port = free_port();
+                let auth_base = format!(
+                    "http://127.0.0.1:{callback_port}/rabbitmq/{}",
+                    secrets.callback
+                );
+                Broker::Rabbit {
+                    cluster: RabbitCluster::start(&auth_base)?,
+                    callback_port,
+                    callback_secret_file: secrets.callback_file.clone(),
+                }
+            }
+        };
+        let addrs = match &broker {
+            Broker::Nats(nats) => nats.mqtt_addrs(),
+            Broker::Rabbit { cluster, .. } => cluster.mqtt_addrs(),
+        };
+        let brokers = addrs
             .iter()
             .map(|a| format!("mqtt://{a}"))
             .collect::<Vec<_>>()
             .join(",");
-        let password_file = cp.scratch().join("mqtt-password");
-        std::fs::write(&password_file, password).expect("write the password");
         Some(Self {
             cp,
             kubeconfig,
             brokers,
-            password_file,
-            nats,
+            password_file: secrets.password_file,
+            broker,
         })
     }
 
-    /// Starts replica `name`; the one that `renders` keeps the NATS authorization current.
+    /// Starts replica `name`; with NATS the one that `renders` keeps the authorization
+    /// current, with RabbitMQ `r0` answers the callbacks.
     fn replica(&self, name: &str, renders: bool) -> Replica {
         let metrics = free_port();
         let mut cmd = binary("propeller");
@@ -84,31 +122,73 @@ impl Fleet {
             .args(["--mqtt-broker", &self.brokers])
             .args(["--mqtt-username", PROPELLER_USER, "--mqtt-password-file"])
             .arg(&self.password_file)
-            .args(["--device-auth", "rendered"])
             .env("KUBECONFIG", &self.kubeconfig)
             .env("HOSTNAME", name)
             .env(
                 "RUST_LOG",
                 std::env::var("PROPELLER_TEST_LOG").unwrap_or_else(|_| "info".into()),
             );
-        if renders {
-            let pids = self
-                .nats
-                .pids()
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(" ");
-            cmd.arg("--broker-config-file")
-                .arg(self.nats.authorization_path())
-                .args(["--broker-config-reload", &format!("kill -HUP {pids}; true")]);
+        match &self.broker {
+            Broker::Nats(nats) => {
+                cmd.args(["--device-auth", "rendered"]);
+                if renders {
+                    let pids = nats
+                        .pids()
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(" ");
+                    cmd.arg("--broker-config-file")
+                        .arg(nats.authorization_path())
+                        .args(["--broker-config-reload", &format!("kill -HUP {pids}; true")]);
+                }
+            }
+            Broker::Rabbit {
+                callback_port,
+                callback_secret_file,
+                ..
+            } => {
+                let port = if name == "r0" {
+                    *callback_port
+                } else {
+                    free_port()
+                };
+                cmd.args(["--auth-callback-listen", &format!("127.0.0.1:{port}")])
+                    .arg("--auth-callback-secret-file")
+                    .arg(callback_secret_file);
+            }
         }
         let process = Running::spawn(cmd);
-        wait_http(metrics, "/readyz", 200);
+        let started = Instant::now();
+        while http_status(metrics, "/readyz") != Some(200) {
+            assert!(
+                started.elapsed() < STATUS_WAIT,
+                "replica {name} never became ready; its log ends:\n{}",
+                process
+                    .stderr_so_far()
+                    .iter()
+                    .rev()
+                    .take(15)
+                    .rev()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         Replica {
             name: name.to_owned(),
             process,
             metrics,
+        }
+    }
+
+    /// Lets the devices of `DEVICES` log in: NATS reloads the authorization `r0` rendered;
+    /// RabbitMQ asks the callbacks at each login.
+    fn authorize_devices(&self) {
+        if let Broker::Nats(nats) = &self.broker {
+            let rendered = wait_rendered(&nats.authorization_path());
+            nats.reload_authorization(&rendered);
         }
     }
 }
@@ -355,9 +435,21 @@ fn wait_rendered(path: &Path) -> String {
 
 #[test]
 fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_pauses() {
-    let Some(fleet) = Fleet::start() else {
-        return;
-    };
+    if let Some(fleet) = Fleet::start("nats") {
+        share_and_take_over(&fleet);
+    }
+}
+
+/// The same on a RabbitMQ cluster, whose devices are authenticated by the replicas'
+/// callbacks.
+#[test]
+fn replicas_share_a_rabbitmq_fleet_and_take_over_through_kills_membership_changes_and_pauses() {
+    if let Some(fleet) = Fleet::start("rabbitmq") {
+        share_and_take_over(&fleet);
+    }
+}
+
+fn share_and_take_over(fleet: &Fleet) {
     let cp = &fleet.cp;
     let lease = Duration::from_secs(LEASE_SECS);
 
@@ -376,9 +468,8 @@ fn replicas_share_the_fleet_and_take_over_through_kills_membership_changes_and_p
     for name in DEVICES {
         apply(cp, NS, &device_manifest(name, &fleet.brokers));
     }
-    let rendered = wait_rendered(&fleet.nats.authorization_path());
-    fleet.nats.reload_authorization(&rendered);
-    let mut agents = agents(&fleet);
+    fleet.authorize_devices();
+    let mut agents = agents(fleet);
     let _ = &mut agents;
     for name in DEVICES {
         wait_phase(cp, NS, "proplet", name, "Running");
@@ -575,7 +666,7 @@ fn most_at_once(agent: &mut AgentLog) -> (usize, usize) {
 /// at once, and every task still runs exactly once.
 #[test]
 fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
-    let Some(fleet) = Fleet::start() else {
+    let Some(fleet) = Fleet::start("nats") else {
         return;
     };
     let cp = &fleet.cp;
@@ -597,8 +688,7 @@ fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
         "-p",
         r#"{"spec":{"capacity":1}}"#,
     ]);
-    let rendered = wait_rendered(&fleet.nats.authorization_path());
-    fleet.nats.reload_authorization(&rendered);
+    fleet.authorize_devices();
     let mut agents = agents(&fleet);
     for name in DEVICES {
         wait_phase(cp, NS, "proplet", name, "Running");

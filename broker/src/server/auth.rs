@@ -135,7 +135,8 @@ impl AuthFailure {
     }
 }
 
-/// Decides a login: username must equal the client id and the password must be its key.
+/// Decides a login: username must equal the client id (a service account's may differ, see
+/// [`login`]) and the password must be its key.
 pub fn authenticate(
     source: &dyn CredentialSource,
     client_id: &str,
@@ -156,7 +157,21 @@ pub fn login(
         return Err(AuthFailure::Anonymous);
     }
     if username != client_id {
-        return Err(AuthFailure::UsernameMismatch);
+        // A service account (propeller's own, shared by its replicas, each with a client id
+        // of its own) may use any client id no device owns: a device's stays its own.
+        let service = source
+            .lookup(username)
+            .filter(|c| c.role() == Role::Service);
+        return match service {
+            Some(service) if source.lookup(client_id).is_none() => {
+                if service.accepts(password) {
+                    Ok(service)
+                } else {
+                    Err(AuthFailure::WrongKey)
+                }
+            }
+            _ => Err(AuthFailure::UsernameMismatch),
+        };
     }
     let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
     if credential.accepts(password) {
@@ -459,6 +474,28 @@ mod tests {
         assert_eq!(
             authenticate(&s, "proxy", "proxy", "key-p"),
             Ok(Role::Service)
+        );
+    }
+
+    #[test]
+    fn a_service_account_may_use_any_client_id_no_device_owns() {
+        let s = store();
+        assert_eq!(
+            authenticate(&s, "proxy-replica-1", "proxy", "key-p"),
+            Ok(Role::Service)
+        );
+        assert_eq!(
+            authenticate(&s, "proxy-replica-1", "proxy", "key-a"),
+            Err(AuthFailure::WrongKey)
+        );
+        // Not a device's client id, and not as a device.
+        assert_eq!(
+            authenticate(&s, "dev-a", "proxy", "key-p"),
+            Err(AuthFailure::UsernameMismatch)
+        );
+        assert_eq!(
+            authenticate(&s, "other", "dev-a", "key-a"),
+            Err(AuthFailure::UsernameMismatch)
         );
     }
 
