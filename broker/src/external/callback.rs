@@ -30,7 +30,7 @@ use serde::Deserialize;
 use subtle::ConstantTimeEq;
 use tracing::debug;
 
-use crate::server::{login, may_access_topic, CredentialSource, Role, TopicAccess};
+use crate::server::{login_shared_service, may_access_topic, CredentialSource, Role, TopicAccess};
 
 /// Label set of one callback decision.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -142,7 +142,7 @@ fn rabbitmq_user(state: &CallbackState, params: &HashMap<String, String>) -> boo
         .get("client_id")
         .map(String::as_str)
         .unwrap_or(username);
-    login(
+    login_shared_service(
         state.credentials.as_ref(),
         client_id,
         username,
@@ -231,7 +231,7 @@ async fn emqx_authn(
     if !state.knows(&secret) {
         return forbidden();
     }
-    let outcome = login(
+    let outcome = login_shared_service(
         state.credentials.as_ref(),
         &request.clientid,
         &request.username,
@@ -254,19 +254,21 @@ async fn emqx_authz(
     if !state.knows(&secret) {
         return forbidden();
     }
-    // The client id is the identity; a username that differs was refused at login already.
-    let allowed = request.username == request.clientid
-        && state
-            .credentials
-            .lookup(&request.clientid)
-            .is_some_and(|credential| {
-                let access = match request.action.as_str() {
-                    "publish" => TopicAccess::Publish,
-                    "subscribe" => TopicAccess::Subscribe,
-                    _ => return false,
-                };
-                may_access_topic(&request.clientid, &credential, access, &request.topic)
-            });
+    // A device's identity is its client id (a username that differs was refused at login);
+    // propeller's replicas share its service account under client ids of their own.
+    let identity = match state.credentials.lookup(&request.username) {
+        Some(service) if service.role() == Role::Service => Some(service),
+        _ if request.username == request.clientid => state.credentials.lookup(&request.clientid),
+        _ => None,
+    };
+    let allowed = identity.is_some_and(|credential| {
+        let access = match request.action.as_str() {
+            "publish" => TopicAccess::Publish,
+            "subscribe" => TopicAccess::Subscribe,
+            _ => return false,
+        };
+        may_access_topic(&request.clientid, &credential, access, &request.topic)
+    });
     let allowed = state.count("emqx", "authz", allowed);
     Json(serde_json::json!({ "result": if allowed { "allow" } else { "deny" } })).into_response()
 }
@@ -422,6 +424,28 @@ mod tests {
         )
         .await;
         assert!(body.contains(r#""is_superuser":true"#), "{body}");
+        // A replica: propeller's account under a client id of its own (no device's).
+        let (_, body) = exchange(
+            addr,
+            authn(r#"{"clientid":"propeller-r1","username":"propeller","password":"svc"}"#),
+        )
+        .await;
+        assert!(body.contains(r#""result":"allow""#), "{body}");
+        let (_, body) = exchange(
+            addr,
+            authn(r#"{"clientid":"dev1","username":"propeller","password":"svc"}"#),
+        )
+        .await;
+        assert!(body.contains(r#""result":"deny""#), "{body}");
+        let (_, body) = exchange(
+            addr,
+            post(
+                "/emqx/s3cret/authz",
+                r#"{"clientid":"propeller-r1","username":"propeller","topic":"m/d/c/c1/control/manager/start","action":"publish"}"#,
+            ),
+        )
+        .await;
+        assert!(body.contains(r#""result":"allow""#), "{body}");
 
         let authz = |topic: &str, action: &str| {
             post(

@@ -135,8 +135,7 @@ impl AuthFailure {
     }
 }
 
-/// Decides a login: username must equal the client id (a service account's may differ, see
-/// [`login`]) and the password must be its key.
+/// Decides a login: username must equal the client id and the password must be its key.
 pub fn authenticate(
     source: &dyn CredentialSource,
     client_id: &str,
@@ -157,27 +156,42 @@ pub fn login(
         return Err(AuthFailure::Anonymous);
     }
     if username != client_id {
-        // A service account (propeller's own, shared by its replicas, each with a client id
-        // of its own) may use any client id no device owns: a device's stays its own.
-        let service = source
-            .lookup(username)
-            .filter(|c| c.role() == Role::Service);
-        return match service {
-            Some(service) if source.lookup(client_id).is_none() => {
-                if service.accepts(password) {
-                    Ok(service)
-                } else {
-                    Err(AuthFailure::WrongKey)
-                }
-            }
-            _ => Err(AuthFailure::UsernameMismatch),
-        };
+        return Err(AuthFailure::UsernameMismatch);
     }
     let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
     if credential.accepts(password) {
         Ok(credential)
     } else {
         Err(AuthFailure::WrongKey)
+    }
+}
+
+/// Like [`login`], for an external cluster's auth callbacks: there a service account
+/// (propeller's own, shared by its replicas, each under a client id of its own) may also use
+/// any client id no device owns; a device's client id stays its own.
+pub fn login_shared_service(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+) -> Result<Credential, AuthFailure> {
+    match login(source, client_id, username, password) {
+        Err(AuthFailure::UsernameMismatch) => {
+            let service = source
+                .lookup(username)
+                .filter(|c| c.role() == Role::Service);
+            match service {
+                Some(service) if source.lookup(client_id).is_none() => {
+                    if service.accepts(password) {
+                        Ok(service)
+                    } else {
+                        Err(AuthFailure::WrongKey)
+                    }
+                }
+                _ => Err(AuthFailure::UsernameMismatch),
+            }
+        }
+        decided => decided,
     }
 }
 
@@ -478,23 +492,28 @@ mod tests {
     }
 
     #[test]
-    fn a_service_account_may_use_any_client_id_no_device_owns() {
+    fn through_the_callbacks_a_service_account_may_use_any_client_id_no_device_owns() {
         let s = store();
+        let role = |client: &str, user: &str, key: &str| {
+            login_shared_service(&s, client, user, key).map(|c| c.role())
+        };
+        assert_eq!(role("proxy-replica-1", "proxy", "key-p"), Ok(Role::Service));
         assert_eq!(
-            authenticate(&s, "proxy-replica-1", "proxy", "key-p"),
-            Ok(Role::Service)
-        );
-        assert_eq!(
-            authenticate(&s, "proxy-replica-1", "proxy", "key-a"),
+            role("proxy-replica-1", "proxy", "key-a"),
             Err(AuthFailure::WrongKey)
         );
         // Not a device's client id, and not as a device.
         assert_eq!(
-            authenticate(&s, "dev-a", "proxy", "key-p"),
+            role("dev-a", "proxy", "key-p"),
             Err(AuthFailure::UsernameMismatch)
         );
         assert_eq!(
-            authenticate(&s, "other", "dev-a", "key-a"),
+            role("other", "dev-a", "key-a"),
+            Err(AuthFailure::UsernameMismatch)
+        );
+        // The embedded broker's logins stay bound to their client id.
+        assert_eq!(
+            authenticate(&s, "proxy-replica-1", "proxy", "key-p"),
             Err(AuthFailure::UsernameMismatch)
         );
     }

@@ -45,8 +45,9 @@ use crate::protocol::{
 };
 
 pub use auth::{
-    authenticate, load_credentials_file, login, parse_credentials, AuthFailure, ChannelScope,
-    Credential, CredentialSource, CredentialStore, CredentialsFileError, LayeredCredentials, Role,
+    authenticate, load_credentials_file, login, login_shared_service, parse_credentials,
+    AuthFailure, ChannelScope, Credential, CredentialSource, CredentialStore, CredentialsFileError,
+    LayeredCredentials, Role,
 };
 pub use events::{BrokerEvent, EventKind, OfflineCause};
 pub use listener::TlsSettings;
