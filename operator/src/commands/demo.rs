@@ -150,8 +150,8 @@ pub async fn narrate(store: ObjectStore, api: SocketAddr, data_dir: PathBuf) {
     let mut changes = store.subscribe();
     let mut told = HashSet::new();
     let mut summarised = false;
-    // The summary is also looked for twice a second, not only after a change: a change
-    // missed by a lagging receiver must not hold it back.
+    // The objects are also looked over twice a second, not only on a change: a change a
+    // lagging receiver missed must not lose its line nor hold the summary back.
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
     loop {
         let change = tokio::select! {
@@ -162,19 +162,43 @@ pub async fn narrate(store: ObjectStore, api: SocketAddr, data_dir: PathBuf) {
             },
             _ = tick.tick() => None,
         };
-        if let Some(change) = change.filter(|c| c.kind_of_change != ChangeKind::Deleted) {
-            if let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) {
-                let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
-                if let Some(line) = progress_line(&change.kind, &obj) {
-                    if told.insert((change.kind.clone(), change.name.clone(), line.clone(), run)) {
-                        println!("{line}");
-                    }
+        match change {
+            Some(change) if change.kind_of_change == ChangeKind::Deleted => {}
+            Some(change) => {
+                if let Ok(Some(obj)) = store.get(&change.kind, &change.namespace, &change.name) {
+                    tell(&mut told, &change.kind, &obj);
                 }
             }
+            None => tell_all(&store, &mut told),
         }
         if !summarised && quickstart_finished(&store) {
+            // Every line before the summary, also one whose change has not arrived yet.
+            tell_all(&store, &mut told);
             summarised = true;
             print!("{}", summary(&store, api, &data_dir));
+        }
+    }
+}
+
+/// The kinds whose changes the demo tells.
+const NARRATED: [&str; 3] = ["Proplet", "Task", "PropellerJob"];
+
+/// Tells every demo object's state that was not told yet.
+fn tell_all(store: &ObjectStore, told: &mut HashSet<(String, String, String, i64)>) {
+    for kind in NARRATED {
+        for obj in store.list(kind, Some("default")).unwrap_or_default() {
+            tell(told, kind, &obj);
+        }
+    }
+}
+
+/// Prints `obj`'s progress line unless it was told already (for this run).
+fn tell(told: &mut HashSet<(String, String, String, i64)>, kind: &str, obj: &Value) {
+    let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+    let run = obj["status"]["runCount"].as_i64().unwrap_or(0);
+    if let Some(line) = progress_line(kind, obj) {
+        if told.insert((kind.to_owned(), name.to_owned(), line.clone(), run)) {
+            println!("{line}");
         }
     }
 }
