@@ -7,4 +7,5 @@
 pub mod crd;
 pub mod decision;
 pub mod image_reference;
+pub mod object_name;
 pub mod shard;

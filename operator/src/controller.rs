@@ -78,39 +78,7 @@ impl<K> Stored for K where
 {
 }
 
-/// An object by namespace and name.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ObjectName {
-    /// Namespace (`default` when the object had none).
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-}
-
-impl ObjectName {
-    /// `namespace`/`name`.
-    pub fn new(namespace: &str, name: &str) -> Self {
-        Self {
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        }
-    }
-
-    /// The name of `object`.
-    pub fn of(object: &impl kube::Resource) -> Self {
-        let meta = object.meta();
-        Self::new(
-            meta.namespace.as_deref().unwrap_or("default"),
-            meta.name.as_deref().unwrap_or_default(),
-        )
-    }
-}
-
-impl std::fmt::Display for ObjectName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
+pub use propeller_core::object_name::ObjectName;
 
 /// A reconcile to run, asked for by another reconcile or by a broker event.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -208,6 +176,10 @@ pub trait Cluster: Send + Sync {
 
     /// The parts both drivers hold alike.
     fn common(&self) -> &Common;
+
+    /// What `error`, one of this backend's, says to the retry policy (`None`: a failure to
+    /// retry later).
+    fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal>;
 
     /// The newest `proplet` this process knows: the cached one, or what its last write left
     /// when the cache has not caught up yet.
@@ -352,7 +324,8 @@ impl From<BackendError> for ReconcileError {
 }
 
 impl ReconcileError {
-    fn backend(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+    /// The backend's error inside, if the backend failed.
+    pub fn backend(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
         match self {
             ReconcileError::Backend(e) | ReconcileError::Task(TaskApplyError::Backend(e)) => {
                 Some(e.as_ref())
@@ -361,28 +334,21 @@ impl ReconcileError {
         }
     }
 
-    /// Whether a conditional write lost to a newer version of the object (the API server's
-    /// 409 Conflict, the store's conflict): routine under load, answered by reading it again.
-    pub fn is_conflict(&self) -> bool {
-        self.backend().is_some_and(|e| {
-            matches!(e.downcast_ref(), Some(kube::Error::Api(status)) if status.code == 409)
-                || matches!(
-                    e.downcast_ref(),
-                    Some(crate::standalone::store::StoreError::Conflict { .. })
-                )
-        })
+    /// How `C`'s backend refused, when it did (see [`Cluster::refusal`]).
+    pub fn refusal<C: Cluster>(&self) -> Option<Refusal> {
+        self.backend().and_then(C::refusal)
     }
+}
 
-    /// Whether the object is gone (deleted while it was reconciled): nothing to retry.
-    pub fn is_gone(&self) -> bool {
-        self.backend().is_some_and(|e| {
-            matches!(e.downcast_ref(), Some(kube::Error::Api(status)) if status.code == 404)
-                || matches!(
-                    e.downcast_ref(),
-                    Some(crate::standalone::store::StoreError::NotFound { .. })
-                )
-        })
-    }
+/// A backend's refusal the retry policy acts on; each driver recognises its own errors
+/// ([`Cluster::refusal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A conditional write lost to a newer version of the object (the API server's 409
+    /// Conflict, the store's conflict): routine under load, answered by reading it again.
+    Conflict,
+    /// The object is gone (deleted while it was reconciled): nothing to retry.
+    Gone,
 }
 
 /// What to do after a failed reconcile.
@@ -401,14 +367,22 @@ pub const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(2);
 
 /// The one error policy of both drivers: a conflict is read again at once, a deleted object
 /// is left alone, anything else is logged and retried after [`RETRY_AFTER_FAILURE`].
-pub fn retry_policy(kind: &str, object: &ObjectName, error: &ReconcileError) -> Retry {
-    if error.is_gone() {
-        tracing::debug!(kind, %object, "the object was deleted while it was reconciled");
-        return Retry::Never;
-    }
-    if error.is_conflict() {
-        tracing::debug!(kind, %object, "the object changed while it was reconciled; reconciling it again");
-        return Retry::Reread;
+pub fn retry_policy(
+    kind: &str,
+    object: &ObjectName,
+    error: &ReconcileError,
+    refusal: Option<Refusal>,
+) -> Retry {
+    match refusal {
+        Some(Refusal::Gone) => {
+            tracing::debug!(kind, %object, "the object was deleted while it was reconciled");
+            return Retry::Never;
+        }
+        Some(Refusal::Conflict) => {
+            tracing::debug!(kind, %object, "the object changed while it was reconciled; reconciling it again");
+            return Retry::Reread;
+        }
+        None => {}
     }
     tracing::warn!(kind, %object, %error, "reconcile failed; retrying in {}s", RETRY_AFTER_FAILURE.as_secs());
     Retry::After(RETRY_AFTER_FAILURE)
@@ -437,51 +411,18 @@ pub(crate) fn count<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::standalone::store::StoreError;
-
-    fn api_error(code: u16) -> BackendError {
-        let status: kube::core::Status =
-            serde_json::from_value(serde_json::json!({"code": code, "reason": "Conflict"}))
-                .unwrap_or_else(|e| panic!("{e}"));
-        Box::new(kube::Error::Api(Box::new(status)))
-    }
-
-    fn store_conflict() -> BackendError {
-        Box::new(StoreError::Conflict {
-            kind: "Task".into(),
-            namespace: "default".into(),
-            name: "t".into(),
-            expected: "3".into(),
-            actual: "4".into(),
-        })
-    }
 
     #[test]
-    fn both_backends_conflicts_are_read_again_however_they_arrive() {
+    fn conflicts_are_read_again_deletions_left_and_the_rest_retried_later() {
         let name = ObjectName::new("default", "t");
+        let error = ReconcileError::Task(TaskApplyError::NoJobs("t".into()));
         let cases = [
-            (ReconcileError::Backend(api_error(409)), Retry::Reread),
-            (ReconcileError::Backend(store_conflict()), Retry::Reread),
-            (
-                ReconcileError::Task(TaskApplyError::Backend(api_error(409))),
-                Retry::Reread,
-            ),
-            (
-                ReconcileError::Task(TaskApplyError::Backend(store_conflict())),
-                Retry::Reread,
-            ),
-            (ReconcileError::Backend(api_error(404)), Retry::Never),
-            (
-                ReconcileError::Backend(api_error(500)),
-                Retry::After(RETRY_AFTER_FAILURE),
-            ),
-            (
-                ReconcileError::Task(TaskApplyError::NoJobs("t".into())),
-                Retry::After(RETRY_AFTER_FAILURE),
-            ),
+            (Some(Refusal::Conflict), Retry::Reread),
+            (Some(Refusal::Gone), Retry::Never),
+            (None, Retry::After(RETRY_AFTER_FAILURE)),
         ];
-        for (error, expected) in cases {
-            assert_eq!(retry_policy("Task", &name, &error), expected, "{error:?}");
+        for (refusal, expected) in cases {
+            assert_eq!(retry_policy("Task", &name, &error, refusal), expected);
         }
     }
 

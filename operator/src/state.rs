@@ -41,7 +41,7 @@ pub struct DriverState {
     unclaimed_updates: Mutex<Vec<(u64, ReportedResult)>>,
     /// The latest phase seen of each proplet another replica owns (sharding).
     foreign_phases:
-        Mutex<HashMap<crate::controller::ObjectName, crate::crd::proplet::PropletPhase>>,
+        Mutex<HashMap<propeller_core::object_name::ObjectName, crate::crd::proplet::PropletPhase>>,
 }
 
 /// What a broker event concerns, for the driver to trigger.
@@ -274,7 +274,7 @@ impl DriverState {
     /// the one seen before.
     pub fn phase_seen(
         &self,
-        proplet: &crate::controller::ObjectName,
+        proplet: &propeller_core::object_name::ObjectName,
         phase: Option<crate::crd::proplet::PropletPhase>,
     ) -> Option<crate::crd::proplet::PropletPhase> {
         let mut seen = lock(&self.foreign_phases);

@@ -322,7 +322,7 @@ pub struct MonitoringProfile {
     pub history_size: Option<i32>,
 }
 
-/// Lifecycle phase of a task; see [`crate::decision::task_phase`] for the allowed moves.
+/// Lifecycle phase of a task; the decision core's `task_phase` lists the allowed moves.
 #[derive(
     Serialize,
     Deserialize,

@@ -117,7 +117,8 @@ pub fn error_policy<K: Stored, C: Cluster>(
     error: &ReconcileError,
     _: Arc<C>,
 ) -> Action {
-    match retry_policy(&K::kind(&()), &ObjectName::of(&*object), error) {
+    let refusal = error.refusal::<C>();
+    match retry_policy(&K::kind(&()), &ObjectName::of(&*object), error, refusal) {
         Retry::Reread => Action::requeue(C::CONFLICT_REREAD),
         Retry::Never => Action::await_change(),
         Retry::After(wait) => Action::requeue(wait),

@@ -18,7 +18,7 @@ use crate::decision::task::{
 };
 use crate::executor::{Dispatch, JobRunner};
 
-use super::{count, Cluster, Next, ObjectName, ReconcileError, Wake};
+use super::{count, Cluster, Next, ObjectName, ReconcileError, Refusal, Wake};
 
 /// How often a task whose start waits for its device looks again.
 pub const DEVICE_WAIT: TimeDelta = TimeDelta::seconds(1);
@@ -143,7 +143,8 @@ async fn reserve_slots<C: Cluster>(
                 Ok(()) => break,
                 Err(e) => {
                     let error = ReconcileError::Backend(e);
-                    if !error.is_conflict() || attempt == SLOT_WRITE_ATTEMPTS {
+                    let conflict = error.refusal::<C>() == Some(Refusal::Conflict);
+                    if !conflict || attempt == SLOT_WRITE_ATTEMPTS {
                         return Err(error);
                     }
                 }

@@ -6,26 +6,11 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::Client;
 
-use crate::oci::credentials::DOCKER_CONFIG_KEY;
+use crate::oci::credentials::docker_config_of;
 use crate::oci::PullSecrets;
 
 /// Reads `kubernetes.io/dockerconfigjson` Secrets through kube-rs.
 pub struct ApiPullSecrets(pub Client);
-
-/// The Docker config of a Secret, or why it is not a usable pull Secret.
-pub fn docker_config_of(secret: &Secret) -> Result<Vec<u8>, String> {
-    secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(DOCKER_CONFIG_KEY))
-        .map(|b| b.0.clone())
-        .ok_or_else(|| {
-            format!(
-                "has no {DOCKER_CONFIG_KEY} key (type {}; expected kubernetes.io/dockerconfigjson)",
-                secret.type_.as_deref().unwrap_or("Opaque")
-            )
-        })
-}
 
 impl PullSecrets for ApiPullSecrets {
     fn docker_config<'a>(

@@ -11,6 +11,21 @@ use serde::Deserialize;
 /// The key of the config in a `kubernetes.io/dockerconfigjson` Secret.
 pub const DOCKER_CONFIG_KEY: &str = ".dockerconfigjson";
 
+/// The Docker config of a Secret, or why it is not a usable pull Secret.
+pub fn docker_config_of(secret: &k8s_openapi::api::core::v1::Secret) -> Result<Vec<u8>, String> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(DOCKER_CONFIG_KEY))
+        .map(|b| b.0.clone())
+        .ok_or_else(|| {
+            format!(
+                "has no {DOCKER_CONFIG_KEY} key (type {}; expected kubernetes.io/dockerconfigjson)",
+                secret.type_.as_deref().unwrap_or("Opaque")
+            )
+        })
+}
+
 #[derive(Debug, Default, Deserialize)]
 struct DockerConfig {
     #[serde(default)]

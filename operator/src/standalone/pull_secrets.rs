@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::Secret;
 
 use super::driver::SECRET;
 use super::store::ObjectStore;
-use crate::k8s::pull_secrets::docker_config_of;
+use crate::oci::credentials::docker_config_of;
 use crate::oci::PullSecrets;
 
 /// Reads `kubernetes.io/dockerconfigjson` Secrets applied with `propeller apply`.

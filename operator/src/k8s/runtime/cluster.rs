@@ -6,7 +6,7 @@ use kube::api::PostParams;
 use serde_json::Value;
 
 use super::*;
-use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
+use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
 use crate::decision::task::{JobOutcome, TaskPlan};
@@ -67,6 +67,10 @@ impl Cluster for Shared {
 
     fn common(&self) -> &Common {
         &self.common
+    }
+
+    fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
+        api_refusal(error)
     }
 
     fn newest_proplet(&self, proplet: Proplet) -> Proplet {
@@ -275,5 +279,51 @@ impl Cluster for Shared {
             };
             Shared::publish_note(&recorder, &reference, &note).await;
         });
+    }
+}
+
+/// The API server's refusals: 409 Conflict and 404 Not Found.
+fn api_refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
+    match error.downcast_ref::<kube::Error>() {
+        Some(kube::Error::Api(status)) if status.code == 409 => Some(Refusal::Conflict),
+        Some(kube::Error::Api(status)) if status.code == 404 => Some(Refusal::Gone),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::ReconcileError;
+    use crate::executor::TaskApplyError;
+
+    fn api_error(code: u16) -> BackendError {
+        let status: kube::core::Status =
+            serde_json::from_value(serde_json::json!({"code": code, "reason": "Conflict"}))
+                .unwrap_or_else(|e| panic!("{e}"));
+        Box::new(kube::Error::Api(Box::new(status)))
+    }
+
+    #[test]
+    fn the_api_servers_conflicts_and_misses_are_refusals_however_they_arrive() {
+        let cases = [
+            (
+                ReconcileError::Backend(api_error(409)),
+                Some(Refusal::Conflict),
+            ),
+            (
+                ReconcileError::Task(TaskApplyError::Backend(api_error(409))),
+                Some(Refusal::Conflict),
+            ),
+            (ReconcileError::Backend(api_error(404)), Some(Refusal::Gone)),
+            (ReconcileError::Backend(api_error(500)), None),
+            (
+                ReconcileError::Task(TaskApplyError::NoJobs("t".into())),
+                None,
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(error.backend().and_then(api_refusal), expected, "{error:?}");
+        }
     }
 }

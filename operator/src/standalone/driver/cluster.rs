@@ -2,7 +2,7 @@
 //! wait for the group commit off the runtime's threads), reads from the [`ObjectCache`],
 //! wakes into the work queue, notes into the event log.
 
-use crate::controller::{Cluster, Common, ObjectName, Stored, Wake};
+use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
 use crate::crd::task::Task;
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
@@ -27,6 +27,10 @@ impl Cluster for Driver {
 
     fn common(&self) -> &Common {
         &self.common
+    }
+
+    fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
+        store_refusal(error)
     }
 
     async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
@@ -207,5 +211,51 @@ impl Driver {
         let name = ObjectName::of(object);
         self.events
             .record(&K::kind(&()), &name.namespace, &name.name, note, Utc::now());
+    }
+}
+
+/// The store's refusals: a conflict and a missing object.
+fn store_refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
+    match error.downcast_ref::<StoreError>() {
+        Some(StoreError::Conflict { .. }) => Some(Refusal::Conflict),
+        Some(StoreError::NotFound { .. }) => Some(Refusal::Gone),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::ReconcileError;
+
+    #[test]
+    fn the_stores_conflicts_are_refusals_however_they_arrive() {
+        let conflict = || -> BackendError {
+            Box::new(StoreError::Conflict {
+                kind: "Task".into(),
+                namespace: "default".into(),
+                name: "t".into(),
+                expected: "3".into(),
+                actual: "4".into(),
+            })
+        };
+        let cases = [
+            (ReconcileError::Backend(conflict()), Some(Refusal::Conflict)),
+            (
+                ReconcileError::Task(TaskApplyError::Backend(conflict())),
+                Some(Refusal::Conflict),
+            ),
+            (
+                ReconcileError::Task(TaskApplyError::NoJobs("t".into())),
+                None,
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(
+                error.backend().and_then(store_refusal),
+                expected,
+                "{error:?}"
+            );
+        }
     }
 }
