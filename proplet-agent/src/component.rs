@@ -7,7 +7,7 @@
 //! - **Custom export** (any other name): the name is a top-level export, `instance#func`, or a
 //!   function of an exported instance; each input is a WAVE literal parsed against its
 //!   parameter type, and the first result is encoded as WAVE text (`"hello"` with quotes).
-//! - **HTTP server** (exports `wasi:http/incoming-handler`): see [`crate::http_server`].
+//! - **HTTP server** (exports `wasi:http/incoming-handler`): served by the `http_server` module.
 //!
 //! The guest gets the same policy as a core module: env and args only, preopens only from the
 //! allow-list, the memory cap, the wall-clock limit, fuel, and a stop that interrupts even a
@@ -27,9 +27,9 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{I32Exit, WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::wasm::limits::{Limiter, RunError, StopFlag};
-use crate::wasm::sandbox::{Invocation, Outcome, Sandbox};
-use crate::wasm::values::{command_output, root_cause};
+use crate::sandbox::limits::{Limiter, RunError, StopFlag};
+use crate::sandbox::values::{command_output, root_cause};
+use crate::sandbox::{Invocation, Outcome, Sandbox};
 
 /// The export that makes a component an HTTP server.
 pub(crate) const HTTP_HANDLER: &str = "wasi:http/incoming-handler";

@@ -9,6 +9,7 @@ pub mod finished;
 pub mod hal;
 pub mod http_server;
 pub mod outgoing_http;
+pub mod sandbox;
 pub mod spool;
 pub mod system;
 pub mod telemetry;

@@ -25,16 +25,13 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::I32Exit;
 
 mod cache;
-pub(crate) mod limits;
-pub(crate) mod sandbox;
-pub(crate) mod values;
 
+pub use crate::sandbox::limits::*;
+pub use crate::sandbox::values::is_component;
+use crate::sandbox::values::*;
+pub(crate) use crate::sandbox::values::{command_output, root_cause};
+pub use crate::sandbox::{Invocation, Outcome, Sandbox};
 use cache::*;
-pub use limits::*;
-pub use sandbox::{Invocation, Outcome, Sandbox};
-pub use values::is_component;
-use values::*;
-pub(crate) use values::{command_output, root_cause};
 
 /// How often running tasks are checked for stop requests and deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);

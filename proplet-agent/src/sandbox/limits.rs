@@ -139,10 +139,10 @@ impl StopFlag {
 /// Live figures of one running task, readable from other threads (task metrics).
 #[derive(Debug, Default)]
 pub struct TaskGauge {
-    pub(super) memory_bytes: AtomicU64,
-    pub(super) fuel_used: AtomicU64,
-    pub(super) metered: AtomicBool,
-    pub(super) thread_id: AtomicU32,
+    pub(crate) memory_bytes: AtomicU64,
+    pub(crate) fuel_used: AtomicU64,
+    pub(crate) metered: AtomicBool,
+    pub(crate) thread_id: AtomicU32,
 }
 
 impl TaskGauge {
@@ -166,8 +166,8 @@ impl TaskGauge {
 
 /// The store's resource limiter: the memory cap, plus accounting into the task's gauge.
 pub(crate) struct Limiter {
-    pub(super) inner: StoreLimits,
-    pub(super) gauge: Arc<TaskGauge>,
+    pub(crate) inner: StoreLimits,
+    pub(crate) gauge: Arc<TaskGauge>,
 }
 
 impl ResourceLimiter for Limiter {
@@ -213,7 +213,7 @@ impl ResourceLimiter for Limiter {
 }
 
 /// The kernel id of the calling thread (Linux), 0 elsewhere.
-pub(super) fn current_thread_id() -> u32 {
+pub(crate) fn current_thread_id() -> u32 {
     std::fs::read_to_string("/proc/thread-self/stat")
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|t| t.parse().ok()))

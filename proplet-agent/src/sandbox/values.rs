@@ -6,9 +6,9 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use super::limits::RunError;
 
-pub(super) const INTERRUPTED: &str = "propeller: task interrupted";
+pub(crate) const INTERRUPTED: &str = "propeller: task interrupted";
 
-pub(super) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+pub(crate) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     #[cfg(unix)]
     {
@@ -24,7 +24,7 @@ pub(crate) fn root_cause(error: &wasmtime::Error) -> String {
 }
 
 /// Where a trap happened, one line: ` in <function> at offset 0x…` of the innermost frame.
-pub(super) fn trap_site(error: &wasmtime::Error) -> String {
+pub(crate) fn trap_site(error: &wasmtime::Error) -> String {
     let Some(frame) = error
         .downcast_ref::<wasmtime::WasmBacktrace>()
         .and_then(|b| b.frames().first())
@@ -47,7 +47,7 @@ pub fn is_component(bytes: &[u8]) -> bool {
     bytes.len() >= 8 && bytes[0..4] == *b"\0asm" && bytes[4] == 0x0d && bytes[6..8] == [0x01, 0x00]
 }
 
-pub(super) fn resolve_export<T>(
+pub(crate) fn resolve_export<T>(
     store: &mut Store<T>,
     instance: &Instance,
     requested: &str,
@@ -79,7 +79,7 @@ pub(super) fn resolve_export<T>(
     })
 }
 
-pub(super) fn convert_inputs(params: &[ValType], inputs: &[String]) -> Result<Vec<Val>, RunError> {
+pub(crate) fn convert_inputs(params: &[ValType], inputs: &[String]) -> Result<Vec<Val>, RunError> {
     if params.len() != inputs.len() {
         return Err(RunError::Inputs(format!(
             "the export takes {} parameter(s), {} input(s) given",
@@ -123,7 +123,7 @@ pub(super) fn convert_inputs(params: &[ValType], inputs: &[String]) -> Result<Ve
         .collect()
 }
 
-pub(super) fn format_value(value: &Val) -> String {
+pub(crate) fn format_value(value: &Val) -> String {
     match value {
         Val::I32(v) => v.to_string(),
         Val::I64(v) => v.to_string(),
@@ -143,7 +143,7 @@ pub(crate) fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPip
     text
 }
 
-pub(super) fn memory_size<T>(store: &mut Store<T>, instance: &Instance) -> usize {
+pub(crate) fn memory_size<T>(store: &mut Store<T>, instance: &Instance) -> usize {
     let memories: Vec<_> = instance
         .exports(&mut *store)
         .filter_map(|e| e.into_memory())

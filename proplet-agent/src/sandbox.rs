@@ -1,6 +1,6 @@
-//! What one run needs from the runtime, whatever it runs (a core module here, a component in
-//! [`crate::component`]): the engine, the limits, and the store, limiter, WASI context and
-//! error classification built from them.
+//! What one run needs from the runtime, whatever it runs (a core module in `wasm`, a
+//! component in `component`): the engine, the limits, and the store, limiter, WASI context
+//! and error classification built from them. Both runners build on it; it knows neither.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -11,10 +11,11 @@ use wasmtime::{Engine, ResourceLimiter, Store, StoreLimitsBuilder, Trap, UpdateD
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
-use super::limits::{
-    current_thread_id, Limiter, Limits, RunError, StopFlag, TaskGauge, WASM_STACK_BYTES,
-};
-use super::values::{root_cause, trap_site, INTERRUPTED};
+pub mod limits;
+pub mod values;
+
+use limits::{current_thread_id, Limiter, Limits, RunError, StopFlag, TaskGauge, WASM_STACK_BYTES};
+use values::{root_cause, trap_site, INTERRUPTED};
 
 /// What to run.
 #[derive(Debug, Clone, Default)]
