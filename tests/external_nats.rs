@@ -36,20 +36,13 @@ fn nats_cluster_carries_the_fleet_with_a_rendered_device_policy() {
         .iter()
         .map(|a| format!("mqtt://{a}"))
         .collect();
-    let pids = cluster
-        .pids()
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(" ");
     let propeller_args = vec![
         "--device-auth".into(),
         "rendered".into(),
         "--broker-config-file".into(),
         cluster.authorization_path().display().to_string(),
-        // A node killed later is skipped: kill signals the others and reports the dead one.
         "--broker-config-reload".into(),
-        format!("kill -HUP {pids}; true"),
+        cluster.reload_command(),
         "--mqtt-username".into(),
         PROPELLER_USER.into(),
         "--mqtt-password-file".into(),

@@ -361,6 +361,13 @@ fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
     drop(operator);
 }
 
+/// Whether `object` carries no finalizer.
+fn holds_no_finalizer(object: &Value) -> bool {
+    object["metadata"]["finalizers"]
+        .as_array()
+        .is_none_or(|f| f.is_empty())
+}
+
 /// The Task finalizer costs the API server a request of its own, so only a task written
 /// `running` gets it: a quick task never does, and one deleted while its young run is out is
 /// stopped from the Task watch's deletion.
@@ -381,21 +388,12 @@ fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
     apply(&cp, ns, &task_manifest("quick", "[1, 2]", ""));
     let quick = wait_phase(&cp, ns, "task", "quick", "completed");
     assert_eq!(quick["status"]["results"], "3");
-    assert!(
-        quick["metadata"]["finalizers"]
-            .as_array()
-            .is_none_or(|f| f.is_empty()),
-        "{:#}",
-        quick["metadata"]
-    );
+    assert!(holds_no_finalizer(&quick), "{:#}", quick["metadata"]);
 
-    let spin = support::standalone::spin_module();
     apply(
         &cp,
         ns,
-        &format!(
-            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: young\nspec:\n  name: young\n  functionName: spin\n  file: {spin}\n  inputs: [2000000000]\n"
-        ),
+        &support::standalone::spin_task("young", 2_000_000_000, ""),
     );
     let young = wait_phase(&cp, ns, "task", "young", "scheduled");
     let uid = young["metadata"]["uid"]
@@ -414,13 +412,7 @@ fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
     }
     let young = get(&cp, ns, "task", "young").expect("the young task");
     assert_eq!(young["status"]["phase"], "scheduled", "{young:#}");
-    assert!(
-        young["metadata"]["finalizers"]
-            .as_array()
-            .is_none_or(|f| f.is_empty()),
-        "{:#}",
-        young["metadata"]
-    );
+    assert!(holds_no_finalizer(&young), "{:#}", young["metadata"]);
 
     cp.kubectl_ok(&["-n", ns, "delete", "task", "young", "--wait=false"]);
     wait_gone(&cp, ns, "task", "young");
@@ -1325,14 +1317,8 @@ fn the_operator_runs_devices_through_an_external_nats_cluster() {
         .collect();
     let password_file = cp.scratch().join("mqtt-password");
     std::fs::write(&password_file, password).expect("write the password");
-    let pids = nats
-        .pids()
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(" ");
     let authorization = nats.authorization_path().display().to_string();
-    let reload = format!("kill -HUP {pids}; true");
+    let reload = nats.reload_command();
     let password_path = password_file.display().to_string();
     let brokers = nodes.join(",");
     let (operator, metrics) = spawn_operator_with(

@@ -132,15 +132,9 @@ impl Fleet {
             Broker::Nats(nats) => {
                 cmd.args(["--device-auth", "rendered"]);
                 if renders {
-                    let pids = nats
-                        .pids()
-                        .iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(" ");
                     cmd.arg("--broker-config-file")
                         .arg(nats.authorization_path())
-                        .args(["--broker-config-reload", &format!("kill -HUP {pids}; true")]);
+                        .args(["--broker-config-reload", &nats.reload_command()]);
                 }
             }
             Broker::Rabbit {
@@ -645,22 +639,6 @@ fn share_and_take_over(fleet: &Fleet) {
     drop(agents);
 }
 
-/// The most tasks `agent` ran at once, from its log (a start accepted opens a run, its
-/// success or failure closes it), and how many runs it finished.
-fn most_at_once(agent: &mut AgentLog) -> (usize, usize) {
-    let (mut running, mut most, mut finished) = (0usize, 0usize, 0usize);
-    for line in agent.lines() {
-        if line.contains("task accepted") {
-            running += 1;
-            most = most.max(running);
-        } else if line.contains("task succeeded") || line.contains("task failed") {
-            running = running.saturating_sub(1);
-            finished += 1;
-        }
-    }
-    (most, finished)
-}
-
 /// Two replicas scheduling onto one proplet of capacity 1 at the same time, each for the
 /// tasks it owns: its slot is taken with a conditional write, so the device never runs two
 /// at once, and every task still runs exactly once.
@@ -696,13 +674,9 @@ fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
 
     // Spinning tasks pinned to `a`, applied at once: each replica schedules its share.
     const COUNT: usize = 8;
-    let spin = support::standalone::spin_module();
+    let pinned = "  propletSelector:\n    propletId: a\n";
     let manifest = (0..COUNT)
-        .map(|i| {
-            format!(
-                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: slot-{i}\nspec:\n  name: slot-{i}\n  functionName: spin\n  file: {spin}\n  inputs: [50000000]\n  propletSelector:\n    propletId: a\n"
-            )
-        })
+        .map(|i| support::standalone::spin_task(&format!("slot-{i}"), 50_000_000, pinned))
         .collect::<Vec<_>>()
         .join("---\n");
     apply(cp, NS, &manifest);
@@ -719,7 +693,7 @@ fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    let (most, finished) = most_at_once(&mut agents[0]);
+    let (most, _, finished) = support::standalone::most_at_once(agents[0].lines());
     eprintln!("device a: {finished} runs, at most {most} at once");
     assert_eq!(most, 1, "the capacity of 1 was exceeded");
     assert_eq!(finished, COUNT);

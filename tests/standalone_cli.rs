@@ -1057,15 +1057,10 @@ fn a_proplet_at_capacity_runs_its_tasks_one_at_a_time() {
     let state = tempfile::tempdir().expect("agent state");
     let agent = support::device_agent("pi", &port, state.path());
     support::standalone::wait_for_object_phase(&api, dir.path(), "proplet", "pi", "Running");
-    let spin = support::standalone::spin_module();
     let names: Vec<String> = (0..4).map(|i| format!("one-{i}")).collect();
     let manifests: Vec<String> = names
         .iter()
-        .map(|name| {
-            format!(
-                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: spin\n  file: {spin}\n  inputs: [50000000]\n"
-            )
-        })
+        .map(|name| support::standalone::spin_task(name, 50_000_000, ""))
         .collect();
     support::standalone::apply_text(&api, dir.path(), "tasks.yaml", &manifests.join("---\n"));
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -1078,16 +1073,7 @@ fn a_proplet_at_capacity_runs_its_tasks_one_at_a_time() {
     for (name, task) in &finished {
         assert_eq!(task["status"]["phase"], "completed", "{name}: {task:#}");
     }
-    let (mut running, mut most, mut accepted) = (0usize, 0usize, 0usize);
-    for line in agent.stderr_so_far() {
-        if line.contains("task accepted") {
-            running += 1;
-            accepted += 1;
-            most = most.max(running);
-        } else if line.contains("task succeeded") || line.contains("task failed") {
-            running = running.saturating_sub(1);
-        }
-    }
+    let (most, accepted, _) = support::standalone::most_at_once(&agent.stderr_so_far());
     assert_eq!(accepted, 4, "each task runs once");
     assert_eq!(most, 1, "the capacity of 1 was exceeded");
 }

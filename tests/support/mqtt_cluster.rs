@@ -971,6 +971,19 @@ impl NatsCluster {
             .collect()
     }
 
+    /// The shell command that makes every node live now reload its configuration (for
+    /// `--broker-config-reload`; a node killed later is skipped: kill signals the others and
+    /// reports the dead one).
+    pub fn reload_command(&self) -> String {
+        let pids = self
+            .pids()
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" ");
+        format!("kill -HUP {pids}; true")
+    }
+
     /// Rewrites authorization.conf and reloads every live node (SIGHUP, what
     /// `nats-server --signal reload=<pid>` sends); returns once each has logged the reload.
     pub fn reload_authorization(&self, authorization: &str) {

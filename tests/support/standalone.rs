@@ -141,6 +141,32 @@ pub fn spin_module() -> String {
     base64::engine::general_purpose::STANDARD.encode(spin)
 }
 
+/// A task `name` running [`spin_module`]'s `spin(n)`; `extra` is more of its spec (indented
+/// two spaces), e.g. a selector.
+pub fn spin_task(name: &str, n: u64, extra: &str) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: spin\n  file: {}\n  inputs: [{n}]\n{extra}",
+        spin_module()
+    )
+}
+
+/// The most tasks an agent ran at once, from its log lines (a start accepted opens a run,
+/// its success or failure closes it), how many it accepted and how many it finished.
+pub fn most_at_once<'a>(log: impl IntoIterator<Item = &'a String>) -> (usize, usize, usize) {
+    let (mut running, mut most, mut accepted, mut finished) = (0usize, 0usize, 0usize, 0usize);
+    for line in log {
+        if line.contains("task accepted") {
+            running += 1;
+            accepted += 1;
+            most = most.max(running);
+        } else if line.contains("task succeeded") || line.contains("task failed") {
+            running = running.saturating_sub(1);
+            finished += 1;
+        }
+    }
+    (most, accepted, finished)
+}
+
 /// A task with an inline module (no registry involved).
 pub fn inline_task(name: &str, inputs: &str) -> String {
     format!(
