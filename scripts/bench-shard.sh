@@ -5,6 +5,9 @@
 #
 #   scripts/bench-shard.sh [N] [REPLICAS...]     (default: N = 30000, replicas 1 and 3)
 #
+# BENCH_NAMESPACES=K spreads the proplets and tasks over K namespaces (one real agent in
+# each); BENCH_SHARDED_WATCHES=1 runs the replicas with --sharded-watches, on an API server
+# with its ShardedListAndWatch feature gate on.
 # Needs etcd, nats-server and the envtest binaries, as the tests do (scripts/test.sh
 # installs them).
 set -euo pipefail
@@ -25,6 +28,9 @@ cleanup() {
 }
 trap cleanup EXIT
 source scripts/lib/harness.sh
+if [ "${BENCH_SHARDED_WATCHES:-}" = 1 ]; then
+  export ENVTEST_ARGS="--sharded-list-and-watch"
+fi
 
 for replicas in "${COUNTS[@]}"; do
   dir="$WORK/r$replicas"

@@ -14,6 +14,10 @@ replicas on a real kube-apiserver and a 3-node NATS cluster (rendered device aut
    replica owns.
 
 PROPELLER_BIN: the propeller binary to measure instead of BIN_DIR's (before/after).
+BENCH_NAMESPACES=K: the proplets and tasks spread over K namespaces, one real agent in each
+(default 1: `default`, with 4 agents).
+BENCH_SHARDED_WATCHES=1: the replicas run with --sharded-watches (the control plane must have
+the API server's ShardedListAndWatch gate: bench-shard.sh turns it on then).
 BENCH_PERF=DIR: `perf record` samples the first replica (cpu-clock, 499 Hz) during the
 steady window and during the burst, into DIR/steady.data and DIR/burst.data (`perf report
 -i DIR/burst.data --no-children`).
@@ -36,29 +40,34 @@ from bench_kube import GROUP, Kube, add_task  # noqa: E402
 bin_dir, n, replicas, work, apiserver_pid = sys.argv[1:6]
 n, replicas, apiserver_pid = int(n), int(replicas), int(apiserver_pid)
 admin = Kube(os.path.join(work, "admin.kubeconfig"))
-NS = "default"
+K = int(os.environ.get("BENCH_NAMESPACES", "1"))
+NAMESPACES = [f"bench-{i}" for i in range(K)] if K > 1 else ["default"]
+SHARDED = os.environ.get("BENCH_SHARDED_WATCHES") == "1"
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
 PASSWORD = "bench-propeller-password"
-AGENTS = 4
+AGENTS = K if K > 1 else 4
 # Another propeller binary to measure (an earlier build, for before/after).
 PROPELLER = os.environ.get("PROPELLER_BIN") or os.path.join(bin_dir, "propeller")
 PER_LOADGEN = 15000
 
 
-def objects(name, brokers, channel):
-    """A device's Secret and external Proplet."""
-    return [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-key"},
+def objects(name, brokers, channel, ns):
+    """A device's Secret and external Proplet, in namespace `ns`."""
+    return [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-key", "namespace": ns},
              "stringData": {"key": f"{name}-key" if channel == "c" else f"{name}-secret"}},
             {"apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "Proplet",
-             "metadata": {"name": name, "labels": {"bench-role": "heartbeat" if channel == "c" else "worker"}},
+             "metadata": {"name": name, "namespace": ns,
+                          "labels": {"bench-role": "heartbeat" if channel == "c" else "worker"}},
              "spec": {"type": "external", "connectionConfig": {
                  "mqttAddress": brokers, "domainId": "d", "channelId": channel, "clientId": name,
                  "clientKeySecretRef": {"name": f"{name}-key", "key": "key"}}}}]
 
 
-def worker_task(name):
-    """add(10, 32) on one of the real agents (the simulated proplets run nothing)."""
+def worker_task(name, ns):
+    """add(10, 32) in namespace `ns` on one of the real agents (the simulated proplets run
+    nothing)."""
     task = add_task(name, ADD)
+    task["metadata"]["namespace"] = ns
     task["spec"]["propletSelector"] = {"matchLabels": {"bench-role": "worker"}}
     return task
 
@@ -69,10 +78,11 @@ def create_many(docs, threads=8):
     def post(doc):
         if not hasattr(local, "kube"):
             local.kube = Kube(os.path.join(work, "admin.kubeconfig"))
+        ns = doc["metadata"]["namespace"]
         if doc["kind"] == "Secret":
-            path = f"/api/v1/namespaces/{NS}/secrets"
+            path = f"/api/v1/namespaces/{ns}/secrets"
         else:
-            path = f"{GROUP}/namespaces/{NS}/{doc['kind'].lower()}s"
+            path = f"{GROUP}/namespaces/{ns}/{doc['kind'].lower()}s"
         local.kube.call("POST", path, doc)
 
     with ThreadPoolExecutor(threads) as pool:
@@ -157,7 +167,7 @@ def main():
                     "--metrics-listen", f"127.0.0.1:{metrics}", "--liveliness-interval", "10s",
                     "--last-seen-threshold", "30s", "--status-flush-interval", "5s",
                     "--mqtt-broker", brokers, "--mqtt-username", "propeller", "--mqtt-password-file", password_file,
-                    "--device-auth", "rendered"]
+                    "--device-auth", "rendered"] + (["--sharded-watches"] if SHARDED else [])
             if i == 0:
                 reload = "kill -HUP " + " ".join(str(p) for p in info["pids"]) + "; true"
                 args += ["--broker-config-file", authorization, "--broker-config-reload", reload]
@@ -175,9 +185,13 @@ def main():
         wait_until("every replica acting on all members", members_ok, 60)
 
         # 1. N heartbeating proplets.
+        for ns in NAMESPACES:
+            if ns != "default":
+                admin.call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                          "metadata": {"name": ns}})
         t = time.time()
         names = [f"hb-{i}" for i in range(n)]
-        docs = [d for x in names for d in objects(x, brokers, "c")]
+        docs = [d for i, x in enumerate(names) for d in objects(x, brokers, "c", NAMESPACES[i % K])]
         create_many([d for d in docs if d["kind"] == "Secret"])
         create_many([d for d in docs if d["kind"] == "Proplet"])
         created = time.time() - t
@@ -231,6 +245,8 @@ def main():
         span = cpu1[4] - cpu0[4]
         result = {
             "replicas": replicas,
+            "namespaces": K,
+            "sharded_watches": SHARDED,
             "proplets": n,
             "created_s": round(created, 1),
             "running": running_count,
@@ -248,7 +264,7 @@ def main():
 
         # 2. A 1,000-task burst on 4 real agents.
         workers = [f"w{i}" for i in range(AGENTS)]
-        create_many([d for x in workers for d in objects(x, brokers, x)])
+        create_many([d for i, x in enumerate(workers) for d in objects(x, brokers, x, NAMESPACES[i % K])])
         wait_until("the agents rendered", lambda: rendered(workers), 120)
         time.sleep(3)
         for i, x in enumerate(workers):
@@ -259,7 +275,7 @@ def main():
             agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_until("the agents Running", lambda: running() >= running_count + AGENTS, 120)
-        tasks_path = f"{GROUP}/namespaces/{NS}/tasks"
+        tasks_path = f"{GROUP}/tasks"
 
         def finished():
             items = admin.call("GET", tasks_path)["items"]
@@ -269,7 +285,7 @@ def main():
         kinds0 = requests_by_kind()
         recorder = perf_record(procs[0].pid, "burst")
         t0 = time.time()
-        create_many([worker_task(f"burst-{i}") for i in range(1000)])
+        create_many([worker_task(f"burst-{i}", NAMESPACES[i % K]) for i in range(1000)])
         # Polled (a list every 0.5 s; not counted as requests): a watch open this long was
         # seen to end early.
         deadline = t0 + 900
@@ -284,6 +300,7 @@ def main():
         reconciles1 = [pick(metrics_of(p), "propeller_reconciles_total", controller="task") for p in ports]
         time.sleep(6)  # the owned-objects gauges refresh every 5 s
         owned = [pick(metrics_of(p), "propeller_shard_owned", kind="Task") for p in ports]
+        cached = [pick(metrics_of(p), "propeller_shard_cached", kind="Task") for p in ports]
         result |= {
             "burst_completed": done,
             "burst_tasks_per_s": round(done / span),
@@ -292,6 +309,7 @@ def main():
             "burst_requests_per_task": round((after[2] - before[2]) / 1000, 2),
             "burst_task_reconciles": [round(b - a) for a, b in zip(reconciles0, reconciles1)],
             "tasks_owned": owned,
+            "tasks_cached": cached,
             "burst_requests": {k: round(v - kinds0.get(k, 0)) for k, v in kinds1.items()
                                if v - kinds0.get(k, 0) >= 10},
             "reports_received_per_replica": [

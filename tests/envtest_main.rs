@@ -24,6 +24,9 @@ struct Args {
     /// Also run kube-controller-manager (garbage collection, Jobs, Deployments).
     #[arg(long)]
     controller_manager: bool,
+    /// Turn on the API server's sharded list and watch (for `propeller run --sharded-watches`).
+    #[arg(long)]
+    sharded_list_and_watch: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,6 +35,7 @@ fn main() -> anyhow::Result<()> {
     let _ = std::fs::remove_file(args.dir.join("admin.kubeconfig"));
     let Some(cp) = ControlPlane::start(Options {
         controller_manager: args.controller_manager,
+        sharded_list_and_watch: args.sharded_list_and_watch,
     }) else {
         bail!("no control-plane binaries (see the line above)");
     };

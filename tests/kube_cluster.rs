@@ -554,6 +554,7 @@ fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
     let Some((cp, _operator, _)) = operator_in(
         Options {
             controller_manager: true,
+            ..Options::default()
         },
         ns,
     ) else {

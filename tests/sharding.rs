@@ -63,7 +63,12 @@ struct Replica {
 impl Fleet {
     /// A control plane and a 3-node cluster of `engine` ("nats" or "rabbitmq").
     fn start(engine: &str) -> Option<Self> {
-        let (cp, kubeconfig) = cluster(Options::default())?;
+        Self::start_with(engine, Options::default())
+    }
+
+    /// The same with a control plane started with `options`.
+    fn start_with(engine: &str, options: Options) -> Option<Self> {
+        let (cp, kubeconfig) = cluster(options)?;
         let secrets = Secrets::write(cp.scratch());
         let broker = match engine {
             "nats" => {
@@ -111,6 +116,38 @@ impl Fleet {
     /// Starts replica `name`; with NATS the one that `renders` keeps the authorization
     /// current, with RabbitMQ `r0` answers the callbacks.
     fn replica(&self, name: &str, renders: bool) -> Replica {
+        self.replica_with(name, renders, &[])
+    }
+
+    /// [`Fleet::replica`] with `extra` arguments.
+    fn replica_with(&self, name: &str, renders: bool, extra: &[&str]) -> Replica {
+        let (process, metrics) = self.spawn_replica(name, renders, extra);
+        let started = Instant::now();
+        while http_status(metrics, "/readyz") != Some(200) {
+            assert!(
+                started.elapsed() < STATUS_WAIT,
+                "replica {name} never became ready; its log ends:\n{}",
+                process
+                    .stderr_so_far()
+                    .iter()
+                    .rev()
+                    .take(15)
+                    .rev()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Replica {
+            name: name.to_owned(),
+            process,
+            metrics,
+        }
+    }
+
+    /// Starts replica `name` with `extra` arguments; its process and metrics port.
+    fn spawn_replica(&self, name: &str, renders: bool, extra: &[&str]) -> (Running, u16) {
         let metrics = free_port();
         let mut cmd = binary("propeller");
         cmd.args(["run", "--shard", "--metrics-listen"])
@@ -152,29 +189,8 @@ impl Fleet {
                     .arg(callback_secret_file);
             }
         }
-        let process = Running::spawn(cmd);
-        let started = Instant::now();
-        while http_status(metrics, "/readyz") != Some(200) {
-            assert!(
-                started.elapsed() < STATUS_WAIT,
-                "replica {name} never became ready; its log ends:\n{}",
-                process
-                    .stderr_so_far()
-                    .iter()
-                    .rev()
-                    .take(15)
-                    .rev()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Replica {
-            name: name.to_owned(),
-            process,
-            metrics,
-        }
+        cmd.args(extra);
+        (Running::spawn(cmd), metrics)
     }
 
     /// Lets the devices of `DEVICES` log in: NATS reloads the authorization `r0` rendered;
@@ -219,9 +235,14 @@ fn wait_members(replicas: &[&Replica], members: usize, limit: Duration) -> Durat
 
 /// The Tasks of the namespace, by name.
 fn tasks(cp: &ControlPlane) -> BTreeMap<String, Value> {
+    tasks_in(cp, NS)
+}
+
+/// The Tasks of namespace `ns`, by name.
+fn tasks_in(cp: &ControlPlane, ns: &str) -> BTreeMap<String, Value> {
     let out = cp.kubectl_ok(&[
         "-n",
-        NS,
+        ns,
         "get",
         "tasks",
         "-o",
@@ -248,11 +269,16 @@ fn tasks(cp: &ControlPlane) -> BTreeMap<String, Value> {
 
 /// Applies `count` tasks `{prefix}-{i}` adding `i` and 1, in one request.
 fn burst(cp: &ControlPlane, prefix: &str, count: usize) {
+    burst_in(cp, NS, prefix, count, "");
+}
+
+/// [`burst`] in namespace `ns`, each task's spec ending with `extra`.
+fn burst_in(cp: &ControlPlane, ns: &str, prefix: &str, count: usize, extra: &str) {
     let manifest = (0..count)
-        .map(|i| task_manifest(&format!("{prefix}-{i}"), &format!("[{i}, 1]"), ""))
+        .map(|i| task_manifest(&format!("{prefix}-{i}"), &format!("[{i}, 1]"), extra))
         .collect::<Vec<_>>()
         .join("---\n");
-    apply(cp, NS, &manifest);
+    apply(cp, ns, &manifest);
 }
 
 /// How many of the burst's tasks have completed.
@@ -639,6 +665,169 @@ fn share_and_take_over(fleet: &Fleet) {
     drop(agents);
 }
 
+/// With `--sharded-watches` on an API server that filters lists and watches by shard (its
+/// `ShardedListAndWatch` feature gate on): three replicas share whole namespaces and each
+/// caches only its namespaces' Tasks (together they hold every Task once; plain sharding
+/// holds every Task in every replica); every namespace's tasks complete; a replica killed
+/// (`kill -9`) in a burst has its namespaces taken over, and the burst completes with no task
+/// run twice.
+#[test]
+fn sharded_watches_give_each_replica_only_its_namespaces_and_survive_a_kill() {
+    let options = Options {
+        sharded_list_and_watch: true,
+        ..Options::default()
+    };
+    let Some(fleet) = Fleet::start_with("nats", options) else {
+        return;
+    };
+    let cp = &fleet.cp;
+    let sharded = ["--sharded-watches"];
+    let mut replicas = vec![
+        fleet.replica_with("r0", true, &sharded),
+        fleet.replica_with("r1", false, &sharded),
+        fleet.replica_with("r2", false, &sharded),
+    ];
+    wait_members(&replicas.iter().collect::<Vec<_>>(), 3, STATUS_WAIT);
+    // A namespace per device, each with its proplet: tasks run in their own namespace. The
+    // API server's hash (FNV-1a) hardly separates names that differ only at their end
+    // (`sw-a`, `sw-bb`, ... all fell to one replica): these four fall to all three.
+    let namespaces: Vec<String> = ["red", "green", "blue", "white"]
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    for (device, ns) in DEVICES.iter().zip(&namespaces) {
+        cp.kubectl_ok(&["create", "namespace", ns]);
+        apply(cp, ns, &device_manifest(device, &fleet.brokers));
+    }
+    fleet.authorize_devices();
+    let mut agents = agents(&fleet);
+    for (device, ns) in DEVICES.iter().zip(&namespaces) {
+        wait_phase(cp, ns, "proplet", device, "Running");
+    }
+    const EACH: usize = 15;
+    for ns in &namespaces {
+        burst_in(cp, ns, "first", EACH, "");
+    }
+    wait_namespaces(cp, &namespaces, "first", EACH);
+    let total = namespaces.len() * EACH;
+    let cached = wait_cached(&replicas.iter().collect::<Vec<_>>(), total);
+    eprintln!("Tasks cached by r0, r1, r2: {cached:?} of {total}");
+    assert!(
+        cached.iter().filter(|c| **c > 0.0).count() >= 2,
+        "one replica holds every namespace: {cached:?}"
+    );
+
+    // --- kill -9 in a burst of the replica caching the most.
+    for ns in &namespaces {
+        burst_in(cp, ns, "second", EACH, "");
+    }
+    let started = Instant::now();
+    while namespaces
+        .iter()
+        .map(|ns| completed_in(cp, ns, "second"))
+        .sum::<usize>()
+        < total / 4
+    {
+        assert!(started.elapsed() < STATUS_WAIT, "the burst did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let victim = (0..cached.len())
+        .max_by(|a, b| cached[*a].total_cmp(&cached[*b]))
+        .unwrap_or(0);
+    let mut killed = replicas.remove(victim);
+    let _ = killed.process.child.kill();
+    let _ = killed.process.child.wait();
+    let rest: Vec<&Replica> = replicas.iter().collect();
+    let took = wait_members(&rest, 2, Duration::from_secs(LEASE_SECS + 5));
+    eprintln!(
+        "{} killed; the others took its namespaces {took:?} later",
+        killed.name
+    );
+    wait_namespaces(cp, &namespaces, "second", EACH);
+    let cached = wait_cached(&rest, total * 2);
+    eprintln!("Tasks cached by the two left: {cached:?} of {}", total * 2);
+    for agent in &mut agents {
+        assert_eq!(agent.sessions(), 1, "a device was disconnected");
+    }
+    assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
+}
+
+/// How many of the tasks `{prefix}-*` of namespace `ns` have completed.
+fn completed_in(cp: &ControlPlane, ns: &str, prefix: &str) -> usize {
+    tasks_in(cp, ns)
+        .iter()
+        .filter(|(name, t)| {
+            name.starts_with(&format!("{prefix}-")) && t["status"]["phase"] == "completed"
+        })
+        .count()
+}
+
+/// Waits until the `count` tasks `{prefix}-{i}` of every namespace of `namespaces` have
+/// completed, each with its result (`i + 1`).
+fn wait_namespaces(cp: &ControlPlane, namespaces: &[String], prefix: &str, count: usize) {
+    let started = Instant::now();
+    for ns in namespaces {
+        loop {
+            let ours: Vec<(String, Value)> = tasks_in(cp, ns)
+                .into_iter()
+                .filter(|(name, _)| name.starts_with(&format!("{prefix}-")))
+                .collect();
+            let done = ours
+                .iter()
+                .filter(|(_, t)| t["status"]["phase"] == "completed")
+                .count();
+            if done == count {
+                for (name, task) in &ours {
+                    let i: i64 = name
+                        .rsplit('-')
+                        .next()
+                        .and_then(|i| i.parse().ok())
+                        .unwrap_or_default();
+                    assert_eq!(
+                        task["status"]["results"],
+                        (i + 1).to_string(),
+                        "{ns}/{name}"
+                    );
+                }
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(150),
+                "{done} of {count} {prefix} tasks completed in {ns}: {:#?}",
+                ours.iter()
+                    .map(|(n, t)| (n.clone(), t["status"]["phase"].clone()))
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+}
+
+/// Waits until the replicas' caches together hold `total` Tasks, each replica's holding just
+/// the Tasks it owns; the Tasks each caches.
+fn wait_cached(replicas: &[&Replica], total: usize) -> Vec<f64> {
+    let started = Instant::now();
+    loop {
+        let read = |r: &&Replica, series: &str| metric(r.metrics, series).unwrap_or(-1.0);
+        let cached: Vec<f64> = replicas
+            .iter()
+            .map(|r| read(r, "propeller_shard_cached{kind=\"Task\"}"))
+            .collect();
+        let owned: Vec<f64> = replicas
+            .iter()
+            .map(|r| read(r, "propeller_shard_owned{kind=\"Task\"}"))
+            .collect();
+        if cached.iter().sum::<f64>() == total as f64 && cached == owned {
+            return cached;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "cached {cached:?}, owned {owned:?}, of {total} Tasks"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Two replicas scheduling onto one proplet of capacity 1 at the same time, each for the
 /// tasks it owns: its slot is taken with a conditional write, so the device never runs two
 /// at once, and every task still runs exactly once.
@@ -648,6 +837,22 @@ fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
         return;
     };
     let cp = &fleet.cp;
+    // This API server does not filter by shard: `--sharded-watches` is refused, saying why.
+    let (mut refused, _) = fleet.spawn_replica("r9", false, &["--sharded-watches"]);
+    let started = Instant::now();
+    let exit = loop {
+        if let Some(exit) = refused.child.try_wait().expect("poll r9") {
+            break exit;
+        }
+        assert!(started.elapsed() < STATUS_WAIT, "r9 kept running");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let said = refused.stderr_so_far().join("\n");
+    assert!(!exit.success(), "r9 exited with {exit}");
+    assert!(
+        said.contains("ShardedListAndWatch=true"),
+        "r9 said:\n{said}"
+    );
     let r0 = fleet.replica("r0", true);
     let r1 = fleet.replica("r1", false);
     wait_members(&[&r0, &r1], 2, STATUS_WAIT);

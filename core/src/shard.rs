@@ -19,12 +19,33 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-/// What each kind's objects are hashed on. Every kind hashes on its own kind, namespace and
-/// name: a Task's run state (its start ledger and reported results) and a Proplet's liveness
-/// are recorded by every replica from the MQTT reports all of them receive, so nothing a
-/// reconcile needs is held by one replica only, and a job's children need not follow it.
-pub fn shard_key(kind: &str, namespace: &str, name: &str) -> String {
-    format!("{kind}/{namespace}/{name}")
+pub mod namespaces;
+
+/// What a replica's share is cut by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ShardBy {
+    /// Every object on its own: its kind, namespace and name. A Task's run state (its start
+    /// ledger and reported results) and a Proplet's liveness are recorded by every replica
+    /// from the MQTT reports all of them receive, so nothing a reconcile needs is held by one
+    /// replica only, and a job's children need not follow it. The shares are even whatever
+    /// the namespaces, but every replica must watch every object.
+    #[default]
+    Object,
+    /// Whole namespaces ([`namespaces`]): every object of a namespace (a task, its
+    /// dependencies, a job and its children, the proplets they run on) has one owner, so a
+    /// replica needs only its namespaces' objects and the API server can send it just those.
+    /// The shares are as even as the namespaces are.
+    Namespace,
+}
+
+impl ShardBy {
+    /// The key `kind` `namespace`/`name` is owned by.
+    pub fn key(self, kind: &str, namespace: &str, name: &str) -> String {
+        match self {
+            ShardBy::Object => format!("{kind}/{namespace}/{name}"),
+            ShardBy::Namespace => namespaces::bucket_key(namespaces::bucket_of(namespace)),
+        }
+    }
 }
 
 /// The rendezvous weight of `key` for `member`.
@@ -220,7 +241,7 @@ mod tests {
 
     fn keys(n: usize) -> Vec<String> {
         (0..n)
-            .map(|i| shard_key("Task", "default", &format!("t-{i}")))
+            .map(|i| ShardBy::Object.key("Task", "default", &format!("t-{i}")))
             .collect()
     }
 

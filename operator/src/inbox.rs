@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
@@ -17,10 +18,22 @@ use crate::decision::task::ReportedResult;
 /// Results kept per task before further ones are refused (a device flooding one task id).
 pub const MAX_PENDING_RESULTS_PER_TASK: usize = 256;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Pending {
     results: Vec<ReportedResult>,
     metrics: Option<MetricsSample>,
+    /// When the first of these reports arrived.
+    since: Instant,
+}
+
+impl Default for Pending {
+    fn default() -> Self {
+        Self {
+            results: Vec::new(),
+            metrics: None,
+            since: Instant::now(),
+        }
+    }
 }
 
 /// Pending task reports by task UID.
@@ -92,6 +105,18 @@ impl TaskInbox {
     /// Drops everything pending for a task that no longer exists.
     pub fn forget(&self, uid: &str) {
         self.lock().remove(uid);
+    }
+
+    /// Drops the reports waiting longer than `age` for a task `known` does not know, and
+    /// says how many tasks' reports went. With sharded watches a replica hears the reports
+    /// of every namespace but caches only its own: the others' would wait here for ever. If
+    /// such a task comes to this replica later, its start goes again when the result is
+    /// overdue, and the agent answers with the result it kept.
+    pub fn prune_unknown(&self, age: Duration, known: impl Fn(&str) -> bool) -> usize {
+        let mut pending = self.lock();
+        let before = pending.len();
+        pending.retain(|uid, p| p.since.elapsed() < age || known(uid));
+        before - pending.len()
     }
 
     /// Task ids with pending reports (for tests and metrics).
@@ -221,6 +246,21 @@ mod tests {
         assert_eq!(left, vec![result("b")]);
         inbox.consume("u1", 1, None);
         assert_eq!(inbox.waiting_tasks(), 0);
+    }
+
+    #[test]
+    fn only_old_reports_of_unknown_tasks_are_pruned() {
+        let inbox = TaskInbox::new();
+        inbox.push_result("known", result("a"));
+        inbox.push_result("foreign", result("a"));
+        assert_eq!(inbox.prune_unknown(Duration::from_secs(60), |_| false), 0);
+        std::thread::sleep(Duration::from_millis(20));
+        inbox.push_result("fresh", result("a"));
+        let pruned = inbox.prune_unknown(Duration::from_millis(10), |uid| uid == "known");
+        assert_eq!(pruned, 1);
+        assert_eq!(inbox.peek("foreign").0, Vec::new());
+        assert_eq!(inbox.peek("known").0, vec![result("a")]);
+        assert_eq!(inbox.peek("fresh").0, vec![result("a")]);
     }
 
     #[test]

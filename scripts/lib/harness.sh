@@ -15,7 +15,7 @@
 #   start_control_plane DIR BIN
 #
 # Starts `BIN/propeller-envtest` (etcd and kube-apiserver on free loopback ports, data under
-# DIR) and writes DIR/propeller.kubeconfig: the same cluster, authenticated as the
+# DIR; $ENVTEST_ARGS added to its arguments) and writes DIR/propeller.kubeconfig: the same cluster, authenticated as the
 # ServiceAccount propeller-system/propeller that configs/rbac binds. Sets ENVTEST_PID,
 # APISERVER_PID and KUBECONFIG (the admin's). The caller stops ENVTEST_PID.
 
@@ -50,7 +50,9 @@ start_standalone() {
 start_control_plane() {
   local dir=$1 bin=$2
   mkdir -p "$dir"
-  "$bin/propeller-envtest" --dir "$dir" >"$dir/envtest.log" 2>&1 &
+  # ENVTEST_ARGS: more arguments for propeller-envtest (e.g. --sharded-list-and-watch).
+  # shellcheck disable=SC2086
+  "$bin/propeller-envtest" --dir "$dir" ${ENVTEST_ARGS:-} >"$dir/envtest.log" 2>&1 &
   ENVTEST_PID=$!
   for _ in $(seq 1 120); do [ -f "$dir/admin.kubeconfig" ] && break; sleep 0.5; done
   if [ ! -f "$dir/admin.kubeconfig" ]; then

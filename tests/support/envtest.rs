@@ -32,6 +32,9 @@ pub struct Options {
     /// Also run kube-controller-manager (garbage collector, namespace, Job, Deployment,
     /// ReplicaSet and ServiceAccount controllers).
     pub controller_manager: bool,
+    /// Turn on kube-apiserver's sharded list and watch (feature gate `ShardedListAndWatch`,
+    /// alpha in 1.36), for `propeller run --sharded-watches`.
+    pub sharded_list_and_watch: bool,
 }
 
 /// Why a control plane did not come up; a taken port is worth another try on other ports.
@@ -160,6 +163,9 @@ impl ControlPlane {
             ))
             .arg("--service-account-issuer=https://kubernetes.default.svc")
             .arg("--service-cluster-ip-range=10.96.0.0/16");
+        if options.sharded_list_and_watch {
+            apiserver.arg("--feature-gates=ShardedListAndWatch=true");
+        }
         plane.spawn("kube-apiserver", apiserver);
         plane.wait_ready()?;
 

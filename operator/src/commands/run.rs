@@ -13,11 +13,15 @@ use prometheus_client::registry::Registry;
 use propeller_broker::http::{Handler, Reply, OPENMETRICS};
 use propeller_broker::protocol::parse_setting_duration;
 use propeller_broker::server::CredentialStore;
+use propeller_core::shard::ShardBy;
 use propeller_operator::controller::ownership::Ownership;
 use propeller_operator::decision::task::FinalizerTiming;
 use propeller_operator::k8s::fence::FenceLayer;
 use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
+use propeller_operator::k8s::sharded_watch::{
+    check_api_server_filters, ShardSelectorLayer, ShardedWatchError,
+};
 use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
 
@@ -78,6 +82,13 @@ pub struct RunCommand {
     /// over this long after its last renewal (at once when it stops cleanly).
     #[arg(long, env = "PROPELLER_SHARD_LEASE_DURATION", default_value = "15s", value_parser = parse_setting_duration)]
     pub shard_lease_duration: Duration,
+    /// With --shard: share whole namespaces, and have the API server send each replica only
+    /// its namespaces' Tasks, Jobs, PropellerJobs, FederatedJobs and TrainingRounds (sharded
+    /// list and watch: Kubernetes 1.36 or later with kube-apiserver's feature gate
+    /// ShardedListAndWatch=true, checked at start). Proplets and Secrets are still watched
+    /// whole: every replica authenticates and routes every device.
+    #[arg(long, env = "PROPELLER_SHARDED_WATCHES", requires = "shard")]
+    pub sharded_watches: bool,
     /// Log line format.
     #[arg(long, env = "PROPELLER_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -157,7 +168,31 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
         (true, None) => {
             anyhow::bail!("--shard needs a member id: set HOSTNAME (in a pod it is the pod name)")
         }
-        (true, Some(me)) => Some(Arc::new(Ownership::new(me, cmd.shard_lease_duration))),
+        (true, Some(me)) => {
+            let shard_by = if cmd.sharded_watches {
+                ShardBy::Namespace
+            } else {
+                ShardBy::Object
+            };
+            Some(Arc::new(Ownership::new(
+                me,
+                cmd.shard_lease_duration,
+                shard_by,
+            )))
+        }
+    };
+    // With sharded watches, the lists and watches of a replica's share go through a client
+    // that asks the API server for its namespaces only.
+    let sharded_watches = match (&shard, cmd.sharded_watches) {
+        (Some(shard), true) => Some(
+            kube::client::ClientBuilder::try_from(config.clone())
+                .with_context(|| {
+                    format!("configuring the client of the Kubernetes API at {server}")
+                })?
+                .with_layer(&ShardSelectorLayer::new(shard.namespace_ranges()))
+                .build(),
+        ),
+        _ => None,
     };
     // A sharded replica's reconciles write through the fence; its membership does not.
     let client = match &shard {
@@ -260,6 +295,11 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
             .mqtt_username
             .get_or_insert_with(|| base.clone());
         cmd.external.mqtt_client_id = format!("{base}-{identity}");
+        if sharded_watches.is_some()
+            && !api_server_filters(&plain_client, &settings.namespace, &server, &shutdown).await?
+        {
+            return Ok(());
+        }
         members = Some(tokio::spawn(membership::run(
             plain_client.clone(),
             settings,
@@ -277,6 +317,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
         Leading {
             lease: lease_task,
             shard,
+            sharded_watches,
         },
     )
     .await;
@@ -293,11 +334,40 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     result
 }
 
+/// Whether the API server filters lists and watches by `shardSelector`, retried while it
+/// cannot be asked; `Ok(false)` when `shutdown` came first, an error when it does not filter.
+async fn api_server_filters(
+    client: &kube::Client,
+    namespace: &str,
+    server: &str,
+    shutdown: &futures::future::Shared<ShutdownFuture>,
+) -> anyhow::Result<bool> {
+    let mut delay = Duration::from_millis(500);
+    loop {
+        match check_api_server_filters(client, namespace, server).await {
+            Ok(()) => return Ok(true),
+            Err(e @ ShardedWatchError::NotFiltered { .. }) => return Err(e.into()),
+            Err(e @ ShardedWatchError::Check(_)) => warn!(
+                error = %propeller_operator::errors::error_chain(&e),
+                retry_in = ?delay,
+                "cannot check the API server's sharded watches yet"
+            ),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.clone() => return Ok(false),
+        }
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}
+
 /// How this replica shares the work: as the leader (`lease`), as a member of a sharded
 /// group (`shard`), or alone (neither).
 struct Leading {
     lease: Option<LeaseWatch>,
     shard: Option<Arc<Ownership>>,
+    /// The client of the share's watches, with `--sharded-watches`.
+    sharded_watches: Option<kube::Client>,
 }
 
 type ShutdownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
@@ -319,7 +389,11 @@ async fn serve(
     shutdown: futures::future::Shared<ShutdownFuture>,
     leading: Leading,
 ) -> anyhow::Result<()> {
-    let Leading { lease, shard } = leading;
+    let Leading {
+        lease,
+        shard,
+        sharded_watches,
+    } = leading;
     let external = cmd
         .external
         .plan(cmd.domain_id.as_deref(), cmd.channel_id.as_deref())?;
@@ -361,6 +435,7 @@ async fn serve(
         resync: cmd.reconcile.liveliness_interval,
         images: Some(images),
         shard,
+        sharded_watches,
     };
     health.ready.store(true, Ordering::Relaxed);
     let lost_lease = async move {

@@ -16,7 +16,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use propeller_core::shard::{fence_limit, fenced, may_act, shard_key, Peer, View};
+use propeller_core::shard::namespaces::{self, HashRange};
+use propeller_core::shard::{fence_limit, fenced, may_act, Peer, ShardBy, View};
 use tokio::sync::{watch, RwLockReadGuard};
 
 use super::ObjectName;
@@ -57,6 +58,9 @@ pub struct ShardMetrics {
     pub members: Gauge,
     /// Objects this replica owns, by kind.
     pub owned: Family<KindLabels, Gauge>,
+    /// Objects in this replica's caches, by kind: every object of the kind, or with sharded
+    /// watches those of its namespaces.
+    pub cached: Family<KindLabels, Gauge>,
     /// Changes of the view this replica acts on.
     pub handoffs: Counter,
     /// Reconciles not run here because another replica owns the object (or may still act on
@@ -85,6 +89,11 @@ impl ShardMetrics {
             self.owned.clone(),
         );
         registry.register(
+            "shard_cached",
+            "Objects in this replica's caches, by kind",
+            self.cached.clone(),
+        );
+        registry.register(
             "shard_handoffs",
             "Changes of the view this replica acts on",
             self.handoffs.clone(),
@@ -106,18 +115,21 @@ impl ShardMetrics {
 #[derive(Debug)]
 pub struct Ownership {
     me: String,
+    shard_by: ShardBy,
     acting: tokio::sync::RwLock<View>,
     picture: RwLock<Picture>,
     renewed: Mutex<Option<Instant>>,
     fence_limit: Duration,
     reshuffles: watch::Sender<u64>,
+    /// With [`ShardBy::Namespace`]: the hash ranges of the namespaces this replica acts on.
+    namespaces: watch::Sender<Vec<HashRange>>,
     metrics: Arc<ShardMetrics>,
 }
 
 impl Ownership {
-    /// A replica `me` whose membership Lease lasts `lease_duration`; it acts on nothing until
-    /// its first renewal and its first view.
-    pub fn new(me: &str, lease_duration: Duration) -> Self {
+    /// A replica `me` whose membership Lease lasts `lease_duration`, sharing by `shard_by`; it
+    /// acts on nothing until its first renewal and its first view.
+    pub fn new(me: &str, lease_duration: Duration, shard_by: ShardBy) -> Self {
         let metrics = Arc::new(ShardMetrics::default());
         metrics
             .member
@@ -128,11 +140,13 @@ impl Ownership {
         metrics.fenced.set(1);
         Self {
             me: me.to_owned(),
+            shard_by,
             acting: tokio::sync::RwLock::new(View::default()),
             picture: RwLock::new(Picture::default()),
             renewed: Mutex::new(None),
             fence_limit: fence_limit(lease_duration),
             reshuffles: watch::channel(0).0,
+            namespaces: watch::channel(Vec::new()).0,
             metrics,
         }
     }
@@ -140,6 +154,23 @@ impl Ownership {
     /// This replica's member id.
     pub fn me(&self) -> &str {
         &self.me
+    }
+
+    /// What the shares are cut by.
+    pub fn shard_by(&self) -> ShardBy {
+        self.shard_by
+    }
+
+    /// With [`ShardBy::Namespace`], the hash ranges of the namespaces this replica acts on,
+    /// following each change of view (empty otherwise, and before the first view).
+    pub fn namespace_ranges(&self) -> watch::Receiver<Vec<HashRange>> {
+        self.namespaces.subscribe()
+    }
+
+    /// Whether `namespace` is among those this replica acts on (always with
+    /// [`ShardBy::Object`], where every replica watches every namespace).
+    pub fn watches_namespace(&self, namespace: &str) -> bool {
+        self.shard_by == ShardBy::Object || namespaces::covers(&self.namespaces.borrow(), namespace)
     }
 
     /// The meters.
@@ -175,7 +206,7 @@ impl Ownership {
     /// Whether this replica owns `kind` `name` now (for counting; a reconcile takes a
     /// [`Turn`] instead).
     pub fn owns(&self, kind: &str, name: &ObjectName) -> bool {
-        let key = shard_key(kind, &name.namespace, &name.name);
+        let key = self.shard_by.key(kind, &name.namespace, &name.name);
         let picture = self.read_picture();
         !self.is_fenced(Instant::now())
             && may_act(
@@ -214,6 +245,10 @@ impl Ownership {
         // Not settled until the announcement of this view has come back on the watch.
         picture.settled = false;
         drop(picture);
+        if self.shard_by == ShardBy::Namespace {
+            self.namespaces
+                .send_replace(namespaces::owned_ranges(&view, &self.me));
+        }
         drop(acting);
         self.metrics.handoffs.inc();
         self.metrics
@@ -251,15 +286,28 @@ impl Ownership {
         })
     }
 
-    /// Counts the objects of `kind` this replica owns among `names`.
+    /// Counts the objects of `kind` in this replica's cache (`names`) and those it owns.
     pub fn count_owned(&self, kind: &str, names: impl Iterator<Item = ObjectName>) {
-        let owned = names.filter(|n| self.owns(kind, n)).count();
+        let (mut cached, mut owned) = (0usize, 0usize);
+        for name in names {
+            cached += 1;
+            owned += usize::from(self.owns(kind, &name));
+        }
+        let labels = KindLabels {
+            kind: kind.to_owned(),
+        };
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.metrics
-            .owned
-            .get_or_create(&KindLabels {
-                kind: kind.to_owned(),
-            })
-            .set(i64::try_from(owned).unwrap_or(i64::MAX));
+            .cached
+            .get_or_create(&labels)
+            .set(count(cached));
+        self.metrics.owned.get_or_create(&labels).set(count(owned));
+    }
+
+    /// Has every object looked at again, as after a change of view (a cache that has just
+    /// taken in objects, whose own events came before it held them).
+    pub fn look_again(&self) {
+        self.reshuffle();
     }
 
     fn reshuffle(&self) {
@@ -287,8 +335,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn sharing_by_namespace_watches_exactly_the_namespaces_it_owns() {
+        let view = View::new(["a", "b"]);
+        let a = Ownership::new("a", Duration::from_secs(15), ShardBy::Namespace);
+        assert!(a.namespace_ranges().borrow().is_empty(), "no view yet");
+        assert!(!a.watches_namespace("default"));
+        a.renewed(Instant::now()).await;
+        a.switch(view.clone()).await;
+        a.observe(
+            vec![Peer {
+                id: "b".into(),
+                announced: view.clone(),
+            }],
+            Some(&view),
+            Instant::now(),
+        );
+        let mut owned_somewhere = 0;
+        for i in 0..40 {
+            let namespace = format!("ns-{i}");
+            let owns = a.owns("Task", &ObjectName::new(&namespace, "t"));
+            assert_eq!(owns, a.watches_namespace(&namespace), "{namespace}");
+            // Every kind of one namespace has the same owner.
+            assert_eq!(owns, a.owns("Proplet", &ObjectName::new(&namespace, "p")));
+            owned_somewhere += usize::from(owns);
+        }
+        assert!(
+            (5..35).contains(&owned_somewhere),
+            "a owns {owned_somewhere} of 40 namespaces"
+        );
+        let object = Ownership::new("a", Duration::from_secs(15), ShardBy::Object);
+        assert!(
+            object.watches_namespace("any"),
+            "sharing by object watches everything"
+        );
+    }
+
+    #[tokio::test]
     async fn nothing_is_owned_before_the_first_renewal_and_announcement() {
-        let shard = Ownership::new("a", Duration::from_secs(15));
+        let shard = Ownership::new("a", Duration::from_secs(15), ShardBy::Object);
         let name = ObjectName::new("default", "t");
         assert!(shard.turn("Task", &name).await.is_none());
         shard.renewed(Instant::now()).await;
@@ -300,7 +384,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_switch_waits_for_the_turns_taken_under_the_old_view() {
-        let shard = Arc::new(Ownership::new("a", Duration::from_secs(15)));
+        let shard = Arc::new(Ownership::new(
+            "a",
+            Duration::from_secs(15),
+            ShardBy::Object,
+        ));
         shard.renewed(Instant::now()).await;
         shard.switch(View::new(["a"])).await;
         shard.observe(Vec::new(), Some(&View::new(["a"])), Instant::now());
@@ -325,8 +413,8 @@ mod tests {
     async fn two_replicas_share_the_objects_without_overlap_and_a_fenced_one_owns_nothing() {
         let now = Instant::now();
         let view = View::new(["a", "b"]);
-        let a = Ownership::new("a", Duration::from_secs(15));
-        let b = Ownership::new("b", Duration::from_secs(15));
+        let a = Ownership::new("a", Duration::from_secs(15), ShardBy::Object);
+        let b = Ownership::new("b", Duration::from_secs(15), ShardBy::Object);
         for (me, other) in [(&a, "b"), (&b, "a")] {
             me.renewed(now).await;
             me.switch(view.clone()).await;

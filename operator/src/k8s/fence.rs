@@ -116,7 +116,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_fenced_replica_reads_but_cannot_write_and_every_request_names_it() {
-        let shard = Arc::new(Ownership::new("propeller-1", Duration::from_secs(15)));
+        let shard = Arc::new(Ownership::new(
+            "propeller-1",
+            Duration::from_secs(15),
+            propeller_core::shard::ShardBy::Object,
+        ));
         // Never renewed: fenced.
         assert!(send(&shard, Method::GET).await.is_ok());
         let refused = send(&shard, Method::PATCH)

@@ -8,5 +8,6 @@ pub mod patch;
 pub mod proplet;
 pub mod pull_secrets;
 pub mod runtime;
+pub mod sharded_watch;
 pub mod task;
 pub mod task_job;

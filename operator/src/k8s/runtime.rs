@@ -39,6 +39,8 @@ use crate::executor::{Dispatch, TaskApplyError};
 use crate::state::lock;
 use crate::task_index::SharedTaskIndex;
 
+use super::sharded_watch::Watches;
+
 use super::deployment::PROPLET_LABEL;
 use super::patch::finalizers_patch;
 use super::proplet::{apply as apply_proplet, PropletSettings};
@@ -63,6 +65,9 @@ pub use crate::controller::ReconcileError;
 
 /// How often an object is looked at again with no event at all.
 pub const RESYNC: Duration = Duration::from_secs(300);
+/// How long, with sharded watches, a report waits for its Task to appear in this replica's
+/// share before it is taken for another replica's (`TaskInbox::prune_unknown`).
+const FOREIGN_REPORTS_KEPT: Duration = Duration::from_secs(300);
 /// How long the controllers may finish their reconciles after the stop signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -75,17 +80,6 @@ pub struct Settings {
     pub proplet: PropletSettings,
     /// Task plan settings.
     pub task: TaskSettings,
-}
-
-fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-    K::DynamicType: Default,
-{
-    match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    }
 }
 
 /// The readiness figures of a proplet's Deployment.
@@ -146,6 +140,9 @@ pub struct Runtime {
     /// This replica's share of the objects when several replicas are active; `None`: it
     /// reconciles every object (alone, or as the leader).
     pub shard: Option<Arc<Ownership>>,
+    /// With sharded watches (and `shard` sharing by namespace): the client whose lists and
+    /// watches carry this replica's `shardSelector` ([`super::sharded_watch`]).
+    pub sharded_watches: Option<Client>,
 }
 
 /// `controller`, also looking at every object again whenever this replica's share may have
@@ -200,8 +197,7 @@ fn credential_changes(
 /// The Tasks carrying `label`: a cache, and the stream of changes (already applied to that
 /// cache) for the controller that owns them.
 fn labelled_tasks(
-    client: &Client,
-    namespace: Option<&str>,
+    watches: &Watches,
     label: &str,
 ) -> (
     Store<Task>,
@@ -210,14 +206,24 @@ fn labelled_tasks(
     let (reader, writer) = reflector::store::<Task>();
     let events = reflector::reflector(
         writer,
-        watcher(
-            scoped::<Task>(client, namespace),
-            watcher::Config::default().labels(label),
-        ),
+        watches.share(watcher::Config::default().labels(label)),
     )
     .touched_objects()
     .default_backoff();
     (reader, events)
+}
+
+/// A controller of `K` on its share's watch, with its own cache.
+fn controller_of<K>(watches: &Watches) -> Controller<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default + std::fmt::Debug + Unpin,
+{
+    let (reader, writer) = reflector::store::<K>();
+    let events = reflector::reflector(writer, watches.share::<K>(watcher::Config::default()))
+        .applied_objects();
+    Controller::for_stream(events, reader).with_config(bounded())
 }
 
 /// Runs the Proplet and Task controllers and the event router until `shutdown` resolves.
@@ -227,13 +233,15 @@ pub async fn run(
 ) {
     let ns = rt.settings.watch_namespace.clone();
     let client = rt.client.clone();
+    // Proplets and Secrets are watched whole even with sharded watches: every replica
+    // authenticates and routes every device. What only a namespace's owner reads (its Tasks,
+    // their Jobs, PropellerJobs, FederatedJobs, TrainingRounds) comes from its share.
+    let share = rt.sharded_watches.clone().zip(rt.shard.clone());
+    let watches = Watches::new(client.clone(), ns.clone(), share);
     let (deployment_reader, deployment_writer) = reflector::store::<Deployment>();
     let deployment_stream = reflector::reflector(
         deployment_writer,
-        watcher(
-            scoped::<Deployment>(&client, ns.as_deref()),
-            watcher::Config::default().labels(PROPLET_LABEL),
-        ),
+        watches.whole(watcher::Config::default().labels(PROPLET_LABEL)),
     )
     .applied_objects()
     .default_backoff();
@@ -242,19 +250,13 @@ pub async fn run(
     let (secret_reader, secret_writer) = reflector::store::<Secret>();
     let secret_stream = reflector::reflector(
         secret_writer,
-        watcher(
-            scoped::<Secret>(&client, ns.as_deref()),
-            watcher::Config::default(),
-        ),
+        watches.whole::<Secret>(watcher::Config::default()),
     )
     .default_backoff();
     let credential_gate = Arc::new(RefreshGate::default());
     let (proplet_reader, proplet_writer) = reflector::store::<Proplet>();
     let proplet_events = credential_changes(
-        watcher(
-            scoped::<Proplet>(&client, ns.as_deref()),
-            watcher::Config::default(),
-        ),
+        watches.whole::<Proplet>(watcher::Config::default()),
         proplet_reader.clone(),
         proplet_writer,
         credential_gate.clone(),
@@ -271,13 +273,18 @@ pub async fn run(
     let (deleted_tx, mut deleted_rx) = tokio::sync::mpsc::unbounded_channel::<Task>();
     let task_events = {
         let index = task_index.clone();
-        let mut deletions = deletions::Deletions::new(task_reader.clone());
+        // A relist after the share changed no longer lists the namespaces that left it:
+        // those Tasks were not deleted.
+        let shard = rt.shard.clone();
+        let in_share = move |task: &Task| {
+            shard.as_ref().is_none_or(|shard| {
+                shard.watches_namespace(task.metadata.namespace.as_deref().unwrap_or_default())
+            })
+        };
+        let mut deletions = deletions::Deletions::new(task_reader.clone(), Box::new(in_share));
         reflector::reflector(
             task_writer,
-            watcher(
-                scoped::<Task>(&client, ns.as_deref()),
-                watcher::Config::default(),
-            ),
+            watches.share::<Task>(watcher::Config::default()),
         )
         .inspect(move |event| {
             if let Ok(event) = event {
@@ -293,24 +300,21 @@ pub async fn run(
     // by the Task) wake the Task's reconcile.
     let task_controller = Controller::for_stream(task_events, task_reader)
         .with_config(bounded())
-        .owns(
-            scoped::<Job>(&client, ns.as_deref()),
-            watcher::Config::default().labels(super::task_job::TASK_LABEL),
+        .owns_stream(
+            watches
+                .share_metadata::<Job>(
+                    watcher::Config::default().labels(super::task_job::TASK_LABEL),
+                )
+                .touched_objects(),
         );
     // A job's or round's reconcile reads its Tasks from the cache of the watch that woke it.
     // Read from the Task controller's cache instead, a reconcile woken by a Task's completion
     // could run before that other watch delivered it, plan from the Task still running, and
     // wait for the next resync (a round stayed at 1 of 2 updates for minutes).
-    let (job_tasks, job_task_events) = labelled_tasks(
-        &client,
-        ns.as_deref(),
-        crate::decision::propeller_job::JOB_LABEL,
-    );
-    let (round_tasks, round_task_events) = labelled_tasks(
-        &client,
-        ns.as_deref(),
-        crate::decision::federated::ROUND_LABEL,
-    );
+    let (job_tasks, job_task_events) =
+        labelled_tasks(&watches, crate::decision::propeller_job::JOB_LABEL);
+    let (round_tasks, round_task_events) =
+        labelled_tasks(&watches, crate::decision::federated::ROUND_LABEL);
     let caches = Caches {
         proplets: proplet_controller.store(),
         tasks: task_controller.store(),
@@ -381,12 +385,21 @@ pub async fn run(
     };
     let gauges = {
         let shared = shared.clone();
+        let sharded = rt.sharded_watches.is_some();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
             loop {
                 tick.tick().await;
                 count_phases(&shared);
                 prune_echoes(&shared);
+                if sharded {
+                    let index = shared.task_index.read();
+                    shared
+                        .common
+                        .state
+                        .inbox
+                        .prune_unknown(FOREIGN_REPORTS_KEPT, |uid| index.by_uid(uid).is_some());
+                }
             }
         })
     };
@@ -417,34 +430,23 @@ pub async fn run(
         .reconcile_on(tokio_stream_of(triggers.tasks))
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_task, error_policy, shared.clone());
-    let jobs = Controller::new(
-        scoped::<PropellerJob>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .with_config(bounded());
+    let jobs = controller_of::<PropellerJob>(&watches);
     let jobs = reshuffled(jobs, shard)
         // Only the Tasks a job created (they carry its label): every other Task's writes would
         // be sent to this watch too, for nothing.
         .owns_stream(job_task_events)
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_propeller_job, error_policy, shared.clone());
-    let federated = Controller::new(
-        scoped::<FederatedJob>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .with_config(bounded());
+    let federated = controller_of::<FederatedJob>(&watches);
     let federated = reshuffled(federated, shard)
-        .owns(
-            scoped::<TrainingRound>(&client, ns.as_deref()),
-            watcher::Config::default(),
+        .owns_stream(
+            watches
+                .share_metadata::<TrainingRound>(watcher::Config::default())
+                .touched_objects(),
         )
         .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_federated_job, error_policy, shared.clone());
-    let rounds = Controller::new(
-        scoped::<TrainingRound>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .with_config(bounded());
+    let rounds = controller_of::<TrainingRound>(&watches);
     let rounds = reshuffled(rounds, shard)
         .owns_stream(round_task_events)
         .reconcile_on(tokio_stream_of(triggers.rounds))

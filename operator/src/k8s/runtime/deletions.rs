@@ -1,6 +1,8 @@
 //! The Tasks the Task watch shows gone, each in its last known state: those it reports
 //! deleted, and those a relist no longer lists (deleted while the watch was down, after the
-//! API server had dropped the events it could have resumed from).
+//! API server had dropped the events it could have resumed from). With sharded watches a
+//! relist also leaves out the namespaces that have just left this replica's share: those
+//! Tasks were not deleted, and the predicate given to [`Deletions::new`] says so.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -10,18 +12,25 @@ use kube::runtime::watcher;
 
 use crate::crd::task::Task;
 
+/// Whether a Task is among those the watch lists (with sharded watches, whether its namespace
+/// is in this replica's share).
+pub type InShare = Box<dyn Fn(&Task) -> bool + Send>;
+
 /// Follows the Task watch, after the cache (`cached`) has taken each event.
 pub struct Deletions {
     cached: Store<Task>,
+    /// Whether a Task is in what the watch lists now.
+    in_share: InShare,
     /// The cache's Tasks when a relist began (it keeps them until the relist is complete).
     before_relist: Option<Vec<Arc<Task>>>,
 }
 
 impl Deletions {
-    /// Follows the watch whose cache is `cached`.
-    pub fn new(cached: Store<Task>) -> Self {
+    /// Follows the watch whose cache is `cached` and which lists the Tasks `in_share` accepts.
+    pub fn new(cached: Store<Task>, in_share: InShare) -> Self {
         Self {
             cached,
+            in_share,
             before_relist: None,
         }
     }
@@ -47,6 +56,7 @@ impl Deletions {
                 before
                     .iter()
                     .filter(|t| !listed.contains(&ObjectRef::from_obj(&***t)))
+                    .filter(|t| (self.in_share)(t))
                     .map(|t| (**t).clone())
                     .collect()
             }
@@ -80,7 +90,7 @@ mod tests {
     #[test]
     fn a_delete_event_and_a_relist_without_a_task_both_show_it_gone() {
         let (reader, mut writer) = reflector::store::<Task>();
-        let mut deletions = Deletions::new(reader);
+        let mut deletions = Deletions::new(reader, Box::new(|_: &Task| true));
         let mut feed = |event: watcher::Event<Task>| {
             writer.apply_watcher_event(&event);
             names(&deletions.seen(&event))
@@ -100,5 +110,34 @@ mod tests {
         assert!(feed(watcher::Event::Init).is_empty());
         assert!(feed(watcher::Event::InitApply(task("b"))).is_empty());
         assert_eq!(feed(watcher::Event::InitDone), ["c"]);
+    }
+
+    #[test]
+    fn a_relist_of_a_smaller_share_shows_only_the_tasks_still_in_it_gone() {
+        let (reader, mut writer) = reflector::store::<Task>();
+        // The share keeps Tasks whose name starts with `a`: `b` left it, `a2` was deleted.
+        let in_share = |t: &Task| {
+            t.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with('a'))
+        };
+        let mut deletions = Deletions::new(reader, Box::new(in_share));
+        let mut feed = |event: watcher::Event<Task>| {
+            writer.apply_watcher_event(&event);
+            names(&deletions.seen(&event))
+        };
+        for event in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(task("a1")),
+            watcher::Event::InitApply(task("a2")),
+            watcher::Event::InitApply(task("b")),
+            watcher::Event::InitDone,
+            watcher::Event::Init,
+            watcher::Event::InitApply(task("a1")),
+        ] {
+            assert!(feed(event).is_empty());
+        }
+        assert_eq!(feed(watcher::Event::InitDone), ["a2"]);
     }
 }
