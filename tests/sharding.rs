@@ -291,6 +291,39 @@ fn completed(cp: &ControlPlane, prefix: &str) -> usize {
         .count()
 }
 
+/// The burst's tasks (`{prefix}-*`) among `all`, and how many of them have completed.
+fn burst_state<'a>(
+    all: &'a BTreeMap<String, Value>,
+    prefix: &str,
+) -> (Vec<(&'a String, &'a Value)>, usize) {
+    let ours: Vec<(&String, &Value)> = all
+        .iter()
+        .filter(|(name, _)| name.starts_with(&format!("{prefix}-")))
+        .collect();
+    let done = ours
+        .iter()
+        .filter(|(_, t)| t["status"]["phase"] == "completed")
+        .count();
+    (ours, done)
+}
+
+/// Asserts that each burst task `{prefix}-{i}` of namespace `ns` holds its result, `i + 1`.
+fn assert_burst_results(ours: &[(&String, &Value)], ns: &str) {
+    for (name, task) in ours {
+        let i: i64 = name
+            .rsplit('-')
+            .next()
+            .and_then(|i| i.parse().ok())
+            .unwrap_or_default();
+        assert_eq!(
+            task["status"]["results"],
+            (i + 1).to_string(),
+            "{ns}/{name}: {:#}",
+            task["status"]
+        );
+    }
+}
+
 /// Waits for every task of the burst to complete with its result.
 fn wait_burst(
     cp: &ControlPlane,
@@ -302,28 +335,9 @@ fn wait_burst(
     let started = Instant::now();
     loop {
         let all = tasks(cp);
-        let ours: Vec<(&String, &Value)> = all
-            .iter()
-            .filter(|(name, _)| name.starts_with(&format!("{prefix}-")))
-            .collect();
-        let done = ours
-            .iter()
-            .filter(|(_, t)| t["status"]["phase"] == "completed")
-            .count();
+        let (ours, done) = burst_state(&all, prefix);
         if done == count {
-            for (name, task) in ours {
-                let i: i64 = name
-                    .rsplit('-')
-                    .next()
-                    .and_then(|i| i.parse().ok())
-                    .unwrap_or_default();
-                assert_eq!(
-                    task["status"]["results"],
-                    (i + 1).to_string(),
-                    "{name}: {:#}",
-                    task["status"]
-                );
-            }
+            assert_burst_results(&ours, NS);
             return;
         }
         if started.elapsed() > Duration::from_secs(120 + count as u64 / 10) {
@@ -768,34 +782,17 @@ fn wait_namespaces(cp: &ControlPlane, namespaces: &[String], prefix: &str, count
     let started = Instant::now();
     for ns in namespaces {
         loop {
-            let ours: Vec<(String, Value)> = tasks_in(cp, ns)
-                .into_iter()
-                .filter(|(name, _)| name.starts_with(&format!("{prefix}-")))
-                .collect();
-            let done = ours
-                .iter()
-                .filter(|(_, t)| t["status"]["phase"] == "completed")
-                .count();
+            let all = tasks_in(cp, ns);
+            let (ours, done) = burst_state(&all, prefix);
             if done == count {
-                for (name, task) in &ours {
-                    let i: i64 = name
-                        .rsplit('-')
-                        .next()
-                        .and_then(|i| i.parse().ok())
-                        .unwrap_or_default();
-                    assert_eq!(
-                        task["status"]["results"],
-                        (i + 1).to_string(),
-                        "{ns}/{name}"
-                    );
-                }
+                assert_burst_results(&ours, ns);
                 break;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(150),
                 "{done} of {count} {prefix} tasks completed in {ns}: {:#?}",
                 ours.iter()
-                    .map(|(n, t)| (n.clone(), t["status"]["phase"].clone()))
+                    .map(|(n, t)| ((*n).clone(), t["status"]["phase"].clone()))
                     .collect::<Vec<_>>()
             );
             std::thread::sleep(Duration::from_millis(250));

@@ -20,7 +20,7 @@ use propeller_operator::k8s::fence::FenceLayer;
 use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
 use propeller_operator::k8s::sharded_watch::{
-    check_api_server_filters, ShardSelectorLayer, ShardedWatchError,
+    check_api_server_filters, shard_selector_layer, ShardedWatchError,
 };
 use propeller_operator::metrics::ControllerMetrics;
 use tracing::{info, warn};
@@ -189,7 +189,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
                 .with_context(|| {
                     format!("configuring the client of the Kubernetes API at {server}")
                 })?
-                .with_layer(&ShardSelectorLayer::new(shard.namespace_ranges()))
+                .with_layer(&shard_selector_layer(shard.namespace_ranges()))
                 .build(),
         ),
         _ => None,

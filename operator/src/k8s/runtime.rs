@@ -17,6 +17,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -302,7 +303,7 @@ pub async fn run(
         .with_config(bounded())
         .owns_stream(
             watches
-                .share_metadata::<Job>(
+                .share::<PartialObjectMeta<Job>>(
                     watcher::Config::default().labels(super::task_job::TASK_LABEL),
                 )
                 .touched_objects(),
@@ -441,7 +442,7 @@ pub async fn run(
     let federated = reshuffled(federated, shard)
         .owns_stream(
             watches
-                .share_metadata::<TrainingRound>(watcher::Config::default())
+                .share::<PartialObjectMeta<TrainingRound>>(watcher::Config::default())
                 .touched_objects(),
         )
         .graceful_shutdown_on(shutdown.clone())
