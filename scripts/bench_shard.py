@@ -41,7 +41,12 @@ bin_dir, n, replicas, work, apiserver_pid = sys.argv[1:6]
 n, replicas, apiserver_pid = int(n), int(replicas), int(apiserver_pid)
 admin = Kube(os.path.join(work, "admin.kubeconfig"))
 K = int(os.environ.get("BENCH_NAMESPACES", "1"))
-NAMESPACES = [f"bench-{i}" for i in range(K)] if K > 1 else ["default"]
+# Words, not `bench-<i>`: the API server's namespace hash (FNV-1a) puts names that differ
+# only in their last character in one range, so `bench-0` ... `bench-7` would all fall to
+# one replica with --sharded-watches. These eight fall 3/3/2 over members r0, r1, r2.
+WORDS = ["red", "green", "white", "amber", "cedar", "indigo", "juniper", "delta"]
+NAMESPACES = ([WORDS[i] if i < len(WORDS) else f"bench-{i}" for i in range(K)]
+              if K > 1 else ["default"])
 SHARDED = os.environ.get("BENCH_SHARDED_WATCHES") == "1"
 ADD = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags="
 PASSWORD = "bench-propeller-password"
