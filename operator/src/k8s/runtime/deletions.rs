@@ -87,14 +87,20 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_delete_event_and_a_relist_without_a_task_both_show_it_gone() {
+    /// A cache and its deletions following a watch: each event fed gives the names it
+    /// shows gone.
+    fn follower(in_share: InShare) -> impl FnMut(watcher::Event<Task>) -> Vec<String> {
         let (reader, mut writer) = reflector::store::<Task>();
-        let mut deletions = Deletions::new(reader, Box::new(|_: &Task| true));
-        let mut feed = |event: watcher::Event<Task>| {
+        let mut deletions = Deletions::new(reader, in_share);
+        move |event| {
             writer.apply_watcher_event(&event);
             names(&deletions.seen(&event))
-        };
+        }
+    }
+
+    #[test]
+    fn a_delete_event_and_a_relist_without_a_task_both_show_it_gone() {
+        let mut feed = follower(Box::new(|_: &Task| true));
         for event in [
             watcher::Event::Init,
             watcher::Event::InitApply(task("a")),
@@ -114,7 +120,6 @@ mod tests {
 
     #[test]
     fn a_relist_of_a_smaller_share_shows_only_the_tasks_still_in_it_gone() {
-        let (reader, mut writer) = reflector::store::<Task>();
         // The share keeps Tasks whose name starts with `a`: `b` left it, `a2` was deleted.
         let in_share = |t: &Task| {
             t.metadata
@@ -122,11 +127,7 @@ mod tests {
                 .as_deref()
                 .is_some_and(|n| n.starts_with('a'))
         };
-        let mut deletions = Deletions::new(reader, Box::new(in_share));
-        let mut feed = |event: watcher::Event<Task>| {
-            writer.apply_watcher_event(&event);
-            names(&deletions.seen(&event))
-        };
+        let mut feed = follower(Box::new(in_share));
         for event in [
             watcher::Event::Init,
             watcher::Event::InitApply(task("a1")),
