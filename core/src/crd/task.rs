@@ -143,7 +143,7 @@ pub struct TaskSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub hal_storage_path: Option<String>,
-    /// Fails the task when it has run (or its proplet has been silent) this long; daemons are exempt.
+    /// Fails the task when no result came this long after its start, or after its assignment while its device is away; daemons are exempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 2592000))]
     pub timeout_seconds: Option<i64>,

@@ -11,6 +11,14 @@ pub fn to_k8s_time(t: DateTime<Utc>) -> Time {
     Time(ts)
 }
 
+/// Converts the API's timestamp into our clock's instant (`None` beyond chrono's range).
+pub fn from_k8s_time(t: &Time) -> Option<DateTime<Utc>> {
+    DateTime::<Utc>::from_timestamp(
+        t.0.as_second(),
+        u32::try_from(t.0.subsec_nanosecond()).unwrap_or(0),
+    )
+}
+
 /// A condition the decision core wants to be present.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredCondition {

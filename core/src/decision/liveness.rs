@@ -18,7 +18,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
-use super::conditions::{remove_condition, set_condition, DesiredCondition};
+use super::conditions::{from_k8s_time, remove_condition, set_condition, DesiredCondition};
 use crate::crd::proplet::{K8sPropletStatus, PropletPhase, PropletStatus};
 
 /// Heartbeat times kept in `status.aliveHistory`.
@@ -91,12 +91,7 @@ pub fn evaluate_external(
                 .conditions
                 .iter()
                 .find(|c| c.type_ == "Connected" && c.reason == "PropletDisconnected")
-                .and_then(|c| {
-                    DateTime::<Utc>::from_timestamp(
-                        c.last_transition_time.0.as_second(),
-                        u32::try_from(c.last_transition_time.0.subsec_nanosecond()).unwrap_or(0),
-                    )
-                })
+                .and_then(|c| from_k8s_time(&c.last_transition_time))
         })
         .flatten();
     let gone_at = observation

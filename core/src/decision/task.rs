@@ -15,12 +15,13 @@ use chrono::{DateTime, Utc};
 use propeller_broker::protocol::{MonitoringProfile as WireProfile, StartRequest, StopRequest};
 use serde_json::{Map, Value};
 
-use super::conditions::{remove_condition, set_condition, DesiredCondition};
+use super::conditions::{from_k8s_time, remove_condition, set_condition, DesiredCondition};
 use super::dag::{evaluate, Readiness};
 use super::recurrence::{gate, rerun_at, ScheduleGate};
 use super::scheduler::{
     filter_candidates, select_proplet, CandidateProplet, Schedulable, SelectorView, Strategy,
 };
+use crate::crd::common::find_condition;
 use crate::crd::proplet::PropletType;
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
 
@@ -489,7 +490,7 @@ pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::common::{find_condition, MetricsSample};
+    use crate::crd::common::MetricsSample;
     use crate::crd::proplet::{Proplet, PropletPhase};
     use crate::decision::scheduler::filter_candidates;
     use chrono::TimeZone;
@@ -1716,6 +1717,59 @@ mod tests {
         assert!(plan.starts.is_empty());
         assert_eq!(plan.requeue_at, None);
         assert_eq!(reasons(&plan), vec![(true, "TimedOut")]);
+    }
+
+    fn scheduled_status(proplet: &str, assigned: DateTime<Utc>) -> Value {
+        json!({
+            "phase": "scheduled",
+            "assignedProplet": proplet,
+            "createdAt": at(9, 0, 0),
+            "runCount": 1,
+            "observedGeneration": 1,
+            "conditions": [{
+                "type": SCHEDULED, "status": "True", "reason": "PropletAssigned",
+                "message": format!("assigned to {proplet}"), "lastTransitionTime": assigned
+            }]
+        })
+    }
+
+    #[test]
+    fn a_start_held_for_an_absent_device_ends_at_the_time_limit_counted_from_the_assignment() {
+        let mut v = finalized(task_value(), scheduled_status("edge", at(9, 59, 30)));
+        v["spec"]["timeoutSeconds"] = json!(20);
+        let task = task_from(v);
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+
+        // Before the limit: the start is (re)planned; the executor holds it while the device
+        // is away, and the plan looks again at the deadline.
+        let early = plan(&task, &observed, &settings(), at(9, 59, 40));
+        assert_eq!(early.starts.len(), 1, "{early:?}");
+        assert!(
+            early.requeue_at.is_some_and(|t| t <= at(9, 59, 50)),
+            "{early:?}"
+        );
+        assert!(early.status.is_none() || written(&early).phase == TaskPhase::Scheduled);
+
+        // At the limit: failed, saying why, and stopped in case an earlier process sent it.
+        let late = plan(&task, &observed, &settings(), at(9, 59, 50));
+        let status = written(&late);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        let error = status.error.as_deref().unwrap_or_default();
+        assert!(error.contains("time limit of 20s"), "{error}");
+        assert!(error.contains("edge"), "{error}");
+        assert!(late.starts.is_empty(), "{late:?}");
+        assert_eq!(late.stops.len(), 1, "{late:?}");
+        assert_eq!(reasons(&late), vec![(true, "TimedOut")]);
+
+        // Once this process sent the start, the limit counts from the send as before.
+        let mut sent = observed.clone();
+        sent.dispatched_at = Some(at(9, 59, 45));
+        let running = plan(&task, &sent, &settings(), at(9, 59, 50));
+        assert_ne!(
+            running.status.as_ref().map(|s| s.phase),
+            Some(TaskPhase::Failed),
+            "{running:?}"
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ pub(super) fn plan_pending(
             .metadata
             .creation_timestamp
             .as_ref()
-            .map(|t| DateTime::<Utc>::from_timestamp(t.0.as_second(), 0).unwrap_or(now)))
+            .map(|t| from_k8s_time(t).unwrap_or(now)))
         .unwrap_or(now);
     let mut following = None;
     match gate(&task.spec, desired, created, now) {

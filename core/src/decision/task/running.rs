@@ -23,10 +23,31 @@ pub(super) fn plan_scheduled(
         return;
     }
     let Some(sent) = observed.dispatched_at else {
-        // Not sent by this process: a first reconcile after the assignment was written, or
-        // a restart. A start sent again reaches an agent that already has the run; it answers
-        // with the result it has instead of running the task twice.
-        dispatch(task, observed, settings, now, desired, plan);
+        // Not sent by this process: a first reconcile after the assignment was written, a
+        // restart, or a start held while its device is not connected. A start sent again
+        // reaches an agent that already has the run; it answers with the result it has
+        // instead of running the task twice. The time limit counts from the assignment, so
+        // a run whose device went away before its start could go out still ends.
+        let scheduled = find_condition(&desired.conditions, SCHEDULED)
+            .filter(|c| c.status == "True")
+            .and_then(|c| from_k8s_time(&c.last_transition_time));
+        let limit = time_limit(task, settings);
+        match scheduled.and_then(|at| deadline(at, limit)) {
+            Some(deadline) if now >= deadline && !task.spec.daemon => {
+                let message = format!(
+                    "no result within the time limit of {}s: the start never went out \
+                     (assigned to {}, whose device was not connected)",
+                    limit.as_secs(),
+                    targets_of(desired).join(", ")
+                );
+                time_out(task, observed, desired, now, plan, message);
+            }
+            Some(deadline) => {
+                dispatch(task, observed, settings, now, desired, plan);
+                look_again_by(plan, deadline);
+            }
+            None => dispatch(task, observed, settings, now, desired, plan),
+        }
         return;
     };
     let mut running = desired.clone();
@@ -153,34 +174,61 @@ pub(super) fn plan_running(
     if task.spec.daemon {
         return;
     }
-    let limit = task
-        .spec
-        .timeout_seconds
-        .and_then(|s| u64::try_from(s).ok())
-        .map_or(settings.default_timeout, Duration::from_secs);
+    let limit = time_limit(task, settings);
     let started = desired.started_at.unwrap_or(now);
-    // A limit beyond the representable calendar (e.g. `--task-timeout` set absurdly high to
-    // mean "never") has no deadline, rather than overflowing the addition.
-    let Some(deadline) = chrono::Duration::from_std(limit)
-        .ok()
-        .and_then(|d| started.checked_add_signed(d))
-    else {
+    let Some(deadline) = deadline(started, limit) else {
         return;
     };
     if now >= deadline {
         let message = format!("no result within the time limit of {}s", limit.as_secs());
-        for name in &targets {
-            if let Some(target) = view(observed, name) {
-                plan.stops.push(stop_for(task, target));
-            }
-        }
-        finish(desired, TaskPhase::Failed, Some(message.clone()), gen, now);
-        plan.notes.push(Note::warning("TimedOut", message));
+        time_out(task, observed, desired, now, plan, message);
     } else {
         plan.requeue_at = Some(deadline);
         resend_after_restart(task, observed, desired, plan);
     }
     resend_when_overdue(task, observed, desired, now, plan);
+}
+
+/// The task's time limit: its `timeoutSeconds`, or the operator's default.
+fn time_limit(task: &Task, settings: &TaskSettings) -> Duration {
+    task.spec
+        .timeout_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map_or(settings.default_timeout, Duration::from_secs)
+}
+
+/// When a run counted from `since` reaches `limit`. A limit beyond the representable
+/// calendar (e.g. `--task-timeout` set absurdly high to mean "never") has no deadline,
+/// rather than overflowing the addition.
+fn deadline(since: DateTime<Utc>, limit: Duration) -> Option<DateTime<Utc>> {
+    chrono::Duration::from_std(limit)
+        .ok()
+        .and_then(|d| since.checked_add_signed(d))
+}
+
+/// Fails a run at its time limit, stopping it wherever it was sent.
+fn time_out(
+    task: &Task,
+    observed: &TaskObservations,
+    desired: &mut TaskStatus,
+    now: DateTime<Utc>,
+    plan: &mut TaskPlan,
+    message: String,
+) {
+    for name in &targets_of(desired) {
+        if let Some(target) = view(observed, name) {
+            plan.stops.push(stop_for(task, target));
+        }
+    }
+    plan.starts.clear();
+    finish(
+        desired,
+        TaskPhase::Failed,
+        Some(message.clone()),
+        task.metadata.generation,
+        now,
+    );
+    plan.notes.push(Note::warning("TimedOut", message));
 }
 
 /// How long after its start (or its last repeat) a run's result is overdue: the start goes
