@@ -8,15 +8,17 @@ use clap::{Parser, Subcommand};
 mod commands;
 
 /// jemalloc instead of glibc's malloc: thousands of connections and tasks allocate and free
-/// from many threads, where glibc's per-thread arenas fragment and keep memory.
-#[cfg(all(unix, not(target_env = "musl")))]
+/// from many threads, where glibc's per-thread arenas fragment and keep memory. The
+/// `system-allocator` feature keeps glibc's, for heap profilers that hook `malloc`
+/// (heaptrack, valgrind).
+#[cfg(all(unix, not(target_env = "musl"), not(feature = "system-allocator")))]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// jemalloc's start-up options (read by jemalloc through this symbol). One arena instead of
 /// four per core: threads still allocate from their own caches, and at 10,000 device
 /// connections one arena held 7% less memory at the same CPU (BENCHMARKS.md).
-#[cfg(all(unix, not(target_env = "musl")))]
+#[cfg(all(unix, not(target_env = "musl"), not(feature = "system-allocator")))]
 #[allow(non_upper_case_globals)]
 #[export_name = "_rjem_malloc_conf"]
 pub static malloc_conf: &[u8] = b"narenas:1\0";

@@ -150,33 +150,40 @@ pub(crate) async fn serve(listener: TcpListener, intake: Intake, front: Front) {
         let front = front.clone();
         connections.spawn(async move {
             let _permit = permit;
-            match front {
-                // Each runs to the end of the connection, holding the permit until then.
-                Front::Plain => {
-                    let end = intake.core.serve_connection(stream).await;
-                    count_end(&intake.metrics, end);
-                }
-                Front::WebSocket => pipe_websocket(stream, &intake, peer).await,
-                Front::Tls(acceptor) => {
-                    match tokio::time::timeout(intake.handshake_timeout, acceptor.accept(stream))
-                        .await
-                    {
-                        Ok(Ok(tls_stream)) => {
-                            let end = intake.core.serve_connection(tls_stream).await;
-                            count_end(&intake.metrics, end);
-                        }
-                        Ok(Err(error)) => {
-                            intake.metrics.refused_connection("tls_handshake_failed");
-                            debug!(%peer, %error, "TLS handshake failed");
-                        }
-                        Err(_) => {
-                            intake.metrics.refused_connection("tls_handshake_timeout");
-                            debug!(%peer, "TLS handshake timed out");
-                        }
-                    }
-                }
-            }
+            serve_one(stream, peer, &intake, front).await;
         });
+    }
+}
+
+/// Runs one accepted connection to its end. A plain connection's task holds only rumqttd's
+/// link: the TLS and websocket arms, whose handshake and bridge state are larger, are boxed
+/// so that they do not size every plain connection's task.
+async fn serve_one(stream: TcpStream, peer: SocketAddr, intake: &Intake, front: Front) {
+    match front {
+        Front::Plain => {
+            let end = intake.core.serve_connection(stream).await;
+            count_end(&intake.metrics, end);
+        }
+        Front::WebSocket => Box::pin(pipe_websocket(stream, intake, peer)).await,
+        Front::Tls(acceptor) => Box::pin(serve_tls(stream, peer, intake, acceptor)).await,
+    }
+}
+
+/// Runs the TLS handshake under the handshake deadline, then the MQTT connection over it.
+async fn serve_tls(stream: TcpStream, peer: SocketAddr, intake: &Intake, acceptor: TlsAcceptor) {
+    match tokio::time::timeout(intake.handshake_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(tls_stream)) => {
+            let end = intake.core.serve_connection(tls_stream).await;
+            count_end(&intake.metrics, end);
+        }
+        Ok(Err(error)) => {
+            intake.metrics.refused_connection("tls_handshake_failed");
+            debug!(%peer, %error, "TLS handshake failed");
+        }
+        Err(_) => {
+            intake.metrics.refused_connection("tls_handshake_timeout");
+            debug!(%peer, "TLS handshake timed out");
+        }
     }
 }
 

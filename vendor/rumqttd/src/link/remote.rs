@@ -126,9 +126,7 @@ impl<P: Protocol> RemoteLink<P> {
     }
 
     /// See `LinkRx::send_buffer` (Propeller patch).
-    pub(crate) fn send_buffer(
-        &self,
-    ) -> std::sync::Arc<parking_lot::Mutex<VecDeque<Notification>>> {
+    pub(crate) fn send_buffer(&self) -> std::sync::Arc<parking_lot::Mutex<VecDeque<Notification>>> {
         self.link_rx.send_buffer()
     }
 
@@ -166,6 +164,9 @@ impl<P: Protocol> RemoteLink<P> {
                         }
 
                     }
+                    // Propeller patch: the drained queue gives its room back; the next
+                    // exchange hands it to the router, so an idle connection holds none.
+                    self.notifications = VecDeque::new();
                     self.network.writev(packets).await?;
                     if unscheduled {
                         self.link_rx.wake().await?;

@@ -96,8 +96,6 @@ pub struct Router {
     router_tx: Sender<(ConnectionId, Event)>,
     /// Router metrics
     router_meters: RouterMeter,
-    /// Buffer for cache exchange of incoming packets
-    cache: Option<VecDeque<Packet>>,
     /// Shared subscriptions map <group-name, group>
     shared_subscriptions: HashMap<String, SharedGroup>,
     /// Will messages per client_id
@@ -140,7 +138,6 @@ impl Router {
             router_rx,
             router_tx,
             router_meters: router_metrics,
-            cache: Some(VecDeque::with_capacity(MAX_CHANNEL_CAPACITY)),
             shared_subscriptions: HashMap::new(),
             last_wills: HashMap::new(),
         }
@@ -246,10 +243,9 @@ impl Router {
             Event::DeviceData => self.handle_device_payload(id),
             Event::Disconnect => self.handle_disconnection(id, None),
             Event::LinkEnded(send_buffer) => {
-                let current = self
-                    .obufs
-                    .get(id)
-                    .is_some_and(|outgoing| std::sync::Arc::ptr_eq(&outgoing.data_buffer, &send_buffer));
+                let current = self.obufs.get(id).is_some_and(|outgoing| {
+                    std::sync::Arc::ptr_eq(&outgoing.data_buffer, &send_buffer)
+                });
                 if current {
                     self.handle_disconnection(id, None)
                 } else {
@@ -556,8 +552,11 @@ impl Router {
         let span = tracing::error_span!("incoming_payload", client_id);
         let _guard = span.enter();
 
-        // Instead of exchanging, we should just append new incoming packets inside cache
-        let mut packets = incoming.exchange(self.cache.take().unwrap());
+        // Propeller patch: the connection gets an empty queue with no room reserved, and the
+        // drained one is freed below, so an idle connection holds no queue capacity (the
+        // router's one cached queue used to circulate among connections, each keeping the
+        // room of the busiest batch it ever received).
+        let mut packets = incoming.exchange(VecDeque::new());
 
         let mut force_ack = false;
         let mut new_data = false;
@@ -891,7 +890,7 @@ impl Router {
             }
         }
 
-        self.cache = Some(packets);
+        drop(packets);
 
         // Prepare AcksRequest in tracker if router is operating in a
         // single node mode or force ack request for subscriptions
@@ -1400,6 +1399,8 @@ fn ack_device_data(ackslog: &mut AckLog, outgoing: &mut Outgoing) -> bool {
         count += 1;
     }
 
+    // Propeller patch: the drained queue gives its room back (see `handle_device_payload`).
+    *acks = VecDeque::new();
     debug!(acks_count = count, "Acks sent to device");
     outgoing.handle.try_send(()).ok();
     true

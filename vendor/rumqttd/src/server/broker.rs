@@ -530,14 +530,22 @@ pub enum ConnectionEnd {
     Ended,
 }
 
-async fn remote<P: Protocol>(
+/// A link registered with the router, with what the rest of the connection needs.
+struct OpenedLink<P> {
+    link: RemoteLink<P>,
+    client_id: String,
+    will_rx: flume::Receiver<AwaitingWill>,
+}
+
+/// Reads and checks the CONNECT, registers the client's will handler and the link.
+async fn open_link<P: Protocol>(
     config: Arc<ConnectionSettings>,
     tenant_id: Option<String>,
     router_tx: Sender<(ConnectionId, Event)>,
     stream: Box<dyn N>,
     protocol: P,
-    will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
-) -> ConnectionEnd {
+    will_handlers: &Mutex<HashMap<String, Sender<AwaitingWill>>>,
+) -> Result<OpenedLink<P>, ConnectionEnd> {
     let mut network = Network::new(
         stream,
         config.max_payload_size,
@@ -552,13 +560,13 @@ async fn remote<P: Protocol>(
         Err(e) => {
             error!(error=?e, "Error while handling MQTT connect packet");
             // Propeller patch: say why.
-            return match e {
+            return Err(match e {
                 remote::Error::Timeout(_) => ConnectionEnd::ConnectTimeout,
                 remote::Error::Io(_) | remote::Error::Network(network::Error::Io(_)) => {
                     ConnectionEnd::ClosedBeforeConnect
                 }
                 _ => ConnectionEnd::ConnectRefused,
-            };
+            });
         }
     };
 
@@ -599,9 +607,9 @@ async fn remote<P: Protocol>(
         .insert(client_id.clone(), will_tx);
 
     // Start the link
-    let mut link = match RemoteLink::new(
-        router_tx.clone(),
-        tenant_id.clone(),
+    let link = match RemoteLink::new(
+        router_tx,
+        tenant_id,
         network,
         connect_packet,
         dynamic_filters,
@@ -612,54 +620,94 @@ async fn remote<P: Protocol>(
         Ok(l) => l,
         Err(e) => {
             error!(error=?e, "Remote link error");
-            return ConnectionEnd::LinkFailed;
+            return Err(ConnectionEnd::LinkFailed);
         }
     };
+    Ok(OpenedLink {
+        link,
+        client_id,
+        will_rx,
+    })
+}
 
-    let connection_id = link.connection_id;
-    let send_buffer = link.send_buffer();
-    let will_delay_interval = link.will_delay_interval;
-    let mut send_disconnect = true;
-
-    let started = link.start().await;
-    // Propeller patch: a keep-alive expiry is reported to the embedder.
-    let end = match &started {
-        Err(remote::Error::Network(network::Error::KeepAlive(_))) => {
-            ConnectionEnd::KeepAliveTimeout
-        }
-        _ => ConnectionEnd::Ended,
-    };
-    match started {
-        // Connection got closed. This shouldn't usually happen.
-        Ok(_) => error!("connection-stop"),
-        // No need to send a disconnect message when disconnection
-        // originated internally in the router.
-        Err(remote::Error::Link(e)) => {
-            error!(error=?e, "router-drop");
-            send_disconnect = false;
-        }
-        // Connection was closed by peer
-        Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
-            if err.kind() == io::ErrorKind::ConnectionAborted =>
+async fn remote<P: Protocol>(
+    config: Arc<ConnectionSettings>,
+    tenant_id: Option<String>,
+    router_tx: Sender<(ConnectionId, Event)>,
+    stream: Box<dyn N>,
+    protocol: P,
+    will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
+) -> ConnectionEnd {
+    // Propeller patch: the CONNECT exchange and the link's registration run in their own
+    // boxed future, so their state (the CONNECT packet, the registration's) is freed once the
+    // link runs instead of sizing every connection's task for as long as it lives; and the
+    // link runs in a block, so its state and the error it ended with are not kept while the
+    // will waits below. A connection's task went from 4.7 to 2.2 KB.
+    let (end, connection_id, client_id, will_rx, will_delay_interval) = {
+        let OpenedLink {
+            mut link,
+            client_id,
+            will_rx,
+        } = match Box::pin(open_link(
+            config,
+            tenant_id.clone(),
+            router_tx.clone(),
+            stream,
+            protocol,
+            &will_handlers,
+        ))
+        .await
         {
-            info!(error=?err, "disconnected");
+            Ok(opened) => opened,
+            Err(end) => return end,
+        };
+
+        let connection_id = link.connection_id;
+        let send_buffer = link.send_buffer();
+        let will_delay_interval = link.will_delay_interval;
+        let mut send_disconnect = true;
+
+        let started = link.start().await;
+        // Propeller patch: a keep-alive expiry is reported to the embedder.
+        let end = match &started {
+            Err(remote::Error::Network(network::Error::KeepAlive(_))) => {
+                ConnectionEnd::KeepAliveTimeout
+            }
+            _ => ConnectionEnd::Ended,
+        };
+        match started {
+            // Connection got closed. This shouldn't usually happen.
+            Ok(_) => error!("connection-stop"),
+            // No need to send a disconnect message when disconnection
+            // originated internally in the router.
+            Err(remote::Error::Link(e)) => {
+                error!(error=?e, "router-drop");
+                send_disconnect = false;
+            }
+            // Connection was closed by peer
+            Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
+                if err.kind() == io::ErrorKind::ConnectionAborted =>
+            {
+                info!(error=?err, "disconnected");
+            }
+            // Any other error
+            Err(e) => {
+                error!(error=?e, "disconnected");
+            }
+        };
+
+        if send_disconnect {
+            // Propeller patch: `LinkEnded` instead of `Disconnect`, so that the router ignores
+            // it if this connection was replaced and its id reused.
+            let disconnect = Event::LinkEnded(send_buffer);
+            let message = (connection_id, disconnect);
+            router_tx.send(message).ok();
         }
-        // Any other error
-        Err(e) => {
-            error!(error=?e, "disconnected");
-        }
+
+        // this is important to stop the connection
+        drop(link);
+        (end, connection_id, client_id, will_rx, will_delay_interval)
     };
-
-    if send_disconnect {
-        // Propeller patch: `LinkEnded` instead of `Disconnect`, so that the router ignores it
-        // if this connection was replaced and its id reused.
-        let disconnect = Event::LinkEnded(send_buffer);
-        let message = (connection_id, disconnect);
-        router_tx.send(message).ok();
-    }
-
-    // this is important to stop the connection
-    drop(link);
 
     let publish_will = match tokio::time::timeout(
         Duration::from_secs(will_delay_interval as u64),
