@@ -26,6 +26,8 @@ steady window and during the burst, into DIR/steady.data and DIR/burst.data (`pe
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -139,6 +141,22 @@ def perf_done(recorder):
         recorder.wait(timeout=120)
 
 
+def mqtt_accepts(port, user, password):
+    """Whether the MQTT listener on `port` accepts `user` (MQTT 3.1.1 CONNECT, CONNACK code 0)."""
+    def field(text):
+        data = text.encode()
+        return struct.pack("!H", len(data)) + data
+    body = field("MQTT") + bytes([4, 0xC2]) + struct.pack("!H", 30) + field(f"probe-{user}") \
+        + field(user) + field(password)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(bytes([0x10, len(body)]) + body)
+            ack = s.recv(4)
+            return len(ack) == 4 and ack[0] == 0x20 and ack[3] == 0
+    except OSError:
+        return False
+
+
 def wait_until(what, check, limit):
     deadline = time.time() + limit
     while not check():
@@ -193,7 +211,7 @@ def main():
                 args += ["--broker-config-file", authorization, "--broker-config-reload", reload]
             log = open(os.path.join(work, f"propeller-{i}.log"), "w")
             env = dict(os.environ, KUBECONFIG=os.path.join(work, "propeller.kubeconfig"),
-                       HOSTNAME=f"r{i}", RUST_LOG="warn")
+                       HOSTNAME=f"r{i}", RUST_LOG=os.environ.get("BENCH_RUST_LOG", "warn"))
             procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
             ports.append(metrics)
 
@@ -212,8 +230,12 @@ def main():
                 text = f.read()
             return all(f'"{x}"' in text for x in names)
         wait_until("the authorization rendered", lambda: rendered([names[-1]]), 300)
-        time.sleep(3)  # the reload the replica ran
         ports_csv = ",".join(a.rsplit(":", 1)[1] for a in info["mqtt"])
+        # The nodes reload the rendering (30,000 users take them a while): the load generator
+        # stops at its first refused login, so it starts once every node takes the last device.
+        wait_until("every node accepting the fleet's logins",
+                   lambda: all(mqtt_accepts(int(p), names[-1], f"{names[-1]}-key") for p in ports_csv.split(",")),
+                   300)
         started = time.time()
         for first in range(0, n, PER_LOADGEN):
             count = min(PER_LOADGEN, n - first)
