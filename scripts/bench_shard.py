@@ -300,7 +300,10 @@ def main():
         workers = [f"w{i}" for i in range(AGENTS)]
         create_many([d for i, x in enumerate(workers) for d in objects(x, brokers, x, NAMESPACES[i % K])])
         wait_until("the agents rendered", lambda: rendered(workers), 120)
-        time.sleep(3)
+        # As for the fleet: at 30,000 users a node's reload took longer than the agents' wait.
+        wait_until("every node accepting the agents' logins",
+                   lambda: all(mqtt_accepts(int(p), x, f"{x}-secret") for p in ports_csv.split(",") for x in workers),
+                   600)
         for i, x in enumerate(workers):
             order = ",".join(nodes[(i + k) % len(nodes)] for k in range(len(nodes)))
             env = dict(os.environ, PROPLET_MQTT_ADDRESS=order, PROPLET_DOMAIN_ID="d", PROPLET_CHANNEL_ID=x,
@@ -308,7 +311,7 @@ def main():
                        PROPLET_STATE_DIR=os.path.join(work, x), RUST_LOG="warn")
             agents.append(subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_until("the agents Running", lambda: running() >= running_count + AGENTS, 120)
+        wait_until("the agents Running", lambda: running() >= running_count + AGENTS, 300)
         tasks_path = f"{GROUP}/tasks"
 
         def finished():
