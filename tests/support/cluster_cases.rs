@@ -333,8 +333,13 @@ pub fn propeller_killed_in_a_burst(fleet: &mut Fleet) {
     );
     assert!(lost.is_empty(), "tasks lost or wrong: {lost:?}");
     assert!(doubled.is_empty(), "tasks run twice: {doubled:?}");
+    // RabbitMQ asks propeller (its HTTP auth backend) about every publish's topic: a device
+    // publishing a result while propeller is down is refused and disconnected, reconnects
+    // and sends the result again (the lines above show nothing lost or run twice). NATS
+    // checks its rendered configuration itself, so there no device may reconnect.
+    let allowed = if engine == "rabbitmq" { 1 } else { 0 };
     assert!(
-        reconnects.values().all(|n| *n == 0),
+        reconnects.values().all(|n| *n <= allowed),
         "devices reconnected: {reconnects:?}"
     );
 }
