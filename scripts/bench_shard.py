@@ -240,10 +240,12 @@ def main():
         for first in range(0, n, PER_LOADGEN):
             count = min(PER_LOADGEN, n - first)
             # Each process's proplets are `hb-<first + i>`: prefix `hb`, an offset by name.
+            # They beat until stopped at the end (at 30,000 reaching Running took about
+            # 600 s here, when a 600 s load had stopped under the steady window).
             loadgens.append(subprocess.Popen(
                 [os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", ports_csv,
                  "--proplets", str(count), "--first", str(first), "--prefix", "hb",
-                 "--interval-secs", "10", "--silent", "0", "--silence-after-secs", "600",
+                 "--interval-secs", "10", "--silent", "0", "--silence-after-secs", "7200",
                  "--run-after-silence-secs", "1"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
