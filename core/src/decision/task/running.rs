@@ -32,21 +32,20 @@ pub(super) fn plan_scheduled(
             .filter(|c| c.status == "True")
             .and_then(|c| from_k8s_time(&c.last_transition_time));
         let limit = time_limit(task, settings);
-        match scheduled.and_then(|at| deadline(at, limit)) {
-            Some(deadline) if now >= deadline && !task.spec.daemon => {
-                let message = format!(
-                    "no result within the time limit of {}s: the start never went out \
-                     (assigned to {}, whose device was not connected)",
-                    limit.as_secs(),
-                    targets_of(desired).join(", ")
-                );
-                time_out(task, observed, desired, now, plan, message);
-            }
-            Some(deadline) => {
-                dispatch(task, observed, settings, now, desired, plan);
-                look_again_by(plan, deadline);
-            }
-            None => dispatch(task, observed, settings, now, desired, plan),
+        let deadline = scheduled.and_then(|at| deadline(at, limit));
+        if deadline.is_some_and(|d| now >= d) && !task.spec.daemon {
+            let message = format!(
+                "no result within the time limit of {}s: the start never went out \
+                 (assigned to {}, whose device was not connected)",
+                limit.as_secs(),
+                targets_of(desired).join(", ")
+            );
+            time_out(task, observed, desired, now, plan, message);
+            return;
+        }
+        dispatch(task, observed, settings, now, desired, plan);
+        if let Some(deadline) = deadline {
+            look_again_by(plan, deadline);
         }
         return;
     };
