@@ -293,6 +293,8 @@ def main():
             "steady_brokers_rss_mib": round(sum(rss_mib(p) for p in broker_pids), 1),
             "steady_apiserver_cpu_pct": round((cpu1[2] - cpu0[2]) / span * 100, 1),
             "steady_status_writes_per_s": round((cpu1[3][1] - cpu0[3][1]) / span, 1),
+            # The heartbeats ran through the window (each load generator still alive).
+            "steady_loadgens_running": f"{sum(p.poll() is None for p in loadgens)} of {len(loadgens)}",
         }
 
         print(json.dumps(result))  # the steady state, even if the burst does not finish

@@ -606,10 +606,11 @@ fn share_and_take_over(fleet: &Fleet) {
     }
     assert_eq!(runs(&mut agents), Vec::new(), "tasks run twice");
 
-    // --- Members come and go during a burst: 2 -> 5 -> 2.
+    // --- Members come and go during a burst: 3 -> 5 -> 2 (r2 back first, as a new member).
+    let r2 = fleet.replica("r2", false);
+    wait_members(&[&r0, &r1, &r2], 3, STATUS_WAIT);
     let count = 120;
     burst(cp, "churn", count);
-    let r2 = fleet.replica("r2", false);
     let r3 = fleet.replica("r3", false);
     let r4 = fleet.replica("r4", false);
     wait_members(&[&r0, &r1, &r2, &r3, &r4], 5, STATUS_WAIT);
