@@ -39,6 +39,7 @@ use crate::crd::task::{Task, TaskPhase};
 use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::{PropletPlan, PropletSettings};
+use crate::decision::scheduler::SelectorView;
 use crate::decision::task::{Note, TaskPlan, TaskSettings};
 use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError, TaskEffects};
 use crate::metrics::ControllerMetrics;
@@ -284,6 +285,11 @@ pub trait Cluster: Send + Sync {
 
     /// The Proplets of `namespace`.
     fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>>;
+
+    /// The Proplets of `namespace` that `selector` can match by the label index (the one
+    /// it names, or those carrying its labels): a superset of the candidates, read without
+    /// passing over the whole namespace; the scheduler's rules still apply to each.
+    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>>;
 
     /// One Proplet.
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>>;

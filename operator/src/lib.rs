@@ -12,6 +12,7 @@ pub mod k8s;
 pub mod metrics;
 pub mod observations;
 pub mod oci;
+pub mod proplet_index;
 pub mod standalone;
 pub mod state;
 pub mod task_index;

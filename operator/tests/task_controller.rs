@@ -12,6 +12,7 @@ use http::Method;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use propeller_broker::server::{BrokerEvent, Credential, EventKind};
+use propeller_operator::controller::Cluster;
 use propeller_operator::crd::proplet::Proplet;
 use propeller_operator::crd::task::Task;
 use propeller_operator::k8s::runtime::{
@@ -509,4 +510,64 @@ async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
         2
     );
     assert!(api.take().is_empty(), "the tick must not call the API");
+}
+
+/// A task selecting a label is placed on a proplet carrying it among many that do not: it
+/// waits while none carries it, and finds one relabelled by the watch on its next
+/// reconcile. The placement reads the label index, which follows the watch: it gives the
+/// labelled proplet alone, not the namespace's 51.
+#[tokio::test]
+async fn a_task_selecting_a_label_is_placed_on_the_proplet_the_watch_labelled() {
+    let running = |name: &str, labels: Value| -> Proplet {
+        let mut p = proplet_json();
+        p["metadata"]["name"] = json!(name);
+        p["metadata"]["labels"] = labels;
+        p["spec"]["connectionConfig"]["clientId"] = json!(name);
+        p["status"] = json!({"phase": "Running", "alive": true});
+        serde_json::from_value(p).unwrap()
+    };
+    let mut proplets: Vec<Proplet> = (0..50)
+        .map(|i| running(&format!("sim-{i}"), json!({"fleet": "sim"})))
+        .collect();
+    proplets.push(running("edge", json!({"role": "spare"})));
+    let mut task = task_json();
+    task["spec"]["propletSelector"] = json!({"matchLabels": {"role": "worker"}});
+    let (client, api) = FakeApi::start(vec![(TASK_PATH.into(), task.clone())]);
+    let task: Task = serde_json::from_value(task).unwrap();
+    let mut h = common::Harness::start(client, proplets, vec![task.clone()]).await;
+    let assigned = |sent: &[Sent]| {
+        sent.iter()
+            .filter(|s| s.path == format!("{TASK_PATH}/status"))
+            .filter_map(|s| {
+                s.body["status"]["assignedProplet"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect::<Vec<_>>()
+    };
+
+    let selector = propeller_operator::decision::task::selector_of(&task);
+    let indexed = |shared: &propeller_operator::k8s::runtime::Shared| -> Vec<String> {
+        Cluster::proplets_for(shared, "iot", &selector)
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect()
+    };
+
+    assert_eq!(indexed(&h.shared), Vec::<String>::new());
+    reconcile_task(Arc::new(task.clone()), h.shared.clone())
+        .await
+        .unwrap();
+    assert_eq!(assigned(&api.take()), Vec::<String>::new());
+
+    h.proplets
+        .apply_watcher_event(&watcher::Event::Apply(running(
+            "edge",
+            json!({"role": "worker"}),
+        )));
+    assert_eq!(indexed(&h.shared), vec!["edge".to_owned()]);
+    reconcile_task(Arc::new(task), h.shared.clone())
+        .await
+        .unwrap();
+    assert_eq!(assigned(&api.take()), vec!["edge".to_owned()]);
 }

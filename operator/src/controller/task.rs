@@ -187,9 +187,9 @@ fn proplet_views<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> 
     let proplets: Vec<Arc<Proplet>> = match scope {
         PropletScope::Candidates => {
             let selector = selector_of(task);
-            let mut all = cluster.proplets_in(&namespace);
-            all.retain(|p| could_take(task, &selector, p));
-            all
+            let mut some = cluster.proplets_for(&namespace, &selector);
+            some.retain(|p| could_take(task, &selector, p));
+            some
         }
         PropletScope::Namespace => cluster.proplets_in(&namespace),
         PropletScope::Named(names) => names

@@ -37,6 +37,7 @@ use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::task::{Note, TaskSettings};
 use crate::executor::{Dispatch, TaskApplyError};
+use crate::proplet_index::SharedPropletIndex;
 use crate::state::lock;
 use crate::task_index::SharedTaskIndex;
 
@@ -168,6 +169,7 @@ fn credential_changes(
     cached: Store<Proplet>,
     writer: reflector::store::Writer<Proplet>,
     gate: Arc<RefreshGate>,
+    index: SharedPropletIndex,
 ) -> impl futures::Stream<Item = Result<Proplet, watcher::Error>> + Send + 'static {
     let changed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let noted = changed.clone();
@@ -187,7 +189,11 @@ fn credential_changes(
             }
         })
         .reflect(writer)
-        .inspect(move |_| {
+        // Right after the cache, as the Task index follows the Task watch.
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                index.apply(event);
+            }
             if changed.swap(false, std::sync::atomic::Ordering::SeqCst) {
                 gate.invalidate();
             }
@@ -256,11 +262,13 @@ pub async fn run(
     .default_backoff();
     let credential_gate = Arc::new(RefreshGate::default());
     let (proplet_reader, proplet_writer) = reflector::store::<Proplet>();
+    let proplet_index = SharedPropletIndex::default();
     let proplet_events = credential_changes(
         watches.whole::<Proplet>(watcher::Config::default()),
         proplet_reader.clone(),
         proplet_writer,
         credential_gate.clone(),
+        proplet_index.clone(),
     );
     let proplet_controller = Controller::for_stream(proplet_events, proplet_reader)
         .with_config(bounded())
@@ -318,6 +326,7 @@ pub async fn run(
         labelled_tasks(&watches, crate::decision::federated::ROUND_LABEL);
     let caches = Caches {
         proplets: proplet_controller.store(),
+        proplet_index,
         tasks: task_controller.store(),
         task_index,
         credential_gate,

@@ -24,6 +24,8 @@ use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::credentials::{changes_credentials, RefreshGate};
 use crate::decision::dag::Graph;
+use crate::decision::scheduler::SelectorView;
+use crate::proplet_index::{Narrowed, PropletIndex};
 use crate::task_index::TaskIndex;
 
 use super::driver::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
@@ -82,6 +84,7 @@ struct Cached {
     proplets: BTreeMap<Name, Arc<Proplet>>,
     tasks: BTreeMap<Name, Arc<Task>>,
     proplet_by_client: HashMap<String, Name>,
+    proplet_index: PropletIndex,
     task_index: TaskIndex,
 }
 
@@ -114,6 +117,7 @@ impl Cached {
         }
         self.proplet_by_client
             .insert(proplet.client_id().to_owned(), key.clone());
+        self.proplet_index.put(&proplet);
         let shared = self.reflected_proplets.put(proplet);
         self.proplets.insert(key, shared);
         credentials_change
@@ -122,6 +126,7 @@ impl Cached {
     /// Drops the proplet `key`; whether it was cached (its credential goes with it).
     fn remove_proplet(&mut self, key: &Name) -> bool {
         self.reflected_proplets.remove(key);
+        self.proplet_index.remove(&key.0, &key.1);
         let Some(old) = self.proplets.remove(key) else {
             return false;
         };
@@ -341,6 +346,22 @@ impl ObjectCache {
             .collect()
     }
 
+    /// The Proplets of `namespace` that `selector` can match by their labels (see
+    /// [`PropletIndex::narrow`]).
+    pub fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
+        let cached = self.read();
+        match cached.proplet_index.narrow(namespace, selector) {
+            Narrowed::Whole => {
+                drop(cached);
+                self.proplets_in(namespace)
+            }
+            Narrowed::Only(names) => names
+                .into_iter()
+                .filter_map(|name| cached.proplets.get(&(namespace.to_owned(), name)).cloned())
+                .collect(),
+        }
+    }
+
     /// The Proplets of `namespace`.
     pub fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>> {
         self.read()
@@ -495,5 +516,41 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(cache.proplet_by_client("c-before").is_none());
         assert_eq!(cache.proplets().len(), 1);
+    }
+
+    #[test]
+    fn a_selector_reads_the_proplets_its_labels_name_as_the_store_changes_them() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = ObjectStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let cache = ObjectCache::attach(&store).unwrap_or_else(|e| panic!("{e}"));
+        let labelled = |name: &str, labels: Value| {
+            let mut p = proplet(name, name);
+            p["metadata"]["labels"] = labels;
+            store.apply(p).unwrap_or_else(|e| panic!("{e}"));
+        };
+        for i in 0..20 {
+            labelled(&format!("sim-{i}"), json!({"fleet": "sim"}));
+        }
+        labelled("w0", json!({"role": "spare"}));
+        let worker = SelectorView {
+            match_labels: [("role".to_owned(), "worker".to_owned())].into(),
+            ..SelectorView::default()
+        };
+        let names = |selector: &SelectorView| -> Vec<String> {
+            cache
+                .proplets_for("default", selector)
+                .iter()
+                .filter_map(|p| p.metadata.name.clone())
+                .collect()
+        };
+        assert!(names(&worker).is_empty());
+        assert_eq!(names(&SelectorView::default()).len(), 21, "no label: all");
+
+        labelled("w0", json!({"role": "worker"}));
+        assert_eq!(names(&worker), vec!["w0".to_owned()]);
+        store
+            .delete(PROPLET, "default", "w0")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(names(&worker).is_empty());
     }
 }

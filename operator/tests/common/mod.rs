@@ -221,13 +221,28 @@ impl TaskCache {
     }
 }
 
+/// The Proplet cache and its label index, updated together as the Proplet watch updates them.
+pub struct PropletCache {
+    writer: kube::runtime::reflector::store::Writer<propeller_operator::crd::proplet::Proplet>,
+    index: propeller_operator::proplet_index::SharedPropletIndex,
+}
+
+impl PropletCache {
+    pub fn apply_watcher_event(
+        &mut self,
+        event: &kube::runtime::watcher::Event<propeller_operator::crd::proplet::Proplet>,
+    ) {
+        self.writer.apply_watcher_event(event);
+        self.index.apply(event);
+    }
+}
+
 /// Shared reconciler state over a fake API, a real loopback broker, and caches holding
 /// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
 pub struct Harness {
     pub shared: std::sync::Arc<propeller_operator::k8s::runtime::Shared>,
     pub triggers: propeller_operator::k8s::runtime::Triggers,
-    pub proplets:
-        kube::runtime::reflector::store::Writer<propeller_operator::crd::proplet::Proplet>,
+    pub proplets: PropletCache,
     pub tasks: TaskCache,
     pub broker: propeller_broker::server::EmbeddedBroker,
     pub logins: Arc<propeller_broker::server::CredentialStore>,
@@ -248,9 +263,13 @@ impl Harness {
         )
         .await
         .unwrap_or_else(|e| panic!("broker: {e}"));
-        let (proplet_reader, mut proplet_writer) = reflector::store();
+        let (proplet_reader, proplet_writer) = reflector::store();
+        let mut proplet_cache = PropletCache {
+            writer: proplet_writer,
+            index: Default::default(),
+        };
         for p in proplets {
-            proplet_writer.apply_watcher_event(&watcher::Event::Apply(p));
+            proplet_cache.apply_watcher_event(&watcher::Event::Apply(p));
         }
         let (task_reader, task_writer) = reflector::store();
         let mut task_cache = TaskCache {
@@ -284,6 +303,7 @@ impl Harness {
             None,
             Caches {
                 proplets: proplet_reader,
+                proplet_index: proplet_cache.index.clone(),
                 job_tasks: task_reader.clone(),
                 round_tasks: task_reader.clone(),
                 tasks: task_reader,
@@ -296,7 +316,7 @@ impl Harness {
         Self {
             shared: Arc::new(shared),
             triggers,
-            proplets: proplet_writer,
+            proplets: proplet_cache,
             tasks: task_cache,
             broker,
             logins,

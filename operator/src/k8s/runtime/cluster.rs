@@ -9,8 +9,10 @@ use super::*;
 use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
+use crate::decision::scheduler::SelectorView;
 use crate::decision::task::{JobOutcome, TaskPlan};
 use crate::executor::{BackendError, JobRunner};
+use crate::proplet_index::Narrowed;
 
 /// Runs `k8s` proplets' tasks as Jobs through the API server.
 #[derive(Clone)]
@@ -237,6 +239,17 @@ impl Cluster for Shared {
             .into_iter()
             .filter(|p| p.metadata.namespace.as_deref().unwrap_or("default") == namespace)
             .collect()
+    }
+
+    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
+        let narrowed = self.proplet_index.read().narrow(namespace, selector);
+        match narrowed {
+            Narrowed::Whole => self.proplets_in(namespace),
+            Narrowed::Only(names) => names
+                .iter()
+                .filter_map(|n| self.proplet(&ObjectName::new(namespace, n)))
+                .collect(),
+        }
     }
 
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::controller::ObjectName;
+use crate::proplet_index::SharedPropletIndex;
 use crate::task_index::SharedTaskIndex;
 
 /// State shared by the reconcilers and the event router.
@@ -17,6 +18,8 @@ pub struct Shared {
     pub credential_gate: Arc<RefreshGate>,
     /// Cached Proplets.
     pub proplets: Store<Proplet>,
+    /// The cached Proplets by label.
+    pub proplet_index: SharedPropletIndex,
     /// Cached Tasks.
     pub tasks: Store<Task>,
     /// The cached Tasks by UID, by the proplet they occupy and by dependency.
@@ -70,6 +73,8 @@ pub(super) const BACKGROUND_EVENTS: usize = 4;
 pub struct Caches {
     /// Proplets.
     pub proplets: Store<Proplet>,
+    /// The index of `proplets`, fed by the same watch.
+    pub proplet_index: SharedPropletIndex,
     /// Tasks.
     pub tasks: Store<Task>,
     /// The index of `tasks`, fed by the same watch.
@@ -124,6 +129,7 @@ impl Shared {
             common: Common::new(publisher, settings.proplet, settings.task, metrics),
             credential_gate: caches.credential_gate,
             proplets: caches.proplets,
+            proplet_index: caches.proplet_index,
             tasks: caches.tasks,
             task_index: caches.task_index,
             job_tasks: caches.job_tasks,

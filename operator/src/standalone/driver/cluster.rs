@@ -8,6 +8,7 @@ use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::PropletPlan;
+use crate::decision::scheduler::SelectorView;
 use crate::decision::task::{Note, TaskPlan};
 use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
 
@@ -173,6 +174,10 @@ impl Cluster for Driver {
 
     fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>> {
         self.cache.proplets_in(namespace)
+    }
+
+    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
+        self.cache.proplets_for(namespace, selector)
     }
 
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {
