@@ -17,3 +17,4 @@ pub mod standalone;
 pub mod state;
 pub mod task_index;
 pub mod validation;
+pub mod watch_index;

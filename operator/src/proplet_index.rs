@@ -8,26 +8,30 @@
 //! are still checked on every proplet it returns.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
-
-use kube::runtime::watcher;
 
 use crate::crd::proplet::Proplet;
 use crate::decision::scheduler::SelectorView;
-use crate::task_index::Name;
+use crate::watch_index::{Index, Name, SharedIndex};
 
 /// `(namespace, label key, label value)`.
 type Label = (String, String, String);
+
+/// A proplet's labels: what it put into the index.
+type Labels = BTreeMap<String, String>;
 
 /// The proplets of each label, per namespace.
 #[derive(Debug, Default)]
 pub struct PropletIndex {
     /// Each proplet's labels, so that its next version can take them out again.
-    labels: HashMap<Name, BTreeMap<String, String>>,
+    labels: HashMap<Name, Labels>,
     by_label: HashMap<Label, BTreeSet<String>>,
     /// The proplets of a relist in progress, which replace the index when it is complete.
-    relist: Option<Vec<(Name, BTreeMap<String, String>)>>,
+    relist: Option<Vec<(Name, Labels)>>,
 }
+
+/// A [`PropletIndex`] shared by the Proplet watch that feeds it and the reconciles that
+/// read it.
+pub type SharedPropletIndex = SharedIndex<PropletIndex>;
 
 /// Which proplets of a namespace a selector can match, as far as the index can say.
 #[derive(Debug, PartialEq, Eq)]
@@ -38,85 +42,19 @@ pub enum Narrowed {
     Only(Vec<String>),
 }
 
-fn name_of(proplet: &Proplet) -> Name {
-    (
-        proplet
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into()),
-        proplet.metadata.name.clone().unwrap_or_default(),
-    )
-}
+impl Index for PropletIndex {
+    type Object = Proplet;
+    type Entry = Labels;
 
-fn labels_of(proplet: &Proplet) -> BTreeMap<String, String> {
-    proplet.metadata.labels.clone().unwrap_or_default()
-}
-
-impl PropletIndex {
-    /// Indexes `proplet`, replacing what its previous version put in.
-    pub fn put(&mut self, proplet: &Proplet) {
-        self.link(name_of(proplet), labels_of(proplet));
+    fn entry_of(proplet: &Proplet) -> Labels {
+        proplet.metadata.labels.clone().unwrap_or_default()
     }
 
-    /// Takes the proplet `namespace`/`name` out of the index.
-    pub fn remove(&mut self, namespace: &str, name: &str) {
-        self.unlink(&(namespace.to_owned(), name.to_owned()));
+    fn relist(&mut self) -> &mut Option<Vec<(Name, Labels)>> {
+        &mut self.relist
     }
 
-    /// Follows a Proplet watch: applies and deletes as they come, a relist as one
-    /// replacement once it is complete.
-    pub fn apply(&mut self, event: &watcher::Event<Proplet>) {
-        match event {
-            watcher::Event::Apply(proplet) => self.put(proplet),
-            watcher::Event::Delete(proplet) => {
-                let (namespace, name) = name_of(proplet);
-                self.remove(&namespace, &name);
-            }
-            watcher::Event::Init => self.relist = Some(Vec::new()),
-            watcher::Event::InitApply(proplet) => {
-                let entry = (name_of(proplet), labels_of(proplet));
-                match &mut self.relist {
-                    Some(listed) => listed.push(entry),
-                    None => self.link(entry.0, entry.1),
-                }
-            }
-            watcher::Event::InitDone => {
-                if let Some(listed) = self.relist.take() {
-                    *self = Self::default();
-                    for (name, labels) in listed {
-                        self.link(name, labels);
-                    }
-                }
-            }
-        }
-    }
-
-    /// The proplets of `namespace` that `selector` can match: the one it names, or those
-    /// carrying the rarest of its labels.
-    pub fn narrow(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
-        if let Some(id) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
-            return Narrowed::Only(vec![id.to_owned()]);
-        }
-        let carrying = |key: &String, value: &String| {
-            self.by_label
-                .get(&(namespace.to_owned(), key.clone(), value.clone()))
-        };
-        let mut rarest: Option<&BTreeSet<String>> = None;
-        for (key, value) in &selector.match_labels {
-            match carrying(key, value) {
-                None => return Narrowed::Only(Vec::new()),
-                Some(names) if rarest.is_none_or(|r| names.len() < r.len()) => rarest = Some(names),
-                Some(_) => {}
-            }
-        }
-        match rarest {
-            Some(names) => Narrowed::Only(names.iter().cloned().collect()),
-            None => Narrowed::Whole,
-        }
-    }
-
-    fn link(&mut self, key: Name, labels: BTreeMap<String, String>) {
+    fn link(&mut self, key: Name, labels: Labels) {
         self.unlink(&key);
         let (namespace, name) = &key;
         for (label, value) in &labels {
@@ -145,28 +83,36 @@ impl PropletIndex {
     }
 }
 
-/// A [`PropletIndex`] shared by the watch that feeds it and the reconciles that read it.
-#[derive(Debug, Clone, Default)]
-pub struct SharedPropletIndex(Arc<RwLock<PropletIndex>>);
-
-impl SharedPropletIndex {
-    /// Applies one event of the Proplet watch (see [`PropletIndex::apply`]).
-    pub fn apply(&self, event: &watcher::Event<Proplet>) {
-        self.0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .apply(event);
-    }
-
-    /// The index as it is now.
-    pub fn read(&self) -> RwLockReadGuard<'_, PropletIndex> {
-        self.0.read().unwrap_or_else(PoisonError::into_inner)
+impl PropletIndex {
+    /// The proplets of `namespace` that `selector` can match: the one it names, or those
+    /// carrying the rarest of its labels.
+    pub fn narrow(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
+        if let Some(id) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
+            return Narrowed::Only(vec![id.to_owned()]);
+        }
+        let carrying = |key: &String, value: &String| {
+            self.by_label
+                .get(&(namespace.to_owned(), key.clone(), value.clone()))
+        };
+        let mut rarest: Option<&BTreeSet<String>> = None;
+        for (key, value) in &selector.match_labels {
+            match carrying(key, value) {
+                None => return Narrowed::Only(Vec::new()),
+                Some(names) if rarest.is_none_or(|r| names.len() < r.len()) => rarest = Some(names),
+                Some(_) => {}
+            }
+        }
+        match rarest {
+            Some(names) => Narrowed::Only(names.iter().cloned().collect()),
+            None => Narrowed::Whole,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::runtime::watcher;
     use serde_json::json;
 
     fn proplet(namespace: &str, name: &str, labels: serde_json::Value) -> Proplet {

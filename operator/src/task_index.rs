@@ -7,32 +7,18 @@
 //! lookups cost the same with ten tasks or ten thousand.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
-
-use kube::runtime::watcher;
 
 use crate::crd::task::Task;
 use crate::decision::task::occupied;
-
-/// `(namespace, name)`.
-pub type Name = (String, String);
+pub use crate::watch_index::Name;
+use crate::watch_index::{Index, SharedIndex};
 
 /// What one task put into the index, so that its next version can take it out again.
 #[derive(Debug, Clone)]
-struct Entry {
+pub struct Entry {
     uid: Option<String>,
     occupies: Vec<String>,
     depends_on: Vec<String>,
-}
-
-impl Entry {
-    fn of(task: &Task) -> Self {
-        Self {
-            uid: task.metadata.uid.clone(),
-            occupies: occupied(task).into_iter().map(str::to_owned).collect(),
-            depends_on: task.spec.depends_on.clone(),
-        }
-    }
 }
 
 /// The Task indexes of one cache.
@@ -48,54 +34,23 @@ pub struct TaskIndex {
     relist: Option<Vec<(Name, Entry)>>,
 }
 
-/// The `(namespace, name)` of `task` (namespace `default` when unset).
-pub fn name_of(task: &Task) -> Name {
-    (
-        task.metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into()),
-        task.metadata.name.clone().unwrap_or_default(),
-    )
-}
+/// A [`TaskIndex`] shared by the Task watch that feeds it and the reconciles that read it.
+pub type SharedTaskIndex = SharedIndex<TaskIndex>;
 
-impl TaskIndex {
-    /// Indexes `task`, replacing what its previous version put in.
-    pub fn put(&mut self, task: &Task) {
-        self.link(name_of(task), Entry::of(task));
-    }
+impl Index for TaskIndex {
+    type Object = Task;
+    type Entry = Entry;
 
-    /// Takes the task `namespace`/`name` out of the index.
-    pub fn remove(&mut self, namespace: &str, name: &str) {
-        self.unlink(&(namespace.to_owned(), name.to_owned()));
-    }
-
-    /// Follows a Task watch: applies and deletes as they come, a relist as one replacement
-    /// once it is complete (tasks gone meanwhile leave the index then).
-    pub fn apply(&mut self, event: &watcher::Event<Task>) {
-        match event {
-            watcher::Event::Apply(task) => self.put(task),
-            watcher::Event::Delete(task) => {
-                let (namespace, name) = name_of(task);
-                self.remove(&namespace, &name);
-            }
-            watcher::Event::Init => self.relist = Some(Vec::new()),
-            watcher::Event::InitApply(task) => {
-                let entry = (name_of(task), Entry::of(task));
-                match &mut self.relist {
-                    Some(listed) => listed.push(entry),
-                    None => self.link(entry.0, entry.1),
-                }
-            }
-            watcher::Event::InitDone => {
-                if let Some(listed) = self.relist.take() {
-                    *self = Self::default();
-                    for (name, entry) in listed {
-                        self.link(name, entry);
-                    }
-                }
-            }
+    fn entry_of(task: &Task) -> Entry {
+        Entry {
+            uid: task.metadata.uid.clone(),
+            occupies: occupied(task).into_iter().map(str::to_owned).collect(),
+            depends_on: task.spec.depends_on.clone(),
         }
+    }
+
+    fn relist(&mut self) -> &mut Option<Vec<(Name, Entry)>> {
+        &mut self.relist
     }
 
     fn link(&mut self, key: Name, entry: Entry) {
@@ -145,7 +100,9 @@ impl TaskIndex {
             drop_from(&mut self.dependents, dependency);
         }
     }
+}
 
+impl TaskIndex {
     /// The `(namespace, name)` of the task with this UID.
     pub fn by_uid(&self, uid: &str) -> Option<&Name> {
         self.by_uid.get(uid)
@@ -176,28 +133,10 @@ impl TaskIndex {
     }
 }
 
-/// A [`TaskIndex`] shared by the watch that feeds it and the reconciles that read it.
-#[derive(Debug, Clone, Default)]
-pub struct SharedTaskIndex(Arc<RwLock<TaskIndex>>);
-
-impl SharedTaskIndex {
-    /// Applies one event of the Task watch (see [`TaskIndex::apply`]).
-    pub fn apply(&self, event: &watcher::Event<Task>) {
-        self.0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .apply(event);
-    }
-
-    /// The index as it is now.
-    pub fn read(&self) -> RwLockReadGuard<'_, TaskIndex> {
-        self.0.read().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::runtime::watcher;
     use serde_json::json;
 
     fn task(name: &str, uid: &str, depends_on: &[&str], on: Option<&str>) -> Task {

@@ -31,7 +31,7 @@ use crate::task_index::TaskIndex;
 use super::driver::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
 use super::store::{Change, ObjectStore, StoreError};
 
-use crate::task_index::Name;
+use crate::watch_index::{name_in, Index, Name};
 
 /// A reflector store of one kind: written here, read by a `Controller`.
 struct Reflected<K: kube::Resource<DynamicType = ()> + Clone + 'static> {
@@ -88,13 +88,6 @@ struct Cached {
     task_index: TaskIndex,
 }
 
-fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Name {
-    (
-        meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        meta.name.clone().unwrap_or_default(),
-    )
-}
-
 fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> u64 {
     meta.resource_version
         .as_deref()
@@ -105,7 +98,7 @@ fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 impl Cached {
     /// Caches `proplet`; whether that changes the credential table.
     fn put_proplet(&mut self, proplet: Proplet, only_if_newer: bool) -> bool {
-        let key = name_of(&proplet.metadata);
+        let key = name_in(&proplet.metadata);
         let old = self.proplets.get(&key);
         if only_if_newer && old.is_some_and(|o| version(&o.metadata) >= version(&proplet.metadata))
         {
@@ -137,7 +130,7 @@ impl Cached {
     }
 
     fn put_task(&mut self, task: Task, only_if_newer: bool) {
-        let key = name_of(&task.metadata);
+        let key = name_in(&task.metadata);
         if only_if_newer
             && self
                 .tasks

@@ -205,37 +205,31 @@ fn answer(
     (200, body.clone())
 }
 
-/// The Task cache and its index, updated together as the Task watch updates them.
-pub struct TaskCache {
-    writer: kube::runtime::reflector::store::Writer<propeller_operator::crd::task::Task>,
-    index: propeller_operator::task_index::SharedTaskIndex,
+/// A watch's cache and its index, updated together as the watch updates them.
+pub struct IndexedCache<I: propeller_operator::watch_index::Index>
+where
+    I::Object: kube::Resource + Clone + 'static,
+    <I::Object as kube::Resource>::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    writer: kube::runtime::reflector::store::Writer<I::Object>,
+    index: propeller_operator::watch_index::SharedIndex<I>,
 }
 
-impl TaskCache {
-    pub fn apply_watcher_event(
-        &mut self,
-        event: &kube::runtime::watcher::Event<propeller_operator::crd::task::Task>,
-    ) {
+impl<I: propeller_operator::watch_index::Index> IndexedCache<I>
+where
+    I::Object: kube::Resource + Clone + 'static,
+    <I::Object as kube::Resource>::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    pub fn apply_watcher_event(&mut self, event: &kube::runtime::watcher::Event<I::Object>) {
         self.writer.apply_watcher_event(event);
         self.index.apply(event);
     }
 }
 
-/// The Proplet cache and its label index, updated together as the Proplet watch updates them.
-pub struct PropletCache {
-    writer: kube::runtime::reflector::store::Writer<propeller_operator::crd::proplet::Proplet>,
-    index: propeller_operator::proplet_index::SharedPropletIndex,
-}
-
-impl PropletCache {
-    pub fn apply_watcher_event(
-        &mut self,
-        event: &kube::runtime::watcher::Event<propeller_operator::crd::proplet::Proplet>,
-    ) {
-        self.writer.apply_watcher_event(event);
-        self.index.apply(event);
-    }
-}
+/// The Task cache and its index.
+pub type TaskCache = IndexedCache<propeller_operator::task_index::TaskIndex>;
+/// The Proplet cache and its label index.
+pub type PropletCache = IndexedCache<propeller_operator::proplet_index::PropletIndex>;
 
 /// Shared reconciler state over a fake API, a real loopback broker, and caches holding
 /// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
