@@ -21,7 +21,8 @@ BENCH_SHARDED_WATCHES=1: the replicas run with --sharded-watches (the control pl
 the API server's ShardedListAndWatch gate: bench-shard.sh turns it on then).
 BENCH_PERF=DIR: `perf record` samples the first replica (cpu-clock, 499 Hz) during the
 steady window and during the burst, into DIR/steady.data and DIR/burst.data (`perf report
--i DIR/burst.data --no-children`).
+-i DIR/burst.data --no-children`); BENCH_PERF_CALLGRAPH=dwarf adds call graphs (for a
+build with debug info, such as PROPELLER_BIN=target/debug/propeller).
 """
 import json
 import os
@@ -130,7 +131,8 @@ def perf_record(pid, name):
     if not out:
         return None
     os.makedirs(out, exist_ok=True)
-    return subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "499", "-p", str(pid),
+    graph = ["--call-graph", os.environ["BENCH_PERF_CALLGRAPH"]] if os.environ.get("BENCH_PERF_CALLGRAPH") else []
+    return subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "499", "-p", str(pid), *graph,
                              "-o", os.path.join(out, f"{name}.data")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
