@@ -44,6 +44,7 @@ use crate::decision::task::{Note, TaskPlan, TaskSettings};
 use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError, TaskEffects};
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
+use crate::proplet_index::Narrowed;
 use crate::state::DriverState;
 
 pub mod finalizer;
@@ -286,10 +287,22 @@ pub trait Cluster: Send + Sync {
     /// The Proplets of `namespace`.
     fn proplets_in(&self, namespace: &str) -> Vec<Arc<Proplet>>;
 
-    /// The Proplets of `namespace` that `selector` can match by the label index (the one
-    /// it names, or those carrying its labels): a superset of the candidates, read without
+    /// Which proplets of `namespace` `selector` can match by the label index (the one it
+    /// names, or those carrying its labels): a superset of the candidates, found without
     /// passing over the whole namespace; the scheduler's rules still apply to each.
-    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>>;
+    fn narrow_proplets(&self, namespace: &str, selector: &SelectorView) -> Narrowed;
+
+    /// The Proplets of `namespace` that `selector` can match by the label index (see
+    /// [`Cluster::narrow_proplets`]).
+    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
+        match self.narrow_proplets(namespace, selector) {
+            Narrowed::Whole => self.proplets_in(namespace),
+            Narrowed::Only(names) => names
+                .iter()
+                .filter_map(|n| self.proplet(&ObjectName::new(namespace, n)))
+                .collect(),
+        }
+    }
 
     /// One Proplet.
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>>;

@@ -339,20 +339,10 @@ impl ObjectCache {
             .collect()
     }
 
-    /// The Proplets of `namespace` that `selector` can match by their labels (see
+    /// Which proplets of `namespace` `selector` can match by their labels (see
     /// [`PropletIndex::narrow`]).
-    pub fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
-        let cached = self.read();
-        match cached.proplet_index.narrow(namespace, selector) {
-            Narrowed::Whole => {
-                drop(cached);
-                self.proplets_in(namespace)
-            }
-            Narrowed::Only(names) => names
-                .into_iter()
-                .filter_map(|name| cached.proplets.get(&(namespace.to_owned(), name)).cloned())
-                .collect(),
-        }
+    pub fn narrow_proplets(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
+        self.read().proplet_index.narrow(namespace, selector)
     }
 
     /// The Proplets of `namespace`.
@@ -530,11 +520,14 @@ mod tests {
             ..SelectorView::default()
         };
         let names = |selector: &SelectorView| -> Vec<String> {
-            cache
-                .proplets_for("default", selector)
-                .iter()
-                .filter_map(|p| p.metadata.name.clone())
-                .collect()
+            match cache.narrow_proplets("default", selector) {
+                Narrowed::Only(names) => names,
+                Narrowed::Whole => cache
+                    .proplets_in("default")
+                    .iter()
+                    .filter_map(|p| p.metadata.name.clone())
+                    .collect(),
+            }
         };
         assert!(names(&worker).is_empty());
         assert_eq!(names(&SelectorView::default()).len(), 21, "no label: all");

@@ -241,15 +241,8 @@ impl Cluster for Shared {
             .collect()
     }
 
-    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
-        let narrowed = self.proplet_index.read().narrow(namespace, selector);
-        match narrowed {
-            Narrowed::Whole => self.proplets_in(namespace),
-            Narrowed::Only(names) => names
-                .iter()
-                .filter_map(|n| self.proplet(&ObjectName::new(namespace, n)))
-                .collect(),
-        }
+    fn narrow_proplets(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
+        self.proplet_index.read().narrow(namespace, selector)
     }
 
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {

@@ -11,6 +11,7 @@ use crate::decision::proplet::PropletPlan;
 use crate::decision::scheduler::SelectorView;
 use crate::decision::task::{Note, TaskPlan};
 use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
+use crate::proplet_index::Narrowed;
 
 use super::*;
 
@@ -176,8 +177,8 @@ impl Cluster for Driver {
         self.cache.proplets_in(namespace)
     }
 
-    fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
-        self.cache.proplets_for(namespace, selector)
+    fn narrow_proplets(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
+        self.cache.narrow_proplets(namespace, selector)
     }
 
     fn proplet(&self, name: &ObjectName) -> Option<Arc<Proplet>> {
