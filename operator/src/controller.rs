@@ -114,6 +114,8 @@ pub struct Common {
     pub images: OnceLock<Arc<Images>>,
     /// This replica's share of the objects, once attached (`None`: it owns every object).
     pub shard: OnceLock<Arc<ownership::Ownership>>,
+    /// The enrolment queue, once attached (`None`: devices cannot enrol).
+    pub enrolments: OnceLock<Arc<crate::enrolment::Enrolments>>,
 }
 
 impl Common {
@@ -132,6 +134,7 @@ impl Common {
             metrics,
             images: OnceLock::new(),
             shard: OnceLock::new(),
+            enrolments: OnceLock::new(),
         }
     }
 
@@ -210,6 +213,13 @@ pub trait Cluster: Send + Sync {
 
     /// Creates `object` unless it exists already (a retried reconcile created it).
     fn create_once<K: Stored>(
+        &self,
+        object: &K,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Replaces `object` whole but its status (its data, spec, labels and annotations),
+    /// conditionally on the version it was read at (a newer one: a conflict).
+    fn replace<K: Stored>(
         &self,
         object: &K,
     ) -> impl Future<Output = Result<(), BackendError>> + Send;

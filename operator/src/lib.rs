@@ -5,6 +5,7 @@
 pub use propeller_core::{crd, decision};
 pub mod controller;
 pub mod credentials;
+pub mod enrolment;
 pub mod errors;
 pub mod executor;
 pub mod inbox;

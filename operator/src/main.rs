@@ -86,6 +86,23 @@ enum Command {
         #[command(flatten)]
         client: commands::standalone::ClientArgs,
     },
+    /// Bootstrap tokens devices enrol with (`proplet join --token`).
+    Token {
+        #[command(subcommand)]
+        command: commands::token::TokenCommand,
+        #[command(flatten)]
+        target: commands::token::Target,
+    },
+    /// Let a proplet enrolled with a manual-approval token get tasks: `approve proplet/NAME`.
+    Approve {
+        /// `proplet/NAME`.
+        what: String,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
+        #[command(flatten)]
+        target: commands::token::Target,
+    },
     /// Delete one resource (and what it owns).
     Delete {
         /// Kind.
@@ -142,6 +159,16 @@ fn main() -> anyhow::Result<()> {
                 commands::logging::init();
             }
             block_on(commands::standalone::run(*cmd))?;
+        }
+        Command::Token { command, target } => {
+            block_on(commands::token::run(command, target))?;
+        }
+        Command::Approve {
+            what,
+            namespace,
+            target,
+        } => {
+            block_on(commands::token::approve(&what, &namespace, target))?;
         }
         Command::Apply { file, client } => {
             block_on(commands::standalone::apply(&client, &file))?;

@@ -36,6 +36,14 @@ pub struct ControllerMetrics {
     /// Tasks by `status.phase`.
     pub tasks: Family<PhaseLabels, Gauge>,
     offline_delays: Family<StageLabels, Histogram>,
+    enrolments: Family<OutcomeLabels, Counter>,
+}
+
+/// Label of the enrolment counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `enrolled`, `rotated`, or the refusal's reason (`expired`, `used_up`, …).
+    pub outcome: String,
 }
 
 /// A step in taking a silent proplet Offline.
@@ -59,6 +67,7 @@ impl Default for ControllerMetrics {
             offline_delays: Family::new_with_constructor(|| {
                 Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
             }),
+            enrolments: Family::default(),
         }
     }
 }
@@ -84,6 +93,29 @@ impl ControllerMetrics {
              Offline reconcile started, and its Offline status was written",
             self.offline_delays.clone(),
         );
+        registry.register(
+            "enrolments",
+            "Enrolment requests answered, by outcome (enrolled, rotated, or why refused)",
+            self.enrolments.clone(),
+        );
+    }
+
+    /// Counts one answered enrolment request.
+    pub fn enrolment(&self, outcome: &str) {
+        self.enrolments
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Enrolment requests answered with `outcome` so far.
+    pub fn enrolments(&self, outcome: &str) -> u64 {
+        self.enrolments
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_owned(),
+            })
+            .get()
     }
 
     /// Records how late, past its deadline, a silent proplet's Offline reconcile started

@@ -70,6 +70,9 @@ pub enum ConfigError {
 #[derive(Parser, Debug, Default, Clone)]
 #[command(name = "proplet", version, about, long_about = None)]
 pub struct Flags {
+    /// `join` (enrol with a bootstrap token) or `configured` (for systemd); none: run.
+    #[command(subcommand)]
+    pub command: Option<AgentCommand>,
     /// TOML configuration file.
     #[arg(long, env = "PROPLET_CONFIG_FILE")]
     pub config: Option<PathBuf>,
@@ -185,6 +188,122 @@ pub struct Flags {
     pub http_ca_file: Option<PathBuf>,
 }
 
+/// The agent's subcommands.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum AgentCommand {
+    /// Enrol this device with a bootstrap token (`propeller token create`), keep its own
+    /// credentials in the state directory, then run. As root on a host with the packaged
+    /// proplet.service, the service is enabled and (re)started instead of running here.
+    Join(JoinArgs),
+    /// Exit 0 when this device can run (enrolled, configured by hand, or given a bootstrap
+    /// token), 1 otherwise: the unit's ExecCondition, so an unconfigured device does not
+    /// crash-loop.
+    Configured,
+}
+
+/// Flags of `proplet join`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct JoinArgs {
+    /// The broker: mqtts://host:8883 (or tcp:// with --insecure-enrol).
+    #[arg(long, env = "PROPLET_BOOTSTRAP_SERVER")]
+    pub server: String,
+    /// The bootstrap token, `<id>.<secret>`.
+    #[arg(long, env = "PROPLET_BOOTSTRAP_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// CA bundle (PEM) that signed the broker's certificate.
+    #[arg(long, env = "PROPLET_MQTT_TLS_CA_CERT")]
+    pub tls_ca_cert: Option<PathBuf>,
+    /// Send the token over plain tcp:// (the token must allow it too).
+    #[arg(long)]
+    pub insecure_enrol: bool,
+    /// A stable id of this machine, instead of /etc/machine-id.
+    #[arg(long)]
+    pub machine_id: Option<String>,
+    /// Where the credentials go (default: the configured state directory, else
+    /// /var/lib/proplet).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Run the agent here even where the packaged service could run it.
+    #[arg(long)]
+    pub foreground: bool,
+    /// Only enrol: write the credentials and exit.
+    #[arg(long, conflicts_with = "foreground")]
+    pub no_run: bool,
+}
+
+/// Where a device stands before it can run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// It enrolled: its credentials are in this file.
+    Enrolled(PathBuf),
+    /// A client id and key are configured by hand.
+    Configured,
+    /// It has a bootstrap token to enrol with first.
+    Bootstrap {
+        /// The broker to enrol through.
+        server: String,
+        /// The token.
+        token: String,
+    },
+    /// Nothing to connect with.
+    Unconfigured,
+}
+
+impl Flags {
+    /// The state directory named by a flag, its variable or the config file.
+    pub fn chosen_state_dir(&self) -> Result<Option<PathBuf>, ConfigError> {
+        let file = match &self.config {
+            Some(path) => load_file(path)?,
+            None => FileConfig::default(),
+        };
+        Ok(self.state_dir.clone().or(file.state_dir))
+    }
+
+    /// Where this device stands: enrolled, configured by hand, holding a bootstrap token
+    /// (`PROPLET_BOOTSTRAP_TOKEN`, or a `[bootstrap]` table in the config file), or none.
+    pub fn readiness(&self, env: &HashMap<String, String>) -> Result<Readiness, ConfigError> {
+        let file = match &self.config {
+            Some(path) => load_file(path)?,
+            None => FileConfig::default(),
+        };
+        if let Some(dir) = self.state_dir.clone().or(file.state_dir.clone()) {
+            if crate::enrol::load(&dir)
+                .map_err(|e| invalid("credentials", &e.to_string()))?
+                .is_some()
+            {
+                return Ok(Readiness::Enrolled(
+                    dir.join(crate::enrol::CREDENTIALS_FILE),
+                ));
+            }
+        }
+        let given = |v: &Option<String>| v.as_deref().is_some_and(|v| !v.is_empty());
+        let id = given(&self.client_id)
+            || given(&file.client_id)
+            || given(&env.get("PROPLET_ENTITY_ID").cloned());
+        let key = given(&self.client_key)
+            || given(&file.client_key)
+            || given(&env.get("PROPLET_API_KEY").cloned());
+        if id && key {
+            return Ok(Readiness::Configured);
+        }
+        let bootstrap = file.bootstrap.unwrap_or_default();
+        let token = env
+            .get("PROPLET_BOOTSTRAP_TOKEN")
+            .cloned()
+            .filter(|t| !t.is_empty())
+            .or(bootstrap.token);
+        let server = env
+            .get("PROPLET_BOOTSTRAP_SERVER")
+            .cloned()
+            .filter(|t| !t.is_empty())
+            .or(bootstrap.server);
+        Ok(match (token, server) {
+            (Some(token), Some(server)) => Readiness::Bootstrap { server, token },
+            _ => Readiness::Unconfigured,
+        })
+    }
+}
+
 /// TLS material for the broker connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -297,10 +416,35 @@ impl Config {
             flag.filter(|v| !v.is_empty())
                 .or(file.filter(|v| !v.is_empty()))
         };
+        // An enrolled device's own credentials (`proplet join`) come before the file's.
+        let enrolled = match flags.state_dir.clone().or(file.state_dir.clone()) {
+            Some(dir) => {
+                crate::enrol::load(&dir).map_err(|e| invalid("credentials", &e.to_string()))?
+            }
+            None => None,
+        };
+        let mut file = file;
+        if let Some(enrolled) = &enrolled {
+            file.domain_id = Some(enrolled.domain_id.clone());
+            file.channel_id = Some(enrolled.channel_id.clone());
+            file.client_id = Some(enrolled.client_id.clone());
+            file.client_key = Some(enrolled.client_key.clone());
+            file.namespace = Some(enrolled.namespace.clone());
+            file.tls_ca_cert = enrolled.tls_ca_cert.clone().or(file.tls_ca_cert);
+        }
+        let enrolled_brokers = match (&enrolled, flags.mqtt_address.as_deref()) {
+            (Some(e), None | Some("")) => Some(BrokerAddresses::parse_list(
+                &e.mqtt_address,
+                crate::enrol::CREDENTIALS_FILE,
+            )?),
+            _ => None,
+        };
 
-        let brokers = match flags.mqtt_address.as_deref().filter(|v| !v.is_empty()) {
-            Some(list) => BrokerAddresses::parse_list(list, "PROPLET_MQTT_ADDRESS")?,
-            None => match flags.config.as_deref().and_then(|path| file.brokers(path)) {
+        let given_address = flags.mqtt_address.as_deref().filter(|v| !v.is_empty());
+        let brokers = match (given_address, enrolled_brokers) {
+            (Some(list), _) => BrokerAddresses::parse_list(list, "PROPLET_MQTT_ADDRESS")?,
+            (None, Some(enrolled)) => enrolled,
+            (None, None) => match flags.config.as_deref().and_then(|path| file.brokers(path)) {
                 Some(parsed) => parsed?,
                 None => BrokerAddresses::single(BrokerAddress {
                     host: "localhost".into(),

@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod component;
 pub mod config;
+pub mod enrol;
 pub mod fetch;
 pub mod finished;
 pub mod hal;

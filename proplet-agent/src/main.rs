@@ -6,12 +6,37 @@ use std::process::ExitCode;
 use anyhow::Context;
 use propeller_broker::protocol::Channel;
 use proplet_agent::agent::{mqtt_options, Agent};
-use proplet_agent::config::{Config, Flags};
+use proplet_agent::config::{AgentCommand, Config, Flags, JoinArgs, Readiness};
+use proplet_agent::enrol;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let env: HashMap<String, String> = std::env::vars().collect();
-    let config = match Flags::from_command_line().and_then(|flags| Config::resolve(flags, &env)) {
+    let mut flags = match Flags::from_command_line() {
+        Ok(flags) => flags,
+        Err(e) => {
+            eprintln!("proplet: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match flags.command.take() {
+        Some(AgentCommand::Configured) => return configured(&flags, &env),
+        Some(AgentCommand::Join(args)) => match enrol_first(&mut flags, args) {
+            Ok(Next::Run) => {}
+            Ok(Next::Done) => return ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("proplet: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => {
+            if let Err(e) = first_boot(&mut flags, &env) {
+                eprintln!("proplet: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let config = match Config::resolve(flags, &env) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("proplet: configuration error: {e}");
@@ -54,6 +79,119 @@ fn run(config: Config) -> anyhow::Result<()> {
         agent.run(eventloop, shutdown_signal()).await;
         Ok(())
     })
+}
+
+/// Where the packaged service keeps its state, and so where `join` writes by default.
+const PACKAGED_STATE_DIR: &str = "/var/lib/proplet";
+/// The packaged unit.
+const PACKAGED_UNIT: &str = "/usr/lib/systemd/system/proplet.service";
+
+/// What to do once enrolled.
+enum Next {
+    /// Run the agent in this process.
+    Run,
+    /// Nothing more here (the service runs it, or --no-run).
+    Done,
+}
+
+/// `proplet configured`: 0 when the device can run, 1 (with the reason) when not.
+fn configured(flags: &Flags, env: &HashMap<String, String>) -> ExitCode {
+    match flags.readiness(env) {
+        Ok(Readiness::Unconfigured) => {
+            eprintln!("proplet: not configured: enrol with `proplet join --server mqtts://HOST:8883 --token TOKEN` (or set client_id and client_key in the config file)");
+            ExitCode::from(1)
+        }
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("proplet: configuration error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `proplet join`: enrols unless this device has credentials already, writes them, then
+/// says whether to run here.
+fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
+    let state_dir = match args.state_dir.clone() {
+        Some(dir) => dir,
+        None => flags
+            .chosen_state_dir()?
+            .unwrap_or_else(|| PACKAGED_STATE_DIR.into()),
+    };
+    flags.state_dir = Some(state_dir.clone());
+    match enrol::load(&state_dir)? {
+        Some(existing) => eprintln!(
+            "proplet: this device is already enrolled as {} (credentials in {}); the token is not used. Remove that file to enrol again.",
+            existing.client_id,
+            state_dir.join(enrol::CREDENTIALS_FILE).display()
+        ),
+        None => {
+            let request = enrol::JoinRequest {
+                server: args.server.clone(),
+                token: args.token.clone(),
+                tls_ca_cert: args.tls_ca_cert.clone().or(flags.tls_ca_cert.clone()),
+                insecure_enrol: args.insecure_enrol,
+                machine_id: args.machine_id.clone(),
+                timeout: std::time::Duration::from_secs(60),
+            };
+            let credentials = tokio::runtime::Runtime::new()
+                .context("starting the async runtime")?
+                .block_on(enrol::join(&request))?;
+            let path = enrol::save(&state_dir, &credentials)?;
+            eprintln!(
+                "proplet: enrolled as {} in namespace {} (credentials in {})",
+                credentials.client_id,
+                credentials.namespace,
+                path.display()
+            );
+        }
+    }
+    if args.no_run {
+        return Ok(Next::Done);
+    }
+    let packaged = std::path::Path::new(PACKAGED_UNIT).exists()
+        && std::path::Path::new("/run/systemd/system").is_dir()
+        && state_dir == std::path::Path::new(PACKAGED_STATE_DIR);
+    if packaged && !args.foreground {
+        let status = std::process::Command::new("systemctl")
+            .args(["enable", "proplet.service"])
+            .status()
+            .and_then(|_| {
+                std::process::Command::new("systemctl")
+                    .args(["restart", "proplet.service"])
+                    .status()
+            })
+            .context("starting proplet.service with systemctl")?;
+        if !status.success() {
+            anyhow::bail!(
+                "systemctl restart proplet.service failed ({status}); see `journalctl -u proplet`"
+            );
+        }
+        eprintln!("proplet: proplet.service started; follow it with `journalctl -u proplet -f`");
+        return Ok(Next::Done);
+    }
+    Ok(Next::Run)
+}
+
+/// A first boot with a bootstrap token (`PROPLET_BOOTSTRAP_TOKEN` or `[bootstrap]`) and no
+/// credentials: enrol, then run as usual.
+fn first_boot(flags: &mut Flags, env: &HashMap<String, String>) -> anyhow::Result<()> {
+    if let Readiness::Bootstrap { server, token } = flags.readiness(env)? {
+        let args = JoinArgs {
+            server,
+            token,
+            tls_ca_cert: flags.tls_ca_cert.clone(),
+            insecure_enrol: env
+                .get("PROPLET_BOOTSTRAP_INSECURE")
+                .is_some_and(|v| v == "true"),
+            machine_id: None,
+            state_dir: None,
+            foreground: true,
+            no_run: false,
+        };
+        enrol_first(flags, args)?;
+    }
+    Ok(())
 }
 
 /// Ctrl-C or SIGTERM (systemd and container runtimes stop services with SIGTERM).

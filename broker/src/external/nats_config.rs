@@ -20,6 +20,8 @@ pub fn render_authorization(entries: &[(String, Credential)]) -> String {
             Role::Service => {
                 let _ = writeln!(out, "    {{ user: {user}, password: {password} }}");
             }
+            // Enrolment logins are never in the credential table.
+            Role::Enrolee => {}
             Role::Proplet => {
                 let (publish, subscribe) = device_subjects(client_id, credential.scope());
                 let _ = writeln!(

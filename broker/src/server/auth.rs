@@ -23,6 +23,10 @@ pub enum Role {
     Proplet,
     /// A trusted service such as an OCI proxy: may publish and subscribe anywhere.
     Service,
+    /// A device enrolling with a bootstrap token: may publish its one enrolment request and
+    /// read its one reply, nothing else. Never granted by a credentials file.
+    #[serde(skip)]
+    Enrolee,
 }
 
 /// The topic channel a device belongs to: `m/{domain}/c/{channel}/...`. A device bound to a
@@ -104,10 +108,87 @@ impl fmt::Debug for Credential {
     }
 }
 
+/// A bootstrap token as the broker knows it: the digest of its secret, never the secret.
+#[derive(Debug, Clone)]
+pub struct TokenCredential {
+    digest: String,
+    require_tls: bool,
+    attempts: Arc<TokenAttempts>,
+}
+
+impl TokenCredential {
+    /// A token whose secret digests to `digest` (see
+    /// [`crate::protocol::enrolment::secret_digest`]); `require_tls` refuses it over plain TCP.
+    pub fn new(digest: impl Into<String>, require_tls: bool) -> Self {
+        Self {
+            digest: digest.into(),
+            require_tls,
+            attempts: Arc::default(),
+        }
+    }
+}
+
+/// Failed secrets tried against one token id, for throttling guesses.
+#[derive(Debug, Default)]
+pub struct TokenAttempts {
+    state: std::sync::Mutex<AttemptState>,
+}
+
+#[derive(Debug, Default)]
+struct AttemptState {
+    failures: u32,
+    locked_until: Option<std::time::Instant>,
+}
+
+/// Wrong secrets a token id takes before it is locked.
+pub const TOKEN_FAILURES_BEFORE_LOCK: u32 = 10;
+/// How long a token id stays locked after too many wrong secrets.
+pub const TOKEN_LOCK: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+impl TokenAttempts {
+    /// Whether the id is locked now.
+    fn locked(&self, now: std::time::Instant) -> bool {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.locked_until.is_some_and(|until| now < until)
+    }
+
+    /// Records a wrong secret; locks the id after [`TOKEN_FAILURES_BEFORE_LOCK`] of them.
+    fn failed(&self, now: std::time::Instant) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.locked_until.is_some_and(|until| now >= until) {
+            *state = AttemptState::default();
+        }
+        state.failures += 1;
+        if state.failures >= TOKEN_FAILURES_BEFORE_LOCK {
+            state.locked_until = Some(now + TOKEN_LOCK);
+        }
+    }
+
+    /// A right secret resets the count of wrong ones.
+    fn succeeded(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.failures = 0;
+    }
+}
+
 /// Where the broker looks up a client's credential; consulted on every connect.
 pub trait CredentialSource: Send + Sync + 'static {
     /// The credential of `client_id`, or `None` if it may not connect.
     fn lookup(&self, client_id: &str) -> Option<Credential>;
+
+    /// The bootstrap token `id`, or `None` if there is no such token.
+    fn lookup_token(&self, _id: &str) -> Option<TokenCredential> {
+        None
+    }
+}
+
+/// How a connection reached the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Over TLS (or a broker that does not tell: an external cluster's callback).
+    Encrypted,
+    /// Plain TCP or websocket.
+    Plain,
 }
 
 /// Why a login was refused; logged and counted, never with the password.
@@ -121,6 +202,14 @@ pub enum AuthFailure {
     UnknownClient,
     /// The password is not the client's key.
     WrongKey,
+    /// An enrolment login named a token that does not exist (deleted or never made).
+    UnknownToken,
+    /// An enrolment login gave a wrong token secret.
+    WrongTokenSecret,
+    /// The token id is locked after too many wrong secrets.
+    TokenLocked,
+    /// The token may only be used over TLS and the connection was plain.
+    TokenNeedsTls,
 }
 
 impl AuthFailure {
@@ -131,6 +220,10 @@ impl AuthFailure {
             Self::UsernameMismatch => "username_mismatch",
             Self::UnknownClient => "unknown_client",
             Self::WrongKey => "wrong_key",
+            Self::UnknownToken => "unknown_token",
+            Self::WrongTokenSecret => "wrong_token_secret",
+            Self::TokenLocked => "token_locked",
+            Self::TokenNeedsTls => "token_needs_tls",
         }
     }
 }
@@ -152,11 +245,27 @@ pub fn login(
     username: &str,
     password: &str,
 ) -> Result<Credential, AuthFailure> {
+    login_over(source, client_id, username, password, Transport::Encrypted)
+}
+
+/// Like [`login`], for a connection that came over `transport`. A client id of the form
+/// `enrol-<token id>-<nonce>` is an enrolment login: its password must be that bootstrap
+/// token, over TLS unless the token allows plain TCP, and it gets [`Role::Enrolee`].
+pub fn login_over(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+    transport: Transport,
+) -> Result<Credential, AuthFailure> {
     if username.is_empty() && password.is_empty() {
         return Err(AuthFailure::Anonymous);
     }
     if username != client_id {
         return Err(AuthFailure::UsernameMismatch);
+    }
+    if let Some(token_id) = crate::protocol::enrolment::enrol_client_token_id(client_id) {
+        return token_login(source, token_id, password, transport);
     }
     let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
     if credential.accepts(password) {
@@ -164,6 +273,31 @@ pub fn login(
     } else {
         Err(AuthFailure::WrongKey)
     }
+}
+
+/// Checks an enrolment login against the token table and its throttle.
+fn token_login(
+    source: &dyn CredentialSource,
+    token_id: &str,
+    password: &str,
+    transport: Transport,
+) -> Result<Credential, AuthFailure> {
+    let token = source
+        .lookup_token(token_id)
+        .ok_or(AuthFailure::UnknownToken)?;
+    let now = std::time::Instant::now();
+    if token.attempts.locked(now) {
+        return Err(AuthFailure::TokenLocked);
+    }
+    if !crate::protocol::enrolment::token_matches(token_id, &token.digest, password) {
+        token.attempts.failed(now);
+        return Err(AuthFailure::WrongTokenSecret);
+    }
+    token.attempts.succeeded();
+    if token.require_tls && transport == Transport::Plain {
+        return Err(AuthFailure::TokenNeedsTls);
+    }
+    Ok(Credential::new(String::new(), Role::Enrolee))
 }
 
 /// Like [`login`], for an external cluster's auth callbacks: there a service account
@@ -211,6 +345,8 @@ struct Table {
     by_client: HashMap<String, Credential>,
     /// Client ids of the devices bound to each `channel` level (domains checked on lookup).
     by_channel: HashMap<String, Vec<String>>,
+    /// Bootstrap tokens by id.
+    tokens: HashMap<String, TokenCredential>,
 }
 
 impl Table {
@@ -277,7 +413,43 @@ impl CredentialStore {
         table.by_client = entries;
         let mut current = self.entries.write().unwrap_or_else(|e| e.into_inner());
         table.generation = current.generation + 1;
+        table.tokens = std::mem::take(&mut current.tokens);
         *current = table;
+    }
+
+    /// Replaces the bootstrap tokens. A token already known keeps its count of wrong
+    /// secrets (a relist must not reset a lock).
+    pub fn replace_tokens(&self, tokens: HashMap<String, TokenCredential>) {
+        let mut current = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let mut next = tokens;
+        for (id, token) in next.iter_mut() {
+            if let Some(old) = current.tokens.get(id) {
+                token.attempts = old.attempts.clone();
+            }
+        }
+        if current.tokens.len() != next.len()
+            || next.iter().any(|(id, t)| {
+                current
+                    .tokens
+                    .get(id)
+                    .is_none_or(|o| o.digest != t.digest || o.require_tls != t.require_tls)
+            })
+        {
+            current.generation += 1;
+        }
+        current.tokens = next;
+    }
+
+    /// Bootstrap token ids with their digests, for rendering a broker's static configuration.
+    pub fn token_snapshot(&self) -> Vec<(String, TokenCredential)> {
+        let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<_> = table
+            .tokens
+            .iter()
+            .map(|(id, t)| (id.clone(), t.clone()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     /// Whether the whole table was set at least once ([`Self::replace_all`]): a driver has
@@ -348,6 +520,11 @@ impl CredentialSource for CredentialStore {
         let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
         table.by_client.get(client_id).cloned()
     }
+
+    fn lookup_token(&self, id: &str) -> Option<TokenCredential> {
+        let table = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        table.tokens.get(id).cloned()
+    }
 }
 
 /// Looks in several sources in order; the first that knows the client decides.
@@ -365,6 +542,10 @@ impl LayeredCredentials {
 impl CredentialSource for LayeredCredentials {
     fn lookup(&self, client_id: &str) -> Option<Credential> {
         self.layers.iter().find_map(|layer| layer.lookup(client_id))
+    }
+
+    fn lookup_token(&self, id: &str) -> Option<TokenCredential> {
+        self.layers.iter().find_map(|layer| layer.lookup_token(id))
     }
 }
 

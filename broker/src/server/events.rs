@@ -1,5 +1,6 @@
 //! Typed events the broker raises in-process for the reconcilers.
 
+use crate::protocol::enrolment::EnrolRequest;
 use crate::protocol::{
     Discovery, FlUpdateMessage, Heartbeat, Inbound, InvokeResult, OfflineNotice, PropletMetrics,
     RegistryRequest, TaskMetrics, TaskResult,
@@ -53,6 +54,9 @@ pub enum EventKind {
     RegistryRequest(RegistryRequest),
     /// A federated-learning update (prefixed or unprefixed topic).
     FlUpdate(Box<FlUpdateMessage>),
+    /// An enrolling device's request (the client id names its token), or why it did not
+    /// decode.
+    EnrolmentRequest(Result<Box<EnrolRequest>, String>),
 }
 
 impl EventKind {
@@ -89,6 +93,7 @@ impl EventKind {
             Self::InvokeResult(_) => "invoke_result",
             Self::RegistryRequest(_) => "registry_request",
             Self::FlUpdate(_) => "fl_update",
+            Self::EnrolmentRequest(_) => "enrolment_request",
         }
     }
 }

@@ -27,10 +27,10 @@ use tracing::{debug, warn};
 
 use crate::protocol::{classify, Decoder};
 
-use super::auth::{authenticate, CredentialSource, Role};
+use super::auth::{login_over, CredentialSource, Role, Transport};
 use super::events::{BrokerEvent, EventKind, OfflineCause};
 use super::metrics::{BrokerMetrics, KindLabel};
-use super::policy::{judge_publish, may_subscribe, Verdict, DENIED_FILTER, DROPPED_TOPIC};
+use super::policy::{judge_publish, may_subscribe_as, Verdict, DENIED_FILTER, DROPPED_TOPIC};
 
 /// State shared by every connection of one broker.
 pub(crate) struct Shared {
@@ -81,15 +81,17 @@ struct Session {
 pub(crate) struct Guard {
     shared: Arc<Shared>,
     codec: V4,
+    transport: Transport,
     session: Session,
 }
 
 impl Guard {
     /// The prototype the server clones once per connection.
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, transport: Transport) -> Self {
         Self {
             shared,
             codec: V4,
+            transport,
             session: Session::default(),
         }
     }
@@ -99,13 +101,14 @@ impl Guard {
         self.session.client_id = Some(client_id.to_owned());
         // rumqttd's auth hook decides acceptance with the same function. Failures are counted
         // here because rumqttd refuses a CONNECT without login before calling the hook.
-        match authenticate(
+        match login_over(
             self.shared.credentials.as_ref(),
             client_id,
             username,
             password,
+            self.transport,
         ) {
-            Ok(role) => self.session.role = Some(role),
+            Ok(credential) => self.session.role = Some(credential.role()),
             Err(failure) => {
                 self.session.role = None;
                 self.shared.metrics.auth_failure(failure);
@@ -157,8 +160,9 @@ impl Guard {
 
     fn on_subscribe(&self, subscribe: &mut rumqttd::protocol::Subscribe) {
         let role = self.session.role.unwrap_or(Role::Proplet);
+        let client_id = self.session.client_id.as_deref().unwrap_or("");
         for filter in &mut subscribe.filters {
-            if !may_subscribe(role, &filter.path) {
+            if !may_subscribe_as(role, client_id, &filter.path) {
                 self.shared.metrics.denied_subscription();
                 warn!(
                     client_id = self.session.client_id.as_deref().unwrap_or(""),
@@ -196,7 +200,7 @@ fn sink(publish: &mut rumqttd::protocol::Publish) {
 impl Clone for Guard {
     /// Each connection starts with a fresh session; only the shared state is shared.
     fn clone(&self) -> Self {
-        Self::new(self.shared.clone())
+        Self::new(self.shared.clone(), self.transport)
     }
 }
 

@@ -105,6 +105,8 @@ pub(crate) fn tls_acceptor(settings: &TlsSettings) -> Result<TlsAcceptor, Broker
 pub(crate) struct Intake {
     /// rumqttd's connection handling, shared by every listener.
     pub(crate) core: Arc<Server<Guard>>,
+    /// The same for connections that came over TLS (its logins know they are encrypted).
+    pub(crate) encrypted_core: Arc<Server<Guard>>,
     pub(crate) slots: Arc<Semaphore>,
     pub(crate) handshake_timeout: Duration,
     pub(crate) metrics: BrokerMetrics,
@@ -173,7 +175,7 @@ async fn serve_one(stream: TcpStream, peer: SocketAddr, intake: &Intake, front: 
 async fn serve_tls(stream: TcpStream, peer: SocketAddr, intake: &Intake, acceptor: TlsAcceptor) {
     match tokio::time::timeout(intake.handshake_timeout, acceptor.accept(stream)).await {
         Ok(Ok(tls_stream)) => {
-            let end = intake.core.serve_connection(tls_stream).await;
+            let end = intake.encrypted_core.serve_connection(tls_stream).await;
             count_end(&intake.metrics, end);
         }
         Ok(Err(error)) => {

@@ -45,16 +45,17 @@ use crate::protocol::{
 };
 
 pub use auth::{
-    authenticate, load_credentials_file, login, login_shared_service, parse_credentials,
-    AuthFailure, ChannelScope, Credential, CredentialSource, CredentialStore, CredentialsFileError,
-    LayeredCredentials, Role,
+    authenticate, load_credentials_file, login, login_over, login_shared_service,
+    parse_credentials, AuthFailure, ChannelScope, Credential, CredentialSource, CredentialStore,
+    CredentialsFileError, LayeredCredentials, Role, TokenCredential, Transport,
+    TOKEN_FAILURES_BEFORE_LOCK, TOKEN_LOCK,
 };
 pub use events::{BrokerEvent, EventKind, OfflineCause};
 pub use listener::TlsSettings;
 pub use metrics::{BrokerMetrics, KindLabel};
 pub use policy::{
-    is_agent_report, judge_publish, may_access_topic, may_subscribe, DropReason, PublishDecision,
-    TopicAccess, Verdict, DENIED_FILTER, DROPPED_TOPIC,
+    is_agent_report, judge_publish, may_access_topic, may_subscribe, may_subscribe_as, DropReason,
+    PublishDecision, TopicAccess, Verdict, DENIED_FILTER, DROPPED_TOPIC,
 };
 
 use guard::{Guard, Shared};
@@ -198,7 +199,7 @@ impl EmbeddedBroker {
         };
         let router_tx = Router::new(0, router_config).spawn();
 
-        let mut connections = ConnectionSettings {
+        let connections = ConnectionSettings {
             connection_timeout_ms: connect_timeout_ms,
             max_payload_size: config.max_payload_bytes,
             max_inflight_count: config.max_inflight,
@@ -206,21 +207,42 @@ impl EmbeddedBroker {
             external_auth: None,
             dynamic_filters: true,
         };
-        let auth_shared = shared.clone();
-        connections.set_auth_handler(move |client_id: String, user: String, pass: String| {
-            let shared = auth_shared.clone();
-            // Counting and logging of failures happen in the guard, which sees every CONNECT.
-            async move { authenticate(shared.credentials.as_ref(), &client_id, &user, &pass).is_ok() }
-        });
-        // Never started: our listeners accept and hand each stream to `serve_connection`.
-        let settings = ServerSettings {
-            name: "propeller".into(),
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            tls: None,
-            next_connection_delay_ms: 0,
-            connections,
+        // One rumqttd core per transport, so a login knows whether it came over TLS (a
+        // bootstrap token is refused over plain TCP unless it allows it).
+        let core_for = |transport: Transport| {
+            let mut connections = connections.clone();
+            let auth_shared = shared.clone();
+            connections.set_auth_handler(move |client_id: String, user: String, pass: String| {
+                let shared = auth_shared.clone();
+                // Counting and logging of failures happen in the guard, which sees every
+                // CONNECT.
+                async move {
+                    login_over(
+                        shared.credentials.as_ref(),
+                        &client_id,
+                        &user,
+                        &pass,
+                        transport,
+                    )
+                    .is_ok()
+                }
+            });
+            // Never started: our listeners accept and hand each stream to `serve_connection`.
+            let settings = ServerSettings {
+                name: "propeller".into(),
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                tls: None,
+                next_connection_delay_ms: 0,
+                connections,
+            };
+            Arc::new(Server::new(
+                settings,
+                router_tx.clone(),
+                Guard::new(shared.clone(), transport),
+            ))
         };
-        let core = Arc::new(Server::new(settings, router_tx.clone(), Guard::new(shared)));
+        let core = core_for(Transport::Plain);
+        let encrypted_core = core_for(Transport::Encrypted);
         let mut tasks = Vec::new();
 
         // Building a local link waits on the router thread's reply: keep it off async threads.
@@ -236,6 +258,7 @@ impl EmbeddedBroker {
 
         let intake = Intake {
             core,
+            encrypted_core,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             handshake_timeout: config.connect_timeout,
             metrics: metrics.clone(),

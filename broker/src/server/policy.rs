@@ -5,6 +5,7 @@
 //! with an empty payload (so QoS acknowledgements still flow and the client is not cut off),
 //! and a refused subscription filter is rewritten to an inert literal topic.
 
+use crate::protocol::enrolment::{reply_topic, request_topic, EnrolRequest, MAX_REQUEST_BYTES};
 use crate::protocol::{classify, Decoder, TopicKind};
 
 use super::auth::{Credential, Role};
@@ -82,10 +83,13 @@ pub fn judge_publish(
     topic: &str,
     payload: &[u8],
 ) -> PublishDecision {
+    if role == Role::Enrolee {
+        return judge_enrolment(client_id, topic, payload);
+    }
     let Some((channel, kind)) = classify(topic) else {
         let verdict = match role {
             Role::Service => Verdict::Route(None),
-            Role::Proplet => Verdict::Drop(DropReason::ForbiddenTopic),
+            Role::Proplet | Role::Enrolee => Verdict::Drop(DropReason::ForbiddenTopic),
         };
         return PublishDecision {
             kind: None,
@@ -114,7 +118,7 @@ pub fn judge_publish(
         Err(error) => {
             let verdict = match role {
                 Role::Service => Verdict::Route(None),
-                Role::Proplet => Verdict::Drop(DropReason::Malformed),
+                Role::Proplet | Role::Enrolee => Verdict::Drop(DropReason::Malformed),
             };
             return PublishDecision {
                 kind: Some(kind),
@@ -149,11 +153,53 @@ pub fn judge_publish(
     }
 }
 
-/// Whether `role` may subscribe to `filter`. Devices get literal topics only, and never the
-/// reports of other agents; services may subscribe to anything.
+/// Decides an enrolling device's publish: only its own request topic, and the request is
+/// raised as an event whether or not it decodes (a bad one is answered with the reason).
+fn judge_enrolment(client_id: &str, topic: &str, payload: &[u8]) -> PublishDecision {
+    if topic != request_topic(client_id) {
+        return PublishDecision {
+            kind: None,
+            verdict: Verdict::Drop(DropReason::ForbiddenTopic),
+            decode_error: None,
+        };
+    }
+    let request = if payload.len() > MAX_REQUEST_BYTES {
+        Err(format!(
+            "the request is {} bytes; at most {MAX_REQUEST_BYTES} are accepted",
+            payload.len()
+        ))
+    } else {
+        serde_json::from_slice::<EnrolRequest>(payload).map_err(|e| e.to_string())
+    };
+    let decode_error = request.as_ref().err().cloned();
+    PublishDecision {
+        kind: None,
+        verdict: Verdict::Route(Some(Box::new(BrokerEvent {
+            client_id: client_id.to_owned(),
+            domain: None,
+            channel: None,
+            kind: EventKind::EnrolmentRequest(request.map(Box::new)),
+        }))),
+        decode_error,
+    }
+}
+
+/// Whether `role`, logged in as `client_id`, may subscribe to `filter`. Devices get literal
+/// topics only, and never the reports of other agents; an enrolling device only its own
+/// reply topic; services may subscribe to anything.
+pub fn may_subscribe_as(role: Role, client_id: &str, filter: &str) -> bool {
+    match role {
+        Role::Enrolee => filter == reply_topic(client_id),
+        other => may_subscribe(other, filter),
+    }
+}
+
+/// Whether `role` may subscribe to `filter` (see [`may_subscribe_as`]; an enrolling device
+/// may subscribe only to a topic of its own, which this form cannot tell).
 pub fn may_subscribe(role: Role, filter: &str) -> bool {
     match role {
         Role::Service => true,
+        Role::Enrolee => false,
         Role::Proplet => {
             if filter.contains(['+', '#']) || filter.is_empty() {
                 return false;
@@ -184,8 +230,15 @@ pub fn may_access_topic(
     access: TopicAccess,
     topic: &str,
 ) -> bool {
-    if credential.role() == Role::Service {
-        return true;
+    match credential.role() {
+        Role::Service => return true,
+        Role::Enrolee => {
+            return match access {
+                TopicAccess::Publish => topic == request_topic(client_id),
+                TopicAccess::Subscribe => topic == reply_topic(client_id),
+            }
+        }
+        Role::Proplet => {}
     }
     if topic.contains(['+', '#']) || topic.is_empty() {
         return false;

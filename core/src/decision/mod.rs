@@ -8,6 +8,7 @@ pub mod conditions;
 pub mod cron;
 pub mod dag;
 pub mod deployment;
+pub mod enrolment;
 pub mod federated;
 pub mod liveness;
 pub mod names;

@@ -69,6 +69,56 @@ pub fn wakes_waiting_tasks(before: Option<PropletPhase>, after: PropletPhase) ->
     after == PropletPhase::Running && before != Some(PropletPhase::Running)
 }
 
+/// The condition that says whether a proplet enrolled with a manual-approval token may get
+/// tasks.
+pub const APPROVED: &str = "Approved";
+
+/// Whether a status write approves a proplet that was waiting (its tasks get their chance).
+pub fn approval_granted(before: Option<&PropletStatus>, after: &PropletStatus) -> bool {
+    let approved = |s: &PropletStatus| super::conditions::is_true(&s.conditions, APPROVED);
+    let waited = before.is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == APPROVED && c.status == "False")
+    });
+    waited && approved(after)
+}
+
+/// Sets [`APPROVED`] on a proplet that enrolled with a token (or carries the approval
+/// label): False while the label holds it back, True once it is gone. Proplets added by
+/// hand get no such condition.
+fn evaluate_approval(
+    proplet: &Proplet,
+    status: &mut PropletStatus,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) {
+    use super::enrolment::{APPROVAL_LABEL, APPROVAL_PENDING, ENROLLED_WITH_LABEL};
+    let labels = proplet.metadata.labels.as_ref();
+    let label = |key: &str| labels.and_then(|l| l.get(key)).map(String::as_str);
+    let pending = label(APPROVAL_LABEL) == Some(APPROVAL_PENDING);
+    let tracked = pending
+        || status.conditions.iter().any(|c| c.type_ == APPROVED)
+        || label(ENROLLED_WITH_LABEL).is_some();
+    if !tracked {
+        return;
+    }
+    let condition = if pending {
+        super::conditions::DesiredCondition::new(
+            APPROVED,
+            false,
+            "AwaitingApproval",
+            format!(
+                "Pending approval: gets no tasks until `propeller approve proplet/{}` (or the label {APPROVAL_LABEL} is removed)",
+                proplet.metadata.name.as_deref().unwrap_or_default()
+            ),
+        )
+    } else {
+        super::conditions::DesiredCondition::new(APPROVED, true, "Approved", "may get tasks")
+    };
+    super::conditions::set_condition(&mut status.conditions, &condition, generation, now);
+}
+
 /// What the driver knows about a proplet beyond the object itself.
 #[derive(Debug, Clone, Default)]
 pub struct PropletObservations {
@@ -156,6 +206,7 @@ pub fn plan(
             );
         }
     }
+    evaluate_approval(proplet, &mut desired, generation, now);
     let report = &observed.report;
     if report.metadata.is_some() {
         desired.metadata = report.metadata.clone();

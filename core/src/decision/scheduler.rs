@@ -82,6 +82,8 @@ pub struct SelectorView {
 pub enum Exclusion {
     /// Its phase is not `Running`.
     NotRunning(PropletPhase),
+    /// It enrolled with a token that asks for approval, and nobody approved it yet.
+    AwaitingApproval,
     /// The selector pins another proplet by name.
     NotRequested {
         /// The pinned name.
@@ -296,6 +298,7 @@ impl Schedulable for crate::crd::proplet::Proplet {
 /// The rule a proplet fails, borrowing from the selector: finding it copies nothing.
 enum Failure<'s> {
     NotRunning(PropletPhase),
+    AwaitingApproval,
     NotRequested(&'s str),
     WrongType(PropletType),
     LabelMismatch(&'s str, &'s str),
@@ -312,6 +315,9 @@ fn first_failure<'s>(
     let phase = proplet.phase();
     if phase != PropletPhase::Running {
         return Some(Failure::NotRunning(phase));
+    }
+    if proplet.label(super::enrolment::APPROVAL_LABEL) == Some(super::enrolment::APPROVAL_PENDING) {
+        return Some(Failure::AwaitingApproval);
     }
     if let Some(wanted) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
         if proplet.name() != wanted {
@@ -358,6 +364,7 @@ pub fn admits(proplet: &impl Schedulable, selector: &SelectorView) -> bool {
 pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<Exclusion> {
     Some(match first_failure(proplet, selector)? {
         Failure::NotRunning(phase) => Exclusion::NotRunning(phase),
+        Failure::AwaitingApproval => Exclusion::AwaitingApproval,
         Failure::NotRequested(wanted) => Exclusion::NotRequested {
             wanted: wanted.to_owned(),
         },

@@ -185,6 +185,14 @@ impl DeviceBroker {
         }
     }
 
+    /// The embedded broker's TLS address, when it has a TLS listener.
+    pub fn tls_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Embedded(broker) => broker.tls_addr(),
+            Self::External { .. } => None,
+        }
+    }
+
     /// The address of the auth callbacks, when served.
     pub fn callback_addr(&self) -> Option<SocketAddr> {
         match self {

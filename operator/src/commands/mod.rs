@@ -10,5 +10,7 @@ pub mod logging;
 pub mod random;
 pub mod reconcile_args;
 pub mod run;
+pub mod serving_tls;
 pub mod signals;
 pub mod standalone;
+pub mod token;

@@ -39,6 +39,10 @@ pub struct RunCommand {
     /// Watch only this namespace (every namespace when unset).
     #[arg(long, env = "PROPELLER_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
+    /// Namespace of the bootstrap token Secrets devices enrol with (`propeller token`):
+    /// the watched namespace, else the client's default namespace, when unset.
+    #[arg(long, env = "PROPELLER_TOKEN_NAMESPACE")]
+    pub token_namespace: Option<String>,
     /// Accept device reports only from this topic domain (any when unset).
     #[arg(long, env = "PROPELLER_DOMAIN_ID")]
     pub domain_id: Option<String>,
@@ -284,7 +288,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
             namespace: cmd
                 .lease_namespace
                 .clone()
-                .unwrap_or_else(|| plain_client.default_namespace().to_owned()),
+                .unwrap_or_else(|| client.default_namespace().to_owned()),
             identity: identity.clone(),
             lease_duration: cmd.shard_lease_duration,
         };
@@ -419,8 +423,14 @@ async fn serve(
         .take_events()
         .context("broker event stream unavailable")?;
     let events = filter_events(raw_events, cmd.domain_id.clone(), cmd.channel_id.clone());
+    let watch_namespace = cmd.watch_namespace.clone().filter(|s| !s.is_empty());
     let settings = Settings {
-        watch_namespace: cmd.watch_namespace.clone().filter(|s| !s.is_empty()),
+        token_namespace: cmd
+            .token_namespace
+            .clone()
+            .or_else(|| watch_namespace.clone())
+            .unwrap_or_else(|| client.default_namespace().to_owned()),
+        watch_namespace,
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(FinalizerTiming::WhileRunning),
     };

@@ -47,6 +47,21 @@ pub struct StandaloneCommand {
     /// MQTT listener of the embedded broker.
     #[arg(long, env = "PROPELLER_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     pub mqtt_listen: SocketAddr,
+    /// A TLS listener of the embedded broker too (e.g. 0.0.0.0:8883): devices enrol only
+    /// over TLS unless their token allows plain TCP.
+    #[arg(long, env = "PROPELLER_MQTT_TLS_LISTEN")]
+    pub mqtt_tls_listen: Option<SocketAddr>,
+    /// Its certificate chain (PEM); without it and --mqtt-tls-key, a private CA and a
+    /// certificate are made once in <data-dir>/tls (devices trust <data-dir>/tls/ca.pem).
+    #[arg(long, env = "PROPELLER_MQTT_TLS_CERT", requires = "mqtt_tls_key")]
+    pub mqtt_tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "PROPELLER_MQTT_TLS_KEY", requires = "mqtt_tls_cert")]
+    pub mqtt_tls_key: Option<PathBuf>,
+    /// Names the made certificate is for besides localhost and 127.0.0.1 (the names devices
+    /// dial), comma-separated.
+    #[arg(long, env = "PROPELLER_MQTT_TLS_NAMES", value_delimiter = ',')]
+    pub mqtt_tls_names: Vec<String>,
     /// Devices the embedded broker holds at once; sockets beyond this are closed at once.
     /// Each costs a file descriptor: keep it below `ulimit -n`.
     #[arg(long, env = "PROPELLER_MAX_CONNECTIONS", default_value_t = 10_000)]
@@ -86,7 +101,8 @@ pub struct ClientArgs {
 }
 
 impl ClientArgs {
-    fn client(&self) -> anyhow::Result<ApiClient> {
+    /// The API client these arguments name.
+    pub(crate) fn client(&self) -> anyhow::Result<ApiClient> {
         let token = match &self.token {
             Some(t) => t.clone(),
             None => {
@@ -140,8 +156,32 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         proplets: Arc::new(CredentialStore::new()),
         services: CredentialStore::new(),
     };
+    let mut tls_ca = None;
+    let tls = match cmd.mqtt_tls_listen {
+        None => None,
+        Some(listen) => {
+            let (cert_path, key_path) = match (&cmd.mqtt_tls_cert, &cmd.mqtt_tls_key) {
+                (Some(cert), Some(key)) => (cert.clone(), key.clone()),
+                _ => {
+                    let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+                    names.extend(cmd.mqtt_tls_names.iter().cloned());
+                    let files =
+                        super::serving_tls::serving_files(&cmd.data_dir.join("tls"), &names)?;
+                    tls_ca = Some(files.ca);
+                    (files.cert, files.key)
+                }
+            };
+            Some(propeller_broker::server::TlsSettings {
+                listen,
+                cert_path,
+                key_path,
+                client_ca_path: None,
+            })
+        }
+    };
     let config = BrokerConfig {
         tcp_listen: Some(cmd.mqtt_listen),
+        tls,
         max_connections: cmd.max_connections,
         ..BrokerConfig::default()
     };
@@ -179,6 +219,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     )?;
     let image_metrics = images.metrics().clone();
     driver.attach_images(images);
+    driver.attach_enrolments(propeller_operator::enrolment::STANDALONE_TOKEN_NAMESPACE.to_owned());
     let mut registry = prometheus_client::registry::Registry::with_prefix("propeller");
     controller_metrics.register(&mut registry);
     broker.register(&mut registry);
@@ -212,6 +253,15 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     match broker.listen_addr() {
         Some(addr) => println!("  mqtt listening on {addr}"),
         None => println!("  mqtt: external broker {mqtt}"),
+    }
+    if let Some(addr) = broker.tls_addr() {
+        match &tls_ca {
+            Some(ca) => println!(
+                "  mqtts listening on {addr} (devices trust {})",
+                ca.display()
+            ),
+            None => println!("  mqtts listening on {addr}"),
+        }
     }
     if let Some(addr) = broker.callback_addr() {
         println!("  auth callbacks on http://{addr}");

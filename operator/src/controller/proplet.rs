@@ -9,7 +9,9 @@ use tracing::info;
 
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::TaskPhase;
-use crate::decision::proplet::{phase_change_note, plan, wakes_waiting_tasks, PropletObservations};
+use crate::decision::proplet::{
+    approval_granted, phase_change_note, plan, wakes_waiting_tasks, PropletObservations,
+};
 use crate::decision::task::Note;
 
 use super::finalizer::{self, Step};
@@ -98,7 +100,9 @@ async fn reconcile_once<C: Cluster>(
             common.metrics.observe_offline(late(now), late(Utc::now()));
         }
     }
-    if wakes_waiting_tasks(before, status.phase) {
+    if wakes_waiting_tasks(before, status.phase)
+        || approval_granted(proplet.status.as_ref(), status)
+    {
         wake_waiting_tasks(cluster, &name.namespace);
     }
     // Written first, recorded after: 1,000 proplets going Offline together are not each held

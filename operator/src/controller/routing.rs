@@ -10,12 +10,16 @@ use crate::state::Concerns;
 
 use super::{Cluster, ObjectName, Wake};
 
-/// Handles one broker event: an image chunk request is answered; anything else is recorded,
+/// Handles one broker event: an image chunk request is answered, an enrolment request queued
+/// for the enrolment worker; anything else is recorded,
 /// then the object it concerns is woken (a routine heartbeat waits for the time its proplet's
 /// last reconcile chose).
 pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
     let common = cluster.common();
     if common.images().is_some_and(|i| i.handle_request(event)) {
+        return;
+    }
+    if common.enrolments.get().is_some_and(|e| e.submit(event)) {
         return;
     }
     let now = Utc::now();

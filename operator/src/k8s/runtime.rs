@@ -78,6 +78,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub struct Settings {
     /// Watch only this namespace; every namespace when `None`.
     pub watch_namespace: Option<String>,
+    /// Where bootstrap token Secrets are kept (a namespace the Secret watch covers).
+    pub token_namespace: String,
     /// Proplet plan settings.
     pub proplet: PropletSettings,
     /// Task plan settings.
@@ -335,6 +337,7 @@ pub async fn run(
         deployments: deployment_reader,
         secrets: secret_reader,
     };
+    let token_namespace = rt.settings.token_namespace.clone();
     let (shared, triggers) = Shared::new(
         client.clone(),
         rt.settings,
@@ -353,6 +356,8 @@ pub async fn run(
     }
     let shard = shard.as_ref();
     let shared = Arc::new(shared);
+    let enrolments = crate::enrolment::Enrolments::start(&shared, token_namespace);
+    let _ = shared.common.enrolments.set(enrolments);
     if let Some(images) = shared.common.images() {
         let weak = Arc::downgrade(&shared);
         images.on_resolved(move |uid| {

@@ -214,6 +214,13 @@ impl Driver {
         let _ = self.common.images.set(images);
     }
 
+    /// Answers devices' enrolment requests with the bootstrap tokens kept in
+    /// `token_namespace`; before [`Driver::run`], so the first credential table has them.
+    pub fn attach_enrolments(self: &Arc<Self>, token_namespace: String) {
+        let enrolments = crate::enrolment::Enrolments::start(self, token_namespace);
+        let _ = self.common.enrolments.set(enrolments);
+    }
+
     /// The store the driver writes.
     pub fn store(&self) -> &ObjectStore {
         &self.store

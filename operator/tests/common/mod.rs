@@ -276,6 +276,7 @@ impl Harness {
         let (deployments, _) = reflector::store();
         let settings = Settings {
             watch_namespace: None,
+            token_namespace: "default".into(),
             proplet: propeller_operator::k8s::proplet::PropletSettings {
                 last_seen_threshold: std::time::Duration::from_secs(30),
                 status_flush_interval: std::time::Duration::from_secs(5),

@@ -60,7 +60,7 @@ pub(super) fn options_for(
     Ok(opts)
 }
 
-pub(super) fn tls_config(tls: &crate::config::TlsFiles) -> anyhow::Result<TlsConfiguration> {
+pub fn tls_config(tls: &crate::config::TlsFiles) -> anyhow::Result<TlsConfiguration> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let mut roots = rustls::RootCertStore::empty();

@@ -58,6 +58,16 @@ pub(super) struct FileConfig {
     pub(super) http_allow_hosts: Option<Words>,
     pub(super) http_resolve: Option<Overrides>,
     pub(super) http_ca_file: Option<PathBuf>,
+    /// First boot: a token to enrol with when the device has no credentials yet.
+    pub(super) bootstrap: Option<BootstrapSection>,
+}
+
+/// The `[bootstrap]` table: `server` and `token` for `proplet join` on first boot.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BootstrapSection {
+    pub(super) server: Option<String>,
+    pub(super) token: Option<String>,
 }
 
 #[derive(Deserialize)]

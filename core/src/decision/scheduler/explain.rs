@@ -42,6 +42,10 @@ fn render_group(g: &ExclusionGroup) -> String {
     };
     match &g.reason {
         Exclusion::NotRunning(phase) => format!("{n} not Running ({names} {is_are} {phase})"),
+        Exclusion::AwaitingApproval => format!(
+            "{n} await{s} approval ({names}; `propeller approve proplet/NAME`, or remove the label {})",
+            crate::decision::enrolment::APPROVAL_LABEL
+        ),
         Exclusion::NotRequested { wanted } => {
             format!("{n} not the requested propletId {wanted} ({names})")
         }

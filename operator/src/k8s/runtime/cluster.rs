@@ -104,6 +104,18 @@ impl Cluster for Shared {
         }
     }
 
+    async fn replace<K: Stored>(&self, object: &K) -> Result<(), BackendError> {
+        let meta = object.meta();
+        api::<K>(&self.client, meta)
+            .replace(
+                meta.name.as_deref().unwrap_or_default(),
+                &PostParams::default(),
+                object,
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn write_status<K: Stored>(
         &self,
         object: &K,

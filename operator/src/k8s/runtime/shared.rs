@@ -259,6 +259,14 @@ impl Shared {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
+        if let Some(enrolments) = self.common.enrolments.get() {
+            let secrets = self.secrets.state();
+            let tokens = crate::enrolment::token_table(
+                secrets.iter().map(|s| &**s),
+                &enrolments.token_namespace,
+            );
+            self.credentials.replace_tokens(tokens);
+        }
         let index = proplets
             .iter()
             .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(*p)))

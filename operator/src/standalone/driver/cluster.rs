@@ -55,6 +55,17 @@ impl Cluster for Driver {
         }
     }
 
+    async fn replace<K: Stored>(&self, object: &K) -> Result<(), BackendError> {
+        let mut value = serde_json::to_value(object)?;
+        value["apiVersion"] = Value::String(K::api_version(&()).into_owned());
+        value["kind"] = Value::String(K::kind(&()).into_owned());
+        self.store
+            .apply_all_async(vec![value])
+            .await
+            .map_err(|e| -> BackendError { e.error })?;
+        Ok(())
+    }
+
     async fn write_status<K: Stored>(
         &self,
         object: &K,

@@ -32,6 +32,18 @@ impl Driver {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
+        if let Some(enrolments) = self.common.enrolments.get() {
+            let namespace = &enrolments.token_namespace;
+            match self
+                .store
+                .list_typed::<k8s_openapi::api::core::v1::Secret>(SECRET, Some(namespace))
+            {
+                Ok(secrets) => self
+                    .credentials
+                    .replace_tokens(crate::enrolment::token_table(&secrets, namespace)),
+                Err(e) => warn!(%e, "reading bootstrap tokens"),
+            }
+        }
     }
 
     /// Records a broker event and queues the object it concerns.

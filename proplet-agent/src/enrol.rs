@@ -1,0 +1,403 @@
+//! Enrolment: `proplet join` trades a bootstrap token for this device's own credentials,
+//! and keeps them in the state directory's `credentials.toml` (mode 0600, written
+//! atomically) where every later start finds them. The token itself is never stored.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use propeller_broker::protocol::enrolment::{
+    enrol_client_id, reply_topic, request_topic, BootstrapToken, EnrolGrant, EnrolReply,
+    EnrolRequest,
+};
+use propeller_broker::protocol::BrokerAddress;
+use rumqttc::{AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS, Transport};
+use serde::{Deserialize, Serialize};
+
+use crate::config::TlsFiles;
+
+/// The file, in the state directory, that holds an enrolled device's credentials.
+pub const CREDENTIALS_FILE: &str = "credentials.toml";
+
+/// What a device keeps after enrolling: enough to connect as itself.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Credentials {
+    /// The broker it enrolled through.
+    pub mqtt_address: String,
+    /// The CA bundle that verified the broker, when it was given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca_cert: Option<PathBuf>,
+    /// `{domain}`.
+    pub domain_id: String,
+    /// `{channel}`.
+    pub channel_id: String,
+    /// Its client id (its Proplet's name).
+    pub client_id: String,
+    /// Its key.
+    pub client_key: String,
+    /// Its Proplet's namespace.
+    pub namespace: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("mqtt_address", &self.mqtt_address)
+            .field("client_id", &self.client_id)
+            .field("client_key", &"<redacted>")
+            .finish()
+    }
+}
+
+/// Why stored credentials could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {problem}")]
+pub struct CredentialsError {
+    /// The file.
+    pub path: String,
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// The credentials stored in `state_dir`, if the device enrolled.
+pub fn load(state_dir: &Path) -> Result<Option<Credentials>, CredentialsError> {
+    let path = state_dir.join(CREDENTIALS_FILE);
+    let fail = |problem: String| CredentialsError {
+        path: path.display().to_string(),
+        problem,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => toml::from_str(&text).map(Some).map_err(|e| {
+            fail(format!(
+                "{e}; remove the file and enrol again (`proplet join`)"
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(fail(e.to_string())),
+    }
+}
+
+/// Writes `credentials` to `state_dir` atomically with mode 0600 (a temporary file,
+/// synced, then renamed over the old one). Run as root into a directory another user owns
+/// (the packaged service's), the file is given to that user.
+pub fn save(state_dir: &Path, credentials: &Credentials) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    std::fs::create_dir_all(state_dir)
+        .with_context(|| format!("creating the state directory {}", state_dir.display()))?;
+    let text = toml::to_string(credentials).context("encoding the credentials")?;
+    let path = state_dir.join(CREDENTIALS_FILE);
+    let temporary = state_dir.join(format!(".{CREDENTIALS_FILE}.{}", std::process::id()));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&temporary)
+        .with_context(|| format!("creating {}", temporary.display()))?;
+    let written = file
+        .write_all(text.as_bytes())
+        .and_then(|()| file.sync_all());
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(e).with_context(|| format!("writing {}", temporary.display()));
+    }
+    let directory = std::fs::metadata(state_dir)?;
+    let file_owner = std::fs::metadata(&temporary)?;
+    if file_owner.uid() != directory.uid() {
+        std::os::unix::fs::chown(&temporary, Some(directory.uid()), Some(directory.gid()))
+            .with_context(|| {
+                format!(
+                    "giving {} to the state directory's owner",
+                    temporary.display()
+                )
+            })?;
+    }
+    std::fs::rename(&temporary, &path)
+        .with_context(|| format!("moving the credentials into {}", path.display()))?;
+    if let Ok(dir) = std::fs::File::open(state_dir) {
+        let _ = dir.sync_all();
+    }
+    Ok(path)
+}
+
+/// What `proplet join` needs.
+#[derive(Debug, Clone)]
+pub struct JoinRequest {
+    /// The broker URL (`mqtts://host:8883`).
+    pub server: String,
+    /// The bootstrap token, `<id>.<secret>`.
+    pub token: String,
+    /// The CA bundle that verifies the broker.
+    pub tls_ca_cert: Option<PathBuf>,
+    /// Allow the token over plain `tcp://`.
+    pub insecure_enrol: bool,
+    /// The machine id to report (default: `/etc/machine-id`).
+    pub machine_id: Option<String>,
+    /// How long to wait for the answer.
+    pub timeout: Duration,
+}
+
+/// Logins a refused token gets before `join` gives up: a token made a moment ago may not
+/// have reached the broker's table yet.
+const REFUSED_LOGIN_ATTEMPTS: u32 = 3;
+
+/// Enrols this device: logs in with the token, sends its facts, and returns the
+/// credentials propeller answered with (or its refusal, as the error).
+pub async fn join(request: &JoinRequest) -> anyhow::Result<Credentials> {
+    let mut attempt = 1;
+    loop {
+        match join_once(request).await {
+            Err(JoinError::Refused(message)) if attempt < REFUSED_LOGIN_ATTEMPTS => {
+                tracing::debug!(attempt, "{message}; trying again");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(JoinError::Refused(message)) => bail!("{message}"),
+            Err(JoinError::Other(e)) => return Err(e),
+            Ok(credentials) => return Ok(credentials),
+        }
+    }
+}
+
+/// Why one enrolment attempt failed.
+enum JoinError {
+    /// The broker refused the token login.
+    Refused(String),
+    /// Anything else (final).
+    Other(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for JoinError {
+    fn from(e: E) -> Self {
+        Self::Other(e.into())
+    }
+}
+
+async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
+    let token: BootstrapToken = request.token.parse()?;
+    let address = BrokerAddress::parse(&request.server)
+        .map_err(|e| anyhow::anyhow!("--server {:?}: {e}", request.server))?;
+    if !address.tls && !request.insecure_enrol {
+        return Err(JoinError::Other(anyhow::anyhow!(
+            "refusing to send a bootstrap token over plain {}: use an mqtts:// address (the token and the key it gets back must not cross an unencrypted link), or give --insecure-enrol on a network you trust (the token must have been made with --insecure-enrol too)",
+            request.server
+        )));
+    }
+    let facts = facts(request.machine_id.as_deref())?;
+    let nonce = random_nonce()?;
+    let client_id = enrol_client_id(token.id(), &nonce);
+    let mut options = MqttOptions::new(&client_id, &address.host, address.port);
+    options
+        .set_credentials(&client_id, token.reveal())
+        .set_keep_alive(Duration::from_secs(30))
+        .set_clean_session(true);
+    if address.tls {
+        let ca_cert = request.tls_ca_cert.clone().with_context(|| {
+            format!(
+                "{} uses TLS: give the CA bundle that signed the broker's certificate (--tls-ca-cert)",
+                request.server
+            )
+        })?;
+        let tls = crate::agent::tls_config(&TlsFiles {
+            ca_cert,
+            client: None,
+        })?;
+        options.set_transport(Transport::tls_with_config(tls));
+    }
+    let (client, mut events) = AsyncClient::new(options, 16);
+    let payload = serde_json::to_vec(&EnrolRequest {
+        server: request.server.clone(),
+        ..facts
+    })?;
+    let exchange = async {
+        let mut connected = false;
+        loop {
+            let event = events.poll().await.map_err(|e| match e {
+                // A refused login: a CONNACK saying so, or (as the embedded broker does) the
+                // connection closed before any CONNACK.
+                rumqttc::ConnectionError::ConnectionRefused(
+                    ConnectReturnCode::BadUserNamePassword | ConnectReturnCode::NotAuthorized,
+                )
+                | rumqttc::ConnectionError::MqttState(_)
+                    if !connected =>
+                {
+                    JoinError::Refused(format!(
+                        "the broker refused bootstrap token {}: it does not exist (deleted or mistyped), its secret is wrong, it is locked for a while after too many wrong secrets, or it is only for TLS and this was plain tcp://",
+                        token.id()
+                    ))
+                }
+                other => JoinError::Other(anyhow::anyhow!("connecting to {}: {other}", request.server)),
+            })?;
+            match event {
+                Event::Incoming(Packet::ConnAck(_)) => {
+                    connected = true;
+                    client
+                        .subscribe(reply_topic(&client_id), QoS::AtLeastOnce)
+                        .await?;
+                }
+                Event::Incoming(Packet::SubAck(_)) => {
+                    client
+                        .publish(
+                            request_topic(&client_id),
+                            QoS::AtLeastOnce,
+                            false,
+                            payload.clone(),
+                        )
+                        .await?;
+                }
+                Event::Incoming(Packet::Publish(p)) if p.topic == reply_topic(&client_id) => {
+                    let reply: EnrolReply = serde_json::from_slice(&p.payload)
+                        .context("propeller's answer could not be read")?;
+                    return Ok::<_, JoinError>(reply);
+                }
+                _ => {}
+            }
+        }
+    };
+    let reply = tokio::time::timeout(request.timeout, exchange)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "no answer from propeller within {:?}: is propeller running and reachable at {}?",
+                request.timeout,
+                request.server
+            )
+        })??;
+    let _ = client.disconnect().await;
+    match reply {
+        EnrolReply::Refused(refusal) => Err(JoinError::Other(anyhow::anyhow!(
+            "enrolment refused: {}",
+            refusal.message
+        ))),
+        EnrolReply::Enrolled(grant) => Ok(credentials(request, grant)),
+    }
+}
+
+fn credentials(request: &JoinRequest, grant: EnrolGrant) -> Credentials {
+    Credentials {
+        mqtt_address: request.server.clone(),
+        tls_ca_cert: request.tls_ca_cert.clone(),
+        domain_id: grant.domain_id,
+        channel_id: grant.channel_id,
+        client_id: grant.client_id,
+        client_key: grant.client_key,
+        namespace: grant.namespace,
+    }
+}
+
+/// What the device tells about itself.
+fn facts(machine_id: Option<&str>) -> anyhow::Result<EnrolRequest> {
+    let machine_id = match machine_id {
+        Some(id) => id.trim().to_owned(),
+        None => ["/etc/machine-id", "/var/lib/dbus/machine-id"]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok())
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .context("no /etc/machine-id: give a stable id of this machine with --machine-id")?,
+    };
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let memory_bytes = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024);
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "arm" => "arm",
+        other => other,
+    };
+    Ok(EnrolRequest {
+        machine_id,
+        hostname,
+        arch: arch.to_owned(),
+        os: std::env::consts::OS.to_owned(),
+        memory_bytes,
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        server: String::new(),
+    })
+}
+
+/// 12 random characters for the enrolment login's client id.
+fn random_nonce() -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 6];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn credentials_are_written_0600_atomically_and_read_back() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        assert!(load(dir.path()).unwrap_or_else(|e| panic!("{e}")).is_none());
+        let credentials = Credentials {
+            mqtt_address: "mqtts://b:8883".into(),
+            tls_ca_cert: Some("/etc/proplet/ca.pem".into()),
+            domain_id: "d".into(),
+            channel_id: "c".into(),
+            client_id: "pi-1".into(),
+            client_key: "k".into(),
+            namespace: "default".into(),
+        };
+        let path = save(dir.path(), &credentials).unwrap_or_else(|e| panic!("{e}"));
+        let mode = std::fs::metadata(&path)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let read = load(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(read, Some(credentials.clone()));
+        assert!(!format!("{credentials:?}").contains("\"k\""));
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
+        std::fs::write(&path, "not toml [").unwrap_or_else(|e| panic!("{e}"));
+        let error = load(dir.path()).expect_err("garbage");
+        assert!(error.to_string().contains("proplet join"), "{error}");
+    }
+
+    #[test]
+    fn a_plain_address_is_refused_without_insecure_enrol() {
+        let request = JoinRequest {
+            server: "tcp://127.0.0.1:1".into(),
+            token: "abcdef.0123456789abcdef".into(),
+            tls_ca_cert: None,
+            insecure_enrol: false,
+            machine_id: Some("m".into()),
+            timeout: Duration::from_secs(1),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let error = runtime.block_on(join(&request)).expect_err("plain tcp");
+        assert!(error.to_string().contains("--insecure-enrol"), "{error}");
+        let bad_token = JoinRequest {
+            token: "nope".into(),
+            ..request
+        };
+        let error = runtime.block_on(join(&bad_token)).expect_err("bad token");
+        assert!(
+            error.to_string().contains("propeller token create"),
+            "{error}"
+        );
+    }
+}

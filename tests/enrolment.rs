@@ -1,0 +1,406 @@
+//! Devices that enrol themselves, as a user does it: `propeller token create` on a
+//! standalone server with a TLS listener, `proplet join` with the token, and the device
+//! Running with its labels and running a task; every refusal with its message on the
+//! device and its count in `/metrics`; manual approval; a machine enrolling again gets a new
+//! key for its Proplet instead of a second Proplet.
+
+mod support;
+
+use std::path::Path;
+use std::process::Output;
+
+use support::standalone::{apply_text, finished_tasks, get_json, inline_task, wait_for_phase};
+use support::{binary, propeller_client, Running};
+
+/// `propeller standalone` with a TLS listener; returns it, its API, its plain MQTT port,
+/// its TLS port and the CA devices trust.
+fn start_with_tls(dir: &Path) -> (Running, String, String, String, std::path::PathBuf) {
+    let mut cmd = binary("propeller");
+    cmd.args(["standalone", "--api-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.join("server"))
+        .args(["--mqtt-listen", "127.0.0.1:0"])
+        .args(["--mqtt-tls-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "info");
+    let server = Running::spawn(cmd);
+    let port = |line: String| {
+        line.rsplit(':')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    };
+    let plain = port(server.stdout_line("mqtt listening on"));
+    let tls_line = server.stdout_line("mqtts listening on");
+    let tls = tls_line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|a| a.rsplit(':').next())
+        .expect("tls port")
+        .to_owned();
+    let api = support::api_address(&server);
+    let ca = dir.join("server/tls/ca.pem");
+    assert!(ca.exists(), "{tls_line}");
+    (server, api, plain, tls, ca)
+}
+
+fn client(api: &str, dir: &Path, args: &[&str]) -> (bool, String, String) {
+    propeller_client(api, &dir.join("server"), args)
+}
+
+/// Makes a token; returns it.
+fn token(api: &str, dir: &Path, args: &[&str]) -> String {
+    let mut all = vec!["token", "create"];
+    all.extend(args);
+    let (ok, out, err) = client(api, dir, &all);
+    assert!(ok, "token create: {err}");
+    assert!(err.contains("only time the token is shown"), "{err}");
+    let token = out.trim().to_owned();
+    assert_eq!(token.len(), 23, "{out}");
+    token
+}
+
+/// `proplet join … --no-run` as machine `machine` into `state`.
+fn join(tls_port: &str, ca: &Path, token: &str, machine: &str, state: &Path) -> Output {
+    binary("proplet")
+        .args(["join", "--no-run", "--server"])
+        .arg(format!("mqtts://127.0.0.1:{tls_port}"))
+        .args(["--token", token, "--machine-id", machine, "--tls-ca-cert"])
+        .arg(ca)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .expect("run proplet join")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn metric(api: &str, dir: &Path, name: &str) -> u64 {
+    let token = std::fs::read_to_string(dir.join("server/api-token")).expect("api token");
+    let out = std::process::Command::new("curl")
+        .args(["-sf", "-H"])
+        .arg(format!("Authorization: Bearer {}", token.trim()))
+        .arg(format!("http://{api}/metrics"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+#[test]
+fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
+    let token = token(
+        &api,
+        dir.path(),
+        &["--labels", "site=lab", "--ttl", "1h", "--uses", "50"],
+    );
+    let (ok, listed, err) = client(&api, dir.path(), &["token", "list"]);
+    assert!(ok, "{err}");
+    let id = &token[..6];
+    let row = listed
+        .lines()
+        .find(|l| l.starts_with(id))
+        .unwrap_or_default();
+    assert!(row.contains("0/50") && row.contains("site=lab"), "{listed}");
+    assert!(!listed.contains(&token[7..]), "the secret is never listed");
+
+    // The whole path a user takes: join, and the agent runs with its new credentials.
+    let state = dir.path().join("device");
+    let mut agent = Running::spawn({
+        let mut cmd = binary("proplet");
+        cmd.args(["join", "--server"])
+            .arg(format!("mqtts://127.0.0.1:{tls}"))
+            .args([
+                "--token",
+                &token,
+                "--machine-id",
+                "machine-one",
+                "--tls-ca-cert",
+            ])
+            .arg(&ca)
+            .arg("--state-dir")
+            .arg(&state)
+            .env("RUST_LOG", "info");
+        cmd
+    });
+    let enrolled = agent.stderr_line("enrolled as");
+    let name = enrolled
+        .split("enrolled as ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("proplet name")
+        .to_owned();
+    let credentials = state.join("credentials.toml");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&credentials)
+            .expect("credentials")
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    let written = std::fs::read_to_string(&credentials).expect("credentials");
+    assert!(!written.contains(&token[7..]), "the token is not kept");
+
+    wait_for_phase(&api, &dir.path().join("server"), &name, "Running");
+    let proplet = get_json(&api, &dir.path().join("server"), &["get", "proplet", &name]);
+    let labels = &proplet["metadata"]["labels"];
+    assert_eq!(labels["site"], "lab", "{proplet:#}");
+    assert_eq!(labels["propeller.absmach.eu/enrolled-with"], id);
+    assert!(labels["kubernetes.io/arch"].is_string(), "{labels}");
+    let (ok, described, _) = client(&api, dir.path(), &["describe", "proplet", &name]);
+    assert!(
+        ok && described.contains(&format!("enrolled with token {id}")),
+        "{described}"
+    );
+
+    // Ready for tasks: one runs there.
+    let task = inline_task("after-enrol", "[20, 22]").replace(
+        "spec:\n",
+        &format!("spec:\n  propletSelector:\n    propletId: {name}\n"),
+    );
+    apply_text(&api, &dir.path().join("server"), "task.yaml", &task);
+    let done = finished_tasks(&api, &dir.path().join("server"), &["after-enrol"]);
+    assert_eq!(
+        done["after-enrol"]["status"]["phase"], "completed",
+        "{:#}",
+        done["after-enrol"]
+    );
+
+    // A second join of an enrolled device says so and keeps its credentials.
+    let again = join(&tls, &ca, &token, "machine-one", &state);
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("already enrolled"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&credentials).expect("credentials"),
+        written
+    );
+    assert_eq!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_enrolments_total{outcome=\"enrolled\"}"
+        ),
+        1
+    );
+    agent.terminate();
+}
+
+#[test]
+fn every_refusal_says_why_on_the_device_and_is_counted() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, plain, tls, ca) = start_with_tls(dir.path());
+    let state = |n: &str| dir.path().join(format!("device-{n}"));
+
+    // Used up: the second machine of a one-use token.
+    let one = token(&api, dir.path(), &["--uses", "1"]);
+    let first = join(&tls, &ca, &one, "m-1", &state("1"));
+    assert!(first.status.success(), "{}", stderr(&first));
+    let second = join(&tls, &ca, &one, "m-2", &state("2"));
+    assert!(!second.status.success());
+    assert!(
+        stderr(&second).contains("has enrolled the 1 devices"),
+        "{}",
+        stderr(&second)
+    );
+    // The same machine again does not need a use: it gets a new key for its Proplet.
+    let old_key = std::fs::read_to_string(state("1").join("credentials.toml")).expect("creds");
+    std::fs::remove_file(state("1").join("credentials.toml")).expect("remove");
+    let rotated = join(&tls, &ca, &one, "m-1", &state("1"));
+    assert!(rotated.status.success(), "{}", stderr(&rotated));
+    let new_key = std::fs::read_to_string(state("1").join("credentials.toml")).expect("creds");
+    assert_ne!(old_key, new_key, "a new key");
+    let name = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("client_id"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(name(&old_key), name(&new_key), "the same Proplet");
+    let (_, proplets, _) = client(&api, dir.path(), &["get", "proplet"]);
+    assert_eq!(proplets.lines().count(), 2, "one Proplet only: {proplets}");
+
+    // Expired.
+    let short = token(&api, dir.path(), &["--ttl", "1s"]);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let expired = join(&tls, &ca, &short, "m-3", &state("3"));
+    assert!(
+        stderr(&expired).contains("expired at"),
+        "{}",
+        stderr(&expired)
+    );
+
+    // Deleted, and a wrong secret: refused at login, without telling which.
+    let gone = token(&api, dir.path(), &[]);
+    let (ok, _, err) = client(&api, dir.path(), &["token", "delete", &gone[..6]]);
+    assert!(ok, "{err}");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let deleted = join(&tls, &ca, &gone, "m-4", &state("4"));
+    assert!(
+        stderr(&deleted).contains("refused bootstrap token"),
+        "{}",
+        stderr(&deleted)
+    );
+    let good = token(&api, dir.path(), &[]);
+    let wrong = format!("{}.0000000000000000", &good[..6]);
+    let refused = join(&tls, &ca, &wrong, "m-5", &state("5"));
+    assert!(
+        stderr(&refused).contains("secret is wrong"),
+        "{}",
+        stderr(&refused)
+    );
+
+    // Plain tcp://: the device refuses to send the token; with --insecure-enrol the broker
+    // refuses a token that was not made for it.
+    let plain_join = |extra: &[&str]| {
+        binary("proplet")
+            .args(["join", "--no-run", "--server"])
+            .arg(format!("tcp://127.0.0.1:{plain}"))
+            .args(["--token", &good, "--machine-id", "m-6", "--state-dir"])
+            .arg(state("6"))
+            .args(extra)
+            .output()
+            .expect("run proplet join")
+    };
+    let device_side = plain_join(&[]);
+    assert!(stderr(&device_side).contains("refusing to send a bootstrap token over plain"));
+    let broker_side = plain_join(&["--insecure-enrol"]);
+    assert!(!broker_side.status.success());
+    assert!(
+        stderr(&broker_side).contains("only for TLS"),
+        "{}",
+        stderr(&broker_side)
+    );
+    let open = token(&api, dir.path(), &["--insecure-enrol"]);
+    let allowed = binary("proplet")
+        .args(["join", "--no-run", "--insecure-enrol", "--server"])
+        .arg(format!("tcp://127.0.0.1:{plain}"))
+        .args(["--token", &open, "--machine-id", "m-7", "--state-dir"])
+        .arg(state("7"))
+        .output()
+        .expect("run proplet join");
+    assert!(allowed.status.success(), "{}", stderr(&allowed));
+
+    assert_eq!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_enrolments_total{outcome=\"used_up\"}"
+        ),
+        1
+    );
+    assert_eq!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_enrolments_total{outcome=\"expired\"}"
+        ),
+        1
+    );
+    assert_eq!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_enrolments_total{outcome=\"rotated\"}"
+        ),
+        1
+    );
+    assert!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_broker_auth_failures_total{reason=\"unknown_token\"}"
+        ) >= 1
+    );
+    assert!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_broker_auth_failures_total{reason=\"wrong_token_secret\"}"
+        ) >= 1
+    );
+    assert!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_broker_auth_failures_total{reason=\"token_needs_tls\"}"
+        ) >= 1
+    );
+}
+
+#[test]
+fn wrong_secrets_lock_a_token_id_and_leave_other_tokens_alone() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
+    let target = token(&api, dir.path(), &[]);
+    let other = token(&api, dir.path(), &[]);
+    // Each refused join tries three logins: four joins pass the ten wrong secrets.
+    let wrong = format!("{}.0000000000000000", &target[..6]);
+    for i in 0..4 {
+        let out = join(&tls, &ca, &wrong, &format!("m-{i}"), &dir.path().join("x"));
+        assert!(!out.status.success());
+    }
+    let locked = join(&tls, &ca, &target, "m-good", &dir.path().join("locked"));
+    assert!(
+        !locked.status.success(),
+        "the right secret is refused while locked"
+    );
+    assert!(
+        metric(
+            &api,
+            dir.path(),
+            "propeller_broker_auth_failures_total{reason=\"token_locked\"}"
+        ) >= 1
+    );
+    let fine = join(&tls, &ca, &other, "m-other", &dir.path().join("other"));
+    assert!(fine.status.success(), "{}", stderr(&fine));
+}
+
+#[test]
+fn a_manual_approval_token_holds_devices_back_until_approved() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
+    let token = token(&api, dir.path(), &["--approve", "manual"]);
+    let state = dir.path().join("device");
+    let out = join(&tls, &ca, &token, "held", &state);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stderr(&out);
+    let name = text
+        .split("enrolled as ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("name")
+        .to_owned();
+    let agent = Running::spawn({
+        let mut cmd = binary("proplet");
+        cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
+        cmd
+    });
+    let server_dir = dir.path().join("server");
+    wait_for_phase(&api, &server_dir, &name, "Running");
+    let task = inline_task("held-task", "[1, 2]").replace(
+        "spec:\n",
+        &format!("spec:\n  propletSelector:\n    propletId: {name}\n"),
+    );
+    apply_text(&api, &server_dir, "task.yaml", &task);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let waiting = get_json(&api, &server_dir, &["get", "task", "held-task"]);
+    assert_ne!(waiting["status"]["phase"], "completed", "{waiting:#}");
+    let (_, described, _) = client(&api, dir.path(), &["describe", "task", "held-task"]);
+    assert!(described.contains("await"), "{described}");
+    let (ok, out, err) = client(&api, dir.path(), &["approve", &format!("proplet/{name}")]);
+    assert!(ok, "{err}");
+    assert!(out.contains("approved"), "{out}");
+    let done = finished_tasks(&api, &server_dir, &["held-task"]);
+    assert_eq!(done["held-task"]["status"]["phase"], "completed");
+    drop(agent);
+}
