@@ -329,7 +329,7 @@ async fn apply<C: Cluster>(cluster: &C, token_id: &str, plan: EnrolPlan) -> Enro
             {
                 note(
                     cluster,
-                    &*proplet,
+                    &proplet,
                     "KeyRotated",
                     format!("enrolled again with token {token_id}: a new key replaced the old one"),
                 );

@@ -359,7 +359,10 @@ mod tests {
             request_topic(&client),
             "propeller/enrol/abcdef/n0nce123/request"
         );
-        assert_eq!(request_topic_client(&request_topic(&client)), Some(client));
+        assert_eq!(
+            request_topic_client(&request_topic(&client)),
+            Some(client.clone())
+        );
         assert_eq!(request_topic_client(&reply_topic(&client)), None);
         assert_eq!(enrol_client_token_id("enrol-abcdef-short"), None);
         assert_eq!(enrol_client_token_id("enrol-abcdef-has/slash"), None);

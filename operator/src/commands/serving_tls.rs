@@ -43,28 +43,10 @@ pub fn serving_files(dir: &Path, names: &[String]) -> anyhow::Result<ServingFile
     let cert = params
         .signed_by(&key, &issuer)
         .context("signing the server certificate")?;
-    write_private(&files.key, &key.serialize_pem())?;
+    super::private_file::write_private(&files.key, &key.serialize_pem())?;
     std::fs::write(&files.cert, cert.pem())
         .with_context(|| format!("writing {}", files.cert.display()))?;
     std::fs::write(&files.ca, ca.pem())
         .with_context(|| format!("writing {}", files.ca.display()))?;
     Ok(files)
-}
-
-/// Writes `text` to `path` with mode 0600, through a temporary file renamed into place.
-fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let temporary = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&temporary);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&temporary)
-        .with_context(|| format!("creating {}", temporary.display()))?;
-    file.write_all(text.as_bytes())?;
-    file.sync_all()?;
-    std::fs::rename(&temporary, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
 }

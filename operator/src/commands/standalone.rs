@@ -129,19 +129,7 @@ fn token(dir: &Path) -> anyhow::Result<String> {
         return Ok(existing.trim().to_owned());
     }
     let token = super::random::random_hex(24)?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .with_context(|| format!("creating {}", path.display()))?;
-        std::io::Write::write_all(&mut file, token.as_bytes())?;
-    }
-    #[cfg(not(unix))]
-    std::fs::write(&path, &token)?;
+    super::private_file::write_private(&path, &token)?;
     Ok(token)
 }
 

@@ -110,7 +110,7 @@ pub async fn run(command: TokenCommand, target: Target) -> anyhow::Result<()> {
 /// Runs `propeller approve proplet/NAME`.
 pub async fn approve(what: &str, namespace: &str, target: Target) -> anyhow::Result<()> {
     let name = match what.split_once('/') {
-        Some((kind, name)) if matches!(kind, "proplet" | "proplets") => name,
+        Some(("proplet" | "proplets", name)) => name,
         Some(_) => bail!("only proplets are approved: write proplet/NAME"),
         None => what,
     };
