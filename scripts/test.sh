@@ -10,7 +10,9 @@
 # need kube-apiserver and kube-controller-manager: from $KUBEBUILDER_ASSETS, or unpacked
 # from ../shared/envtest beside the repository; the in-cluster suite also needs root and the
 # node kit in ../shared/envtest/node (with containerd, runc and the CNI plugins, installed
-# here). Without them they print SKIPPED and pass, except under CI=true, where they fail.
+# here). The Debian package test (tests/deb_package.rs) needs root, lintian and cargo-deb
+# (installed here too). Without them they print SKIPPED and pass, except under CI=true, where
+# they fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,9 +28,12 @@ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missin
 # The in-cluster suite (tests/in_cluster.rs) starts a real node from ../shared/envtest/node:
 # containerd and runc run its pods, dnsmasq-base serves its cluster DNS, iptables carries
 # kube-proxy's Services; binutils' objcopy strips the binaries put into the test images.
+# The Debian package test (tests/deb_package.rs) checks the package with lintian and its
+# unit with systemd's systemd-analyze.
 for tool in containerd:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
   iptables:iptables nft:nftables dnsmasq:dnsmasq-base /bin/busybox:busybox-static \
-  openssl:openssl xz:xz-utils ip:iproute2 objcopy:binutils curl:curl; do
+  openssl:openssl xz:xz-utils ip:iproute2 objcopy:binutils curl:curl \
+  lintian:lintian systemd-analyze:systemd; do
   probe=${tool%%:*}
   if [ "${probe#/}" != "$probe" ]; then [ -e "$probe" ] || missing+=("${tool#*:}")
   else command -v "$probe" >/dev/null 2>&1 || missing+=("${tool#*:}"); fi
@@ -65,6 +70,8 @@ for service in etcd docker-registry rabbitmq-server nats-server containerd; do
   fi
 done
 command -v cargo-nextest >/dev/null 2>&1 || cargo install --locked cargo-nextest
+# The Debian package test builds its packages with cargo-deb (scripts/build-deb.sh).
+command -v cargo-deb >/dev/null 2>&1 || cargo install --locked cargo-deb
 # The agent's tests build a WASI 0.2 guest from source (tests/guests).
 rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
 

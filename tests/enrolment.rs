@@ -9,55 +9,9 @@ mod support;
 use std::path::Path;
 use std::process::Output;
 
+use support::enrol::TlsServer;
 use support::standalone::{apply_text, finished_tasks, get_json, inline_task, wait_for_phase};
-use support::{binary, propeller_client, Running};
-
-/// `propeller standalone` with a TLS listener; returns it, its API, its plain MQTT port,
-/// its TLS port and the CA devices trust.
-fn start_with_tls(dir: &Path) -> (Running, String, String, String, std::path::PathBuf) {
-    let mut cmd = binary("propeller");
-    cmd.args(["standalone", "--api-listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.join("server"))
-        .args(["--mqtt-listen", "127.0.0.1:0"])
-        .args(["--mqtt-tls-listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "info");
-    let server = Running::spawn(cmd);
-    let port = |line: String| {
-        line.rsplit(':')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_owned()
-    };
-    let plain = port(server.stdout_line("mqtt listening on"));
-    let tls_line = server.stdout_line("mqtts listening on");
-    let tls = tls_line
-        .split_whitespace()
-        .nth(3)
-        .and_then(|a| a.rsplit(':').next())
-        .expect("tls port")
-        .to_owned();
-    let api = support::api_address(&server);
-    let ca = dir.join("server/tls/ca.pem");
-    assert!(ca.exists(), "{tls_line}");
-    (server, api, plain, tls, ca)
-}
-
-fn client(api: &str, dir: &Path, args: &[&str]) -> (bool, String, String) {
-    propeller_client(api, &dir.join("server"), args)
-}
-
-/// Makes a token; returns it.
-fn token(api: &str, dir: &Path, args: &[&str]) -> String {
-    let mut all = vec!["token", "create"];
-    all.extend(args);
-    let (ok, out, err) = client(api, dir, &all);
-    assert!(ok, "token create: {err}");
-    assert!(err.contains("only time the token is shown"), "{err}");
-    let token = out.trim().to_owned();
-    assert_eq!(token.len(), 23, "{out}");
-    token
-}
+use support::{binary, Running};
 
 /// `proplet join … --no-run` as machine `machine` into `state`.
 fn join(tls_port: &str, ca: &Path, token: &str, machine: &str, state: &Path) -> Output {
@@ -95,13 +49,15 @@ fn metric(api: &str, dir: &Path, name: &str) -> u64 {
 #[test]
 fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
-    let token = token(
-        &api,
-        dir.path(),
-        &["--labels", "site=lab", "--ttl", "1h", "--uses", "50"],
+    let server = TlsServer::start(dir.path());
+    let (api, _plain, tls, ca) = (
+        server.api.clone(),
+        server.plain_port.clone(),
+        server.tls_port.clone(),
+        server.ca.clone(),
     );
-    let (ok, listed, err) = client(&api, dir.path(), &["token", "list"]);
+    let token = server.token(&["--labels", "site=lab", "--ttl", "1h", "--uses", "50"]);
+    let (ok, listed, err) = server.client(&["token", "list"]);
     assert!(ok, "{err}");
     let id = &token[..6];
     let row = listed
@@ -153,7 +109,7 @@ fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
     assert_eq!(labels["site"], "lab", "{proplet:#}");
     assert_eq!(labels["propeller.absmach.eu/enrolled-with"], id);
     assert!(labels["kubernetes.io/arch"].is_string(), "{labels}");
-    let (ok, described, _) = client(&api, dir.path(), &["describe", "proplet", &name]);
+    let (ok, described, _) = server.client(&["describe", "proplet", &name]);
     assert!(
         ok && described.contains(&format!("enrolled with token {id}")),
         "{described}"
@@ -198,11 +154,17 @@ fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
 #[test]
 fn every_refusal_says_why_on_the_device_and_is_counted() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let (_server, api, plain, tls, ca) = start_with_tls(dir.path());
+    let server = TlsServer::start(dir.path());
+    let (api, plain, tls, ca) = (
+        server.api.clone(),
+        server.plain_port.clone(),
+        server.tls_port.clone(),
+        server.ca.clone(),
+    );
     let state = |n: &str| dir.path().join(format!("device-{n}"));
 
     // Used up: the second machine of a one-use token.
-    let one = token(&api, dir.path(), &["--uses", "1"]);
+    let one = server.token(&["--uses", "1"]);
     let first = join(&tls, &ca, &one, "m-1", &state("1"));
     assert!(first.status.success(), "{}", stderr(&first));
     let second = join(&tls, &ca, &one, "m-2", &state("2"));
@@ -226,11 +188,11 @@ fn every_refusal_says_why_on_the_device_and_is_counted() {
             .to_owned()
     };
     assert_eq!(name(&old_key), name(&new_key), "the same Proplet");
-    let (_, proplets, _) = client(&api, dir.path(), &["get", "proplet"]);
+    let (_, proplets, _) = server.client(&["get", "proplet"]);
     assert_eq!(proplets.lines().count(), 2, "one Proplet only: {proplets}");
 
     // Expired.
-    let short = token(&api, dir.path(), &["--ttl", "1s"]);
+    let short = server.token(&["--ttl", "1s"]);
     std::thread::sleep(std::time::Duration::from_millis(1500));
     let expired = join(&tls, &ca, &short, "m-3", &state("3"));
     assert!(
@@ -240,8 +202,8 @@ fn every_refusal_says_why_on_the_device_and_is_counted() {
     );
 
     // Deleted, and a wrong secret: refused at login, without telling which.
-    let gone = token(&api, dir.path(), &[]);
-    let (ok, _, err) = client(&api, dir.path(), &["token", "delete", &gone[..6]]);
+    let gone = server.token(&[]);
+    let (ok, _, err) = server.client(&["token", "delete", &gone[..6]]);
     assert!(ok, "{err}");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let deleted = join(&tls, &ca, &gone, "m-4", &state("4"));
@@ -250,7 +212,7 @@ fn every_refusal_says_why_on_the_device_and_is_counted() {
         "{}",
         stderr(&deleted)
     );
-    let good = token(&api, dir.path(), &[]);
+    let good = server.token(&[]);
     let wrong = format!("{}.0000000000000000", &good[..6]);
     let refused = join(&tls, &ca, &wrong, "m-5", &state("5"));
     assert!(
@@ -280,7 +242,7 @@ fn every_refusal_says_why_on_the_device_and_is_counted() {
         "{}",
         stderr(&broker_side)
     );
-    let open = token(&api, dir.path(), &["--insecure-enrol"]);
+    let open = server.token(&["--insecure-enrol"]);
     let allowed = binary("proplet")
         .args(["join", "--no-run", "--insecure-enrol", "--server"])
         .arg(format!("tcp://127.0.0.1:{plain}"))
@@ -340,9 +302,15 @@ fn every_refusal_says_why_on_the_device_and_is_counted() {
 #[test]
 fn wrong_secrets_lock_a_token_id_and_leave_other_tokens_alone() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
-    let target = token(&api, dir.path(), &[]);
-    let other = token(&api, dir.path(), &[]);
+    let server = TlsServer::start(dir.path());
+    let (api, _plain, tls, ca) = (
+        server.api.clone(),
+        server.plain_port.clone(),
+        server.tls_port.clone(),
+        server.ca.clone(),
+    );
+    let target = server.token(&[]);
+    let other = server.token(&[]);
     // Each refused join tries three logins: four joins pass the ten wrong secrets.
     let wrong = format!("{}.0000000000000000", &target[..6]);
     for i in 0..4 {
@@ -368,8 +336,14 @@ fn wrong_secrets_lock_a_token_id_and_leave_other_tokens_alone() {
 #[test]
 fn a_manual_approval_token_holds_devices_back_until_approved() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let (_server, api, _plain, tls, ca) = start_with_tls(dir.path());
-    let token = token(&api, dir.path(), &["--approve", "manual"]);
+    let server = TlsServer::start(dir.path());
+    let (api, _plain, tls, ca) = (
+        server.api.clone(),
+        server.plain_port.clone(),
+        server.tls_port.clone(),
+        server.ca.clone(),
+    );
+    let token = server.token(&["--approve", "manual"]);
     let state = dir.path().join("device");
     let out = join(&tls, &ca, &token, "held", &state);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -395,9 +369,9 @@ fn a_manual_approval_token_holds_devices_back_until_approved() {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let waiting = get_json(&api, &server_dir, &["get", "task", "held-task"]);
     assert_ne!(waiting["status"]["phase"], "completed", "{waiting:#}");
-    let (_, described, _) = client(&api, dir.path(), &["describe", "task", "held-task"]);
+    let (_, described, _) = server.client(&["describe", "task", "held-task"]);
     assert!(described.contains("await"), "{described}");
-    let (ok, out, err) = client(&api, dir.path(), &["approve", &format!("proplet/{name}")]);
+    let (ok, out, err) = server.client(&["approve", &format!("proplet/{name}")]);
     assert!(ok, "{err}");
     assert!(out.contains("approved"), "{out}");
     let done = finished_tasks(&api, &server_dir, &["held-task"]);

@@ -1425,3 +1425,144 @@ fn the_operator_runs_devices_through_an_external_nats_cluster() {
     }
     drop(agents);
 }
+
+#[test]
+fn a_device_enrols_with_a_token_through_the_operator_on_a_real_api_server() {
+    let ns = "fleet";
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let (ca, cert, key) = support::envtest::serving_certificate();
+    let dir = cp.scratch().join("enrol");
+    std::fs::create_dir_all(&dir).expect("scratch");
+    for (name, text) in [
+        ("ca.pem", &ca),
+        ("server.pem", &cert),
+        ("server-key.pem", &key),
+    ] {
+        std::fs::write(dir.join(name), text).expect("write certificate");
+    }
+    let tls = free_port();
+    let (_operator, _mqtt, metrics) = start_operator_with(
+        &kubeconfig,
+        "operator-a",
+        &[
+            "--token-namespace",
+            "propeller-system",
+            "--tls-listen",
+            &format!("127.0.0.1:{tls}"),
+            "--tls-cert",
+            &dir.join("server.pem").display().to_string(),
+            "--tls-key",
+            &dir.join("server-key.pem").display().to_string(),
+        ],
+    );
+
+    // The token, made by a user with `propeller token create --kubernetes`.
+    let created = binary("propeller")
+        .args(["token", "create", "--kubernetes", "--token-namespace"])
+        .args([
+            "propeller-system",
+            "-n",
+            ns,
+            "--labels",
+            "site=lab",
+            "--uses",
+            "5",
+        ])
+        .env("KUBECONFIG", &cp.admin_kubeconfig)
+        .output()
+        .expect("propeller token create");
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let token = String::from_utf8_lossy(&created.stdout).trim().to_owned();
+    let id = &token[..6];
+    let stored = get(
+        &cp,
+        "propeller-system",
+        "secret",
+        &format!("bootstrap-token-{id}"),
+    )
+    .expect("the token's Secret");
+    let data = stored["data"].to_string();
+    let secret_b64 = base64_of(&token[7..]);
+    assert!(
+        !data.contains(&secret_b64),
+        "only a digest is stored: {data}"
+    );
+
+    // The device joins over TLS and runs.
+    let state = dir.join("device");
+    let mut agent = Running::spawn({
+        let mut cmd = binary("proplet");
+        cmd.args(["join", "--server"])
+            .arg(format!("mqtts://127.0.0.1:{tls}"))
+            .args([
+                "--token",
+                &token,
+                "--machine-id",
+                "kube-machine",
+                "--tls-ca-cert",
+            ])
+            .arg(dir.join("ca.pem"))
+            .arg("--state-dir")
+            .arg(&state)
+            .env("RUST_LOG", "info");
+        cmd
+    });
+    let said = agent.stderr_line_within("enrolled as", STATUS_WAIT);
+    let name = said
+        .split("enrolled as ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("proplet name")
+        .to_owned();
+    let proplet = wait_phase(&cp, ns, "proplet", &name, "Running");
+    assert_eq!(proplet["metadata"]["labels"]["site"], "lab", "{proplet:#}");
+    assert_eq!(
+        proplet["metadata"]["labels"]["propeller.absmach.eu/enrolled-with"],
+        id
+    );
+    let reasons = event_reasons(&cp, ns, &name);
+    assert!(reasons.iter().any(|r| r == "Enrolled"), "{reasons:?}");
+    let token_secret = get(
+        &cp,
+        "propeller-system",
+        "secret",
+        &format!("bootstrap-token-{id}"),
+    )
+    .expect("the token's Secret");
+    assert_eq!(
+        token_secret["data"]["uses"],
+        base64_of("1"),
+        "{token_secret:#}"
+    );
+
+    // Ready for tasks.
+    apply(
+        &cp,
+        ns,
+        &task_manifest(
+            "enrolled-add",
+            "[20, 22]",
+            &format!("  propletSelector:\n    propletId: {name}\n"),
+        ),
+    );
+    let done = wait_phase(&cp, ns, "task", "enrolled-add", "completed");
+    assert_eq!(done["status"]["results"], "42", "{:#}", done["status"]);
+    let text = http_body(metrics, "/metrics");
+    assert!(
+        text.contains("propeller_enrolments_total{outcome=\"enrolled\"} 1"),
+        "{text}"
+    );
+    agent.terminate();
+}
+
+fn base64_of(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
+}

@@ -1,6 +1,7 @@
 # The proplet device agent, as used by Proplets of type k8s (spec.k8s.image).
 #   docker build -f configs/docker/proplet.Dockerfile -t proplet:latest .
-# For devices, prefer the plain binary (scripts/build-agent-cross.sh) and configs/proplet.service.
+# For devices, prefer the Debian package (scripts/build-deb.sh), or the plain binary
+# (scripts/build-agent-cross.sh) with configs/proplet.service.
 
 FROM rust:1.95-bookworm AS builder
 WORKDIR /src

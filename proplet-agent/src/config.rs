@@ -74,7 +74,7 @@ pub struct Flags {
     #[command(subcommand)]
     pub command: Option<AgentCommand>,
     /// TOML configuration file.
-    #[arg(long, env = "PROPLET_CONFIG_FILE")]
+    #[arg(long, env = "PROPLET_CONFIG_FILE", global = true)]
     pub config: Option<PathBuf>,
     /// Broker URL: tcp://host:1883, mqtt://…, or ssl:// / tls:// / mqtts:// for TLS (8883);
     /// several, comma-separated, to fail over between them in turn.

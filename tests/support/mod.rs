@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 pub mod cluster_cases;
+pub mod enrol;
 pub mod envtest;
 pub mod external;
 pub mod httpbin;
