@@ -378,3 +378,86 @@ fn a_manual_approval_token_holds_devices_back_until_approved() {
     assert_eq!(done["held-task"]["status"]["phase"], "completed");
     drop(agent);
 }
+
+fn stored_key(state: &Path) -> String {
+    std::fs::read_to_string(state.join("credentials.toml"))
+        .expect("credentials")
+        .lines()
+        .find_map(|l| l.strip_prefix("client_key = "))
+        .expect("client_key")
+        .trim_matches('"')
+        .to_owned()
+}
+
+fn wait_for_new_key(state: &Path, old: &str) -> String {
+    let started = std::time::Instant::now();
+    loop {
+        let key = stored_key(state);
+        if key != old {
+            return key;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "the agent never got its new key"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_rotated_key_reaches_the_agent_and_the_old_one_works_only_for_the_grace_period() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = TlsServer::start(dir.path());
+    let token = server.token(&[]);
+    let state = dir.path().join("device");
+    let out = join(&server.tls_port, &server.ca, &token, "rotating", &state);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let name = stderr(&out)
+        .split("enrolled as ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("name")
+        .to_owned();
+    let first = stored_key(&state);
+    let start_agent = || {
+        Running::spawn({
+            let mut cmd = binary("proplet");
+            cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
+            cmd
+        })
+    };
+    let mut agent = start_agent();
+    let server_dir = &server.data;
+    wait_for_phase(&server.api, server_dir, &name, "Running");
+
+    // A connected agent gets its new key over its session and keeps it.
+    let (ok, out, err) = server.client(&["rotate", &format!("proplet/{name}"), "--grace", "4s"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("the old one works until"), "{out}");
+    let second = wait_for_new_key(&state, &first);
+    let alive = "m/default-domain/c/default-channel/control/proplet/alive";
+    assert!(
+        support::mosquitto_pub(&server.plain_port, &name, &first, alive, "{}"),
+        "the old key works during the grace period"
+    );
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    assert!(
+        !support::mosquitto_pub(&server.plain_port, &name, &first, alive, "{}"),
+        "the old key is refused after the grace period"
+    );
+    // The agent comes back with the new key.
+    agent.terminate();
+    let mut agent = start_agent();
+    wait_for_phase(&server.api, server_dir, &name, "Running");
+
+    // An agent that is offline during a rotation comes back within the grace period with
+    // its old key and is sent the new one.
+    agent.terminate();
+    let (ok, _, err) = server.client(&["rotate", &format!("proplet/{name}"), "--grace", "60s"]);
+    assert!(ok, "{err}");
+    let agent = start_agent();
+    let third = wait_for_new_key(&state, &second);
+    assert_ne!(third, first);
+    wait_for_phase(&server.api, server_dir, &name, "Running");
+    drop(agent);
+}

@@ -116,6 +116,8 @@ pub struct Common {
     pub shard: OnceLock<Arc<ownership::Ownership>>,
     /// The enrolment queue, once attached (`None`: devices cannot enrol).
     pub enrolments: OnceLock<Arc<crate::enrolment::Enrolments>>,
+    /// Rotated keys on their way to the devices.
+    pub keys: crate::key_delivery::KeyDelivery,
 }
 
 impl Common {
@@ -135,6 +137,7 @@ impl Common {
             images: OnceLock::new(),
             shard: OnceLock::new(),
             enrolments: OnceLock::new(),
+            keys: Default::default(),
         }
     }
 

@@ -85,9 +85,11 @@ pub fn credential_table<'a>(
         let who = format!("{namespace}/{name}");
         let conn = &proplet.spec.connection_config;
         let client_id = proplet.client_id().to_owned();
+        let mut previous = None;
         let key = match conn.key_source() {
             Some(ClientKeySource::Inline(key)) => Some(key.to_owned()),
             Some(ClientKeySource::Secret(selector)) => {
+                previous = previous_key(|key| read_secret(namespace, &selector.name, key));
                 let found = read_secret(namespace, &selector.name, &selector.key);
                 if found.is_none() {
                     problems.push(CredentialProblem {
@@ -126,13 +128,32 @@ pub fn credential_table<'a>(
             domain: conn.domain().map(str::to_owned),
             channel: conn.channel_id.clone(),
         };
-        table.insert(client_id, Credential::proplet(key).on_channel(scope));
+        let mut credential = Credential::proplet(key).on_channel(scope);
+        if let Some((old, until)) = previous {
+            credential = credential.with_previous(old, until);
+        }
+        table.insert(client_id, credential);
     }
     for id in contested {
         table.remove(&id);
     }
     (table, problems)
 }
+
+/// The key a rotation replaced and until when it works, from a key Secret's
+/// [`PREVIOUS_KEY`] and [`PREVIOUS_KEY_UNTIL`] entries (see `propeller rotate`).
+fn previous_key(
+    read: impl Fn(&str) -> Option<String>,
+) -> Option<(String, chrono::DateTime<chrono::Utc>)> {
+    let key = read(PREVIOUS_KEY).filter(|k| !k.is_empty())?;
+    let until = chrono::DateTime::parse_from_rfc3339(read(PREVIOUS_KEY_UNTIL)?.trim()).ok()?;
+    Some((key, until.with_timezone(&chrono::Utc)))
+}
+
+/// The entry of a device's key Secret that keeps the key a rotation replaced.
+pub const PREVIOUS_KEY: &str = "previous-key";
+/// The entry that says until when (RFC 3339) [`PREVIOUS_KEY`] still works.
+pub const PREVIOUS_KEY_UNTIL: &str = "previous-key-until";
 
 /// The value of `key` in a Secret, as the API server would hand it out: `stringData`
 /// (which a write merges over `data`) first, then `data`. Both drivers read keys through

@@ -10,6 +10,7 @@ pub mod errors;
 pub mod executor;
 pub mod inbox;
 pub mod k8s;
+pub mod key_delivery;
 pub mod metrics;
 pub mod observations;
 pub mod oci;

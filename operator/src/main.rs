@@ -103,6 +103,20 @@ enum Command {
         #[command(flatten)]
         target: commands::token::Target,
     },
+    /// Give a proplet a new key (`rotate proplet/NAME`); the old one keeps working for
+    /// --grace, and the connected device is sent the new one.
+    Rotate {
+        /// `proplet/NAME`.
+        what: String,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
+        /// How long the old key keeps working (an offline device can come back meanwhile).
+        #[arg(long, default_value = "1h")]
+        grace: String,
+        #[command(flatten)]
+        target: commands::token::Target,
+    },
     /// Delete one resource (and what it owns).
     Delete {
         /// Kind.
@@ -169,6 +183,14 @@ fn main() -> anyhow::Result<()> {
             target,
         } => {
             block_on(commands::token::approve(&what, &namespace, target))?;
+        }
+        Command::Rotate {
+            what,
+            namespace,
+            grace,
+            target,
+        } => {
+            block_on(commands::token::rotate(&what, &namespace, &grace, target))?;
         }
         Command::Apply { file, client } => {
             block_on(commands::standalone::apply(&client, &file))?;

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
+use propeller_broker::protocol::enrolment::{key_topic, KeyRotation};
 use propeller_broker::protocol::{
     decode, targets, AggregatedMetrics, Channel, ChunkAssembler, ChunkError, ChunkProgress,
     Discovery, Heartbeat, Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice,
@@ -109,6 +110,8 @@ pub struct Agent {
     /// result queued for the old connection can then never go out on the next one besides
     /// its resend.
     spool_gate: Mutex<()>,
+    /// The key propeller sent after a rotation, for the next logins.
+    rotated_key: Mutex<Option<String>>,
 }
 
 impl Agent {
@@ -160,6 +163,7 @@ impl Agent {
             session,
             broker_options,
             spool_gate: Mutex::new(()),
+            rotated_key: Mutex::new(None),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -289,6 +293,16 @@ impl Agent {
                     let wait = backoff.next_delay();
                     let failed = brokers.current().clone();
                     let next = brokers.advance(&mut eventloop);
+                    if let Some(key) = self
+                        .rotated_key
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone()
+                    {
+                        eventloop
+                            .mqtt_options
+                            .set_credentials(&self.config.client_id, key);
+                    }
                     match (connected, next) {
                         (true, None) => warn!(%error, retry_in = ?wait, "MQTT connection lost"),
                         (false, None) => {
@@ -352,6 +366,57 @@ impl Agent {
                 warn!(%e, filter, "subscribe failed");
             }
         }
+        let keys = key_topic(&self.config.client_id);
+        if let Err(e) = self.client.subscribe(keys.clone(), QoS::AtLeastOnce).await {
+            warn!(%e, filter = keys, "subscribe failed");
+        }
+    }
+
+    /// A new key from propeller (`propeller rotate`): kept for the next logins, in memory and
+    /// in the state directory's credentials.
+    fn on_new_key(&self, payload: &[u8]) {
+        let rotation: KeyRotation = match serde_json::from_slice(payload) {
+            Ok(r) => r,
+            Err(e) => return warn!(%e, "a key rotation that does not decode"),
+        };
+        if rotation.client_id != self.config.client_id {
+            return warn!(
+                client = rotation.client_id,
+                "a key rotation for another client"
+            );
+        }
+        let mut current = self.rotated_key.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_deref() == Some(rotation.client_key.as_str()) {
+            return;
+        }
+        let dir = &self.config.state_dir;
+        let credentials = match crate::enrol::load(dir) {
+            Ok(Some(mut stored)) => {
+                stored.client_key = rotation.client_key.clone();
+                stored
+            }
+            Ok(None) => crate::enrol::Credentials {
+                mqtt_address: self.config.brokers.to_string(),
+                tls_ca_cert: self.config.tls.as_ref().map(|t| t.ca_cert.clone()),
+                domain_id: self.config.domain_id.clone(),
+                channel_id: self.config.channel_id.clone(),
+                client_id: self.config.client_id.clone(),
+                client_key: rotation.client_key.clone(),
+                namespace: self.config.namespace.clone(),
+            },
+            Err(e) => {
+                return warn!(%e, "cannot read the stored credentials; the new key is not kept")
+            }
+        };
+        match crate::enrol::save(dir, &credentials) {
+            Ok(path) => info!(
+                path = %path.display(),
+                old_key_until = rotation.previous_valid_until,
+                "received a new key from propeller; it is used from the next login"
+            ),
+            Err(e) => warn!(%e, "cannot store the new key; it is used until this agent stops"),
+        }
+        *current = Some(rotation.client_key);
     }
 
     /// Subscribes and announces the proplet on a new connection, to `host:port`.
@@ -393,6 +458,9 @@ impl Agent {
 
     /// Handles one message from the broker.
     pub async fn dispatch(self: &Arc<Self>, topic: &str, payload: &[u8]) {
+        if topic == key_topic(&self.config.client_id) {
+            return self.on_new_key(payload);
+        }
         let Some(kind) = self.channel.classify(topic) else {
             return;
         };

@@ -68,6 +68,8 @@ fn device_subjects(client_id: &str, scope: Option<&ChannelScope>) -> (Vec<String
         .collect();
     subscribe.push(format!("{prefix}.registry.server"));
     subscribe.push(format!("{prefix}.fl.rounds.start"));
+    // Its own rotated keys (`propeller rotate`).
+    subscribe.push(format!("propeller.keys.{client_id}"));
     // NATS delivers a QoS 1 subscription through a JetStream consumer on this subject.
     subscribe.push("$MQTT.sub.>".to_owned());
     (publish, subscribe)

@@ -178,6 +178,38 @@ pub fn request_topic_client(topic: &str) -> Option<String> {
     enrol_client_parts(&client).is_some().then_some(client)
 }
 
+/// The prefix of the topics that carry a device's rotated key.
+pub const KEY_TOPIC_PREFIX: &str = "propeller/keys/";
+
+/// Where propeller sends `client_id` its new key after `propeller rotate`; only that device
+/// may subscribe to it.
+pub fn key_topic(client_id: &str) -> String {
+    format!("{KEY_TOPIC_PREFIX}{client_id}")
+}
+
+/// A device's new key, sent over its authenticated session; the old key keeps working until
+/// `previous_valid_until`.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyRotation {
+    /// The device's client id.
+    pub client_id: String,
+    /// The new key.
+    pub client_key: String,
+    /// When the old key stops working (RFC 3339).
+    pub previous_valid_until: String,
+}
+
+impl fmt::Debug for KeyRotation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyRotation")
+            .field("client_id", &self.client_id)
+            .field("client_key", &"<redacted>")
+            .field("previous_valid_until", &self.previous_valid_until)
+            .finish()
+    }
+}
+
 /// What a device tells about itself when it enrols.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]

@@ -53,6 +53,8 @@ pub struct Credential {
     key: String,
     role: Role,
     scope: Option<ChannelScope>,
+    /// The key before a rotation and until when it still works.
+    previous: Option<(String, chrono::DateTime<chrono::Utc>)>,
 }
 
 impl Credential {
@@ -62,7 +64,29 @@ impl Credential {
             key: key.into(),
             role,
             scope: None,
+            previous: None,
         }
+    }
+
+    /// The same credential also accepting `key`, the one it replaced, until `until`.
+    pub fn with_previous(
+        mut self,
+        key: impl Into<String>,
+        until: chrono::DateTime<chrono::Utc>,
+    ) -> Self {
+        self.previous = Some((key.into(), until));
+        self
+    }
+
+    /// Until when the key before the last rotation still works, while it does at `now`.
+    pub fn previous_valid_until(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.previous
+            .as_ref()
+            .map(|(_, until)| *until)
+            .filter(|until| now < *until)
     }
 
     /// A device credential.
@@ -91,9 +115,14 @@ impl Credential {
         self.scope.as_ref()
     }
 
-    /// Whether `password` is this credential's key, in time independent of where they differ.
+    /// Whether `password` is this credential's key (or, during a rotation's grace period,
+    /// the key it replaced), in time independent of where they differ.
     pub fn accepts(&self, password: &str) -> bool {
-        bool::from(self.key.as_bytes().ct_eq(password.as_bytes()))
+        let current = bool::from(self.key.as_bytes().ct_eq(password.as_bytes()));
+        let previous = self.previous.as_ref().is_some_and(|(key, until)| {
+            chrono::Utc::now() < *until && bool::from(key.as_bytes().ct_eq(password.as_bytes()))
+        });
+        current | previous
     }
 }
 
@@ -104,6 +133,10 @@ impl fmt::Debug for Credential {
             .field("key", &"<redacted>")
             .field("role", &self.role)
             .field("scope", &self.scope)
+            .field(
+                "previous_until",
+                &self.previous.as_ref().map(|(_, until)| until),
+            )
             .finish()
     }
 }

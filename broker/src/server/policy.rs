@@ -5,7 +5,9 @@
 //! with an empty payload (so QoS acknowledgements still flow and the client is not cut off),
 //! and a refused subscription filter is rewritten to an inert literal topic.
 
-use crate::protocol::enrolment::{reply_topic, request_topic, EnrolRequest, MAX_REQUEST_BYTES};
+use crate::protocol::enrolment::{
+    key_topic, reply_topic, request_topic, EnrolRequest, KEY_TOPIC_PREFIX, MAX_REQUEST_BYTES,
+};
 use crate::protocol::{classify, Decoder, TopicKind};
 
 use super::auth::{Credential, Role};
@@ -190,6 +192,7 @@ fn judge_enrolment(client_id: &str, topic: &str, payload: &[u8]) -> PublishDecis
 pub fn may_subscribe_as(role: Role, client_id: &str, filter: &str) -> bool {
     match role {
         Role::Enrolee => filter == reply_topic(client_id),
+        Role::Proplet if filter.starts_with(KEY_TOPIC_PREFIX) => filter == key_topic(client_id),
         other => may_subscribe(other, filter),
     }
 }
@@ -239,6 +242,9 @@ pub fn may_access_topic(
             }
         }
         Role::Proplet => {}
+    }
+    if topic.starts_with(KEY_TOPIC_PREFIX) {
+        return access == TopicAccess::Subscribe && topic == key_topic(client_id);
     }
     if topic.contains(['+', '#']) || topic.is_empty() {
         return false;

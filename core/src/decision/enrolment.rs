@@ -446,6 +446,41 @@ pub fn plan_enrolment(
     }
 }
 
+/// `secret` (a device's key Secret) with `fresh` as its key `entry`, and the key it had kept
+/// as `previous-key` until `until` (`propeller rotate`: both work during the grace period).
+/// `None` when the Secret has no key to replace.
+pub fn rotate_key(
+    secret: &Secret,
+    entry: &str,
+    fresh: &str,
+    until: DateTime<Utc>,
+) -> Option<Secret> {
+    let read = |key: &str| -> Option<String> {
+        if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
+            return Some(text.clone());
+        }
+        String::from_utf8(secret.data.as_ref()?.get(key)?.0.clone()).ok()
+    };
+    let old = read(entry).filter(|k| !k.is_empty())?;
+    let mut rotated = secret.clone();
+    let mut data = rotated.data.take().unwrap_or_default();
+    for (key, value) in rotated.string_data.take().unwrap_or_default() {
+        data.insert(key, ByteString(value.into_bytes()));
+    }
+    data.insert(entry.to_owned(), ByteString(fresh.as_bytes().to_vec()));
+    data.insert("previous-key".into(), ByteString(old.into_bytes()));
+    data.insert(
+        "previous-key-until".into(),
+        ByteString(
+            until
+                .to_rfc3339_opts(SecondsFormat::Secs, true)
+                .into_bytes(),
+        ),
+    );
+    rotated.data = Some(data);
+    Some(rotated)
+}
+
 /// The Secret holding device `proplet`'s key.
 fn key_secret(name: &str, namespace: &str, key: &str, proplet: &str) -> Secret {
     Secret {
@@ -685,6 +720,26 @@ mod tests {
             refused(plan(Some(&expired), Some(existing))),
             RefusalReason::Expired
         );
+    }
+
+    #[test]
+    fn a_rotation_keeps_the_old_key_until_the_grace_ends() {
+        let secret = key_secret("pi-key", "fleet", "old", "pi");
+        let until = now() + chrono::Duration::minutes(10);
+        let rotated = rotate_key(&secret, DEVICE_KEY, "new", until).expect("rotated");
+        let data = rotated.data.unwrap_or_default();
+        let text = |k: &str| {
+            data.get(k)
+                .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+        };
+        assert_eq!(text(DEVICE_KEY).as_deref(), Some("new"));
+        assert_eq!(text("previous-key").as_deref(), Some("old"));
+        assert_eq!(
+            text("previous-key-until").as_deref(),
+            Some("2026-11-27T12:10:00Z")
+        );
+        let empty = key_secret("pi-key", "fleet", "", "pi");
+        assert!(rotate_key(&empty, DEVICE_KEY, "new", until).is_none());
     }
 
     #[test]

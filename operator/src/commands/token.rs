@@ -1,4 +1,4 @@
-//! `propeller token create|list|delete` and `propeller approve`: bootstrap tokens devices
+//! `propeller token create|list|delete`, `propeller approve` and `propeller rotate`: bootstrap tokens devices
 //! enrol with, and approving the devices a manual-approval token enrolled. Against the
 //! standalone API by default, or the Kubernetes cluster of the kubeconfig with
 //! `--kubernetes`.
@@ -15,9 +15,10 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use propeller_broker::protocol::enrolment::BootstrapToken;
 use propeller_broker::protocol::parse_setting_duration;
-use propeller_operator::crd::proplet::Proplet;
+use propeller_operator::crd::proplet::{ClientKeySource, Proplet};
 use propeller_operator::decision::enrolment::{
-    token_secret_name, Approval, TokenRecord, APPROVAL_LABEL, TOKEN_LABEL, TOKEN_SECRET_TYPE,
+    rotate_key, token_secret_name, Approval, TokenRecord, APPROVAL_LABEL, TOKEN_LABEL,
+    TOKEN_SECRET_TYPE,
 };
 use propeller_operator::enrolment::STANDALONE_TOKEN_NAMESPACE;
 use propeller_operator::standalone::client::ApiClient;
@@ -107,13 +108,39 @@ pub async fn run(command: TokenCommand, target: Target) -> anyhow::Result<()> {
     }
 }
 
+/// Runs `propeller rotate proplet/NAME`: a new key in the proplet's key Secret, the old one
+/// still accepted for `grace`; the connected device is sent the new key.
+pub async fn rotate(
+    what: &str,
+    namespace: &str,
+    grace: &str,
+    target: Target,
+) -> anyhow::Result<()> {
+    let name = proplet_name(what)?;
+    let grace = parse_setting_duration(grace)
+        .map_err(|e| anyhow::anyhow!("--grace {grace:?}: {e}; write a duration such as 10m"))?;
+    let until = Utc::now() + chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
+    let store = TokenStore::open(&target).await?;
+    store.rotate(namespace, name, until).await?;
+    println!(
+        "proplet/{name}: new key; the old one works until {}",
+        until.to_rfc3339_opts(SecondsFormat::Secs, true)
+    );
+    Ok(())
+}
+
+/// `NAME` from `proplet/NAME` (or a bare name).
+fn proplet_name(what: &str) -> anyhow::Result<&str> {
+    match what.split_once('/') {
+        Some(("proplet" | "proplets", name)) => Ok(name),
+        Some(_) => bail!("only proplets are named here: write proplet/NAME"),
+        None => Ok(what),
+    }
+}
+
 /// Runs `propeller approve proplet/NAME`.
 pub async fn approve(what: &str, namespace: &str, target: Target) -> anyhow::Result<()> {
-    let name = match what.split_once('/') {
-        Some(("proplet" | "proplets", name)) => name,
-        Some(_) => bail!("only proplets are approved: write proplet/NAME"),
-        None => what,
-    };
+    let name = proplet_name(what)?;
     let store = TokenStore::open(&target).await?;
     store.approve(namespace, name).await?;
     println!("proplet/{name} approved: it may get tasks");
@@ -378,6 +405,74 @@ impl TokenStore {
                     .delete(name, &DeleteParams::default())
                     .await
                     .with_context(|| format!("deleting Secret {namespace}/{name}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn rotate(
+        &self,
+        namespace: &str,
+        name: &str,
+        until: chrono::DateTime<Utc>,
+    ) -> anyhow::Result<()> {
+        let fresh = super::random::random_hex(32)?;
+        let proplet: Proplet = match self {
+            Self::Standalone(api) => serde_json::from_value(
+                api.request(
+                    "GET",
+                    &format!("/v1/objects/Proplet/{namespace}/{name}"),
+                    None,
+                )
+                .await
+                .with_context(|| format!("reading proplet {namespace}/{name}"))?,
+            )?,
+            Self::Kubernetes { client, .. } => {
+                Api::<Proplet>::namespaced(client.clone(), namespace)
+                    .get(name)
+                    .await
+                    .with_context(|| format!("reading proplet {namespace}/{name}"))?
+            }
+        };
+        let Some(ClientKeySource::Secret(selector)) = proplet.spec.connection_config.key_source()
+        else {
+            bail!("proplet {namespace}/{name} has its key written inline (clientKey); only a key in a Secret (clientKeySecretRef) can be rotated");
+        };
+        let secret: Secret = match self {
+            Self::Standalone(api) => serde_json::from_value(
+                api.request(
+                    "GET",
+                    &format!("/v1/objects/Secret/{namespace}/{}", selector.name),
+                    None,
+                )
+                .await
+                .with_context(|| format!("reading Secret {namespace}/{}", selector.name))?,
+            )?,
+            Self::Kubernetes { client, .. } => Api::<Secret>::namespaced(client.clone(), namespace)
+                .get(&selector.name)
+                .await
+                .with_context(|| format!("reading Secret {namespace}/{}", selector.name))?,
+        };
+        let rotated = rotate_key(&secret, &selector.key, &fresh, until).with_context(|| {
+            format!(
+                "Secret {namespace}/{} has no key {:?} to replace",
+                selector.name, selector.key
+            )
+        })?;
+        match self {
+            Self::Standalone(api) => {
+                let mut value = serde_json::to_value(&rotated)?;
+                value["apiVersion"] = "v1".into();
+                value["kind"] = "Secret".into();
+                api.request("POST", "/v1/apply", Some(&value.to_string()))
+                    .await
+                    .context("storing the new key")?;
+            }
+            Self::Kubernetes { client, .. } => {
+                Api::<Secret>::namespaced(client.clone(), namespace)
+                    .replace(&selector.name, &PostParams::default(), &rotated)
+                    .await
+                    .context("storing the new key")?;
             }
         }
         Ok(())

@@ -22,6 +22,9 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
     if common.enrolments.get().is_some_and(|e| e.submit(event)) {
         return;
     }
+    if let Some(rotation) = common.keys.due(&event.client_id) {
+        crate::key_delivery::KeyDelivery::send(&common.publisher, rotation);
+    }
     let now = Utc::now();
     match common.state.record(event, now) {
         Concerns::Proplet(client_id) => match cluster.proplet_by_client(&client_id) {

@@ -150,6 +150,7 @@ impl Shared {
             proplets: proplet_rx,
             rounds: round_rx,
         };
+        shared.common.keys.attach(shared.credentials.clone());
         (shared, triggers)
     }
 
@@ -259,6 +260,9 @@ impl Shared {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
+        for rotation in self.common.keys.new_rotations() {
+            crate::key_delivery::KeyDelivery::send(&self.common.publisher, rotation);
+        }
         if let Some(enrolments) = self.common.enrolments.get() {
             let secrets = self.secrets.state();
             let tokens = crate::enrolment::token_table(

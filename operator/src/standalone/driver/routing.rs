@@ -32,6 +32,9 @@ impl Driver {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
+        for rotation in self.common.keys.new_rotations() {
+            crate::key_delivery::KeyDelivery::send(&self.common.publisher, rotation);
+        }
         if let Some(enrolments) = self.common.enrolments.get() {
             let namespace = &enrolments.token_namespace;
             match self
