@@ -18,6 +18,8 @@
 //!   CONNECT, a refused CONNECT, a TLS ClientHello, half a websocket upgrade) while real
 //!   devices keep connecting and publishing; prints when the broker closed each kind and the
 //!   devices' CONNACK latency (`loadgen_half_open.rs`).
+//! * `enrol`: N devices enrol at once with one bootstrap token (the agent's own `proplet
+//!   join` code, over TLS), then heartbeat with their new credentials (`loadgen_enrol.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,6 +31,8 @@ use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::json;
 use tokio::sync::{Barrier, Semaphore};
 
+#[path = "loadgen_enrol.rs"]
+mod enrol;
 #[path = "loadgen_half_open.rs"]
 mod half_open;
 #[path = "loadgen_heartbeats.rs"]
@@ -51,6 +55,8 @@ enum Load {
     PushModule(PushArgs),
     /// Stalled sockets of mixed kinds while real devices connect.
     HalfOpen(half_open::HalfOpenArgs),
+    /// Many devices enrolling at once with one bootstrap token.
+    Enrol(enrol::EnrolArgs),
 }
 
 /// A padded `add` module for the image benchmarks.
@@ -135,6 +141,7 @@ async fn main() -> anyhow::Result<()> {
         Load::Heartbeats(args) => heartbeats::heartbeats(args).await,
         Load::PushModule(args) => push_module(args).await,
         Load::HalfOpen(args) => half_open::half_open(args).await,
+        Load::Enrol(args) => enrol::enrol(args).await,
     }
 }
 

@@ -118,6 +118,8 @@ pub struct Common {
     pub enrolments: OnceLock<Arc<crate::enrolment::Enrolments>>,
     /// Rotated keys on their way to the devices.
     pub keys: crate::key_delivery::KeyDelivery,
+    /// The devices' broker logins as the driver derives them, once attached.
+    pub logins: OnceLock<Arc<propeller_broker::server::CredentialStore>>,
 }
 
 impl Common {
@@ -138,6 +140,7 @@ impl Common {
             shard: OnceLock::new(),
             enrolments: OnceLock::new(),
             keys: Default::default(),
+            logins: OnceLock::new(),
         }
     }
 

@@ -17,7 +17,7 @@ use k8s_openapi::ByteString;
 use propeller_broker::protocol::enrolment::{
     enrol_client_token_id, reply_topic, EnrolRefusal, EnrolReply, EnrolRequest, RefusalReason,
 };
-use propeller_broker::server::{BrokerEvent, EventKind, TokenCredential};
+use propeller_broker::server::{BrokerEvent, CredentialSource, EventKind, TokenCredential};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{info, instrument, warn};
 
@@ -184,8 +184,13 @@ async fn enrol_batch<C: Cluster>(
             }
         }
     }
+    let mut replies = Vec::with_capacity(planned.len());
     for Planned { client_id, plan } in planned {
         let reply = apply(cluster, token_id, plan).await;
+        replies.push((client_id, reply));
+    }
+    wait_for_logins(cluster, &replies).await;
+    for (client_id, reply) in replies {
         let outcome = match &reply {
             EnrolReply::Enrolled(g) if g.rotated => "rotated",
             EnrolReply::Enrolled(_) => "enrolled",
@@ -194,6 +199,31 @@ async fn enrol_batch<C: Cluster>(
         cluster.common().metrics.enrolment(outcome);
         publish(cluster, &client_id, &reply).await;
     }
+}
+
+/// How long a batch's replies wait for the broker's login table to take in the new keys.
+const LOGIN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits (up to [`LOGIN_WAIT`]) until the broker accepts every granted key, so a device
+/// that logs in as soon as it has its reply is let in.
+async fn wait_for_logins<C: Cluster>(cluster: &C, replies: &[(String, EnrolReply)]) {
+    let Some(logins) = cluster.common().logins.get() else {
+        return;
+    };
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < LOGIN_WAIT {
+        let waiting = replies.iter().any(|(_, reply)| match reply {
+            EnrolReply::Enrolled(grant) => !logins
+                .lookup(&grant.client_id)
+                .is_some_and(|c| c.accepts(&grant.client_key)),
+            EnrolReply::Refused(_) => false,
+        });
+        if !waiting {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    warn!("the broker's login table did not show every enrolled device within {LOGIN_WAIT:?}; they retry their login");
 }
 
 /// Plans every request of the batch in turn, each seeing the uses the earlier ones took and

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use chrono::{SecondsFormat, Utc};
@@ -17,10 +17,9 @@ use tracing::{debug, warn};
 /// How long a device that was sent its new key waits before it is sent it again.
 pub const RESEND_AFTER: Duration = Duration::from_secs(5);
 
-/// The devices' credentials and when each was last sent its new key.
+/// When each device was last sent its new key.
 #[derive(Default)]
 pub struct KeyDelivery {
-    credentials: OnceLock<Arc<CredentialStore>>,
     /// When each device was last sent a new key, and which (a fingerprint, not the key).
     sent: Mutex<HashMap<String, (u64, Instant)>>,
     /// Whether any device is in a grace period: the per-event check is one load otherwise.
@@ -33,18 +32,13 @@ fn fingerprint(key: &str) -> u64 {
 }
 
 impl KeyDelivery {
-    /// Reads the devices' credentials from `credentials` (the table the broker checks).
-    pub fn attach(&self, credentials: Arc<CredentialStore>) {
-        let _ = self.credentials.set(credentials);
-    }
-
-    /// The new key to send `client_id` now, if it has one in its grace period and was not
+    /// The new key to send `client_id` now (its login in `logins`), if it has one in its grace period and was not
     /// sent it within [`RESEND_AFTER`].
-    pub fn due(&self, client_id: &str) -> Option<KeyRotation> {
+    pub fn due(&self, logins: &CredentialStore, client_id: &str) -> Option<KeyRotation> {
         if !self.rotating.load(Ordering::Relaxed) {
             return None;
         }
-        let credential = self.credentials.get()?.lookup(client_id)?;
+        let credential = logins.lookup(client_id)?;
         let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let recent = |at: &Instant| now.duration_since(*at) < RESEND_AFTER;
@@ -61,15 +55,12 @@ impl KeyDelivery {
 
     /// The new keys not sent yet (a rotation the credential table has just taken in), to
     /// send at once; call after each rebuild of the table.
-    pub fn new_rotations(&self) -> Vec<KeyRotation> {
-        let Some(credentials) = self.credentials.get() else {
-            return Vec::new();
-        };
+    pub fn new_rotations(&self, logins: &CredentialStore) -> Vec<KeyRotation> {
         let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let mut fresh = Vec::new();
         let mut live = HashMap::new();
-        for (client_id, credential) in credentials.snapshot() {
+        for (client_id, credential) in logins.snapshot() {
             let Some(rotation) = rotation_of(&client_id, &credential) else {
                 continue;
             };

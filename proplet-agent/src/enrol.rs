@@ -121,6 +121,22 @@ pub fn save(state_dir: &Path, credentials: &Credentials) -> anyhow::Result<PathB
     Ok(path)
 }
 
+/// Copies the CA bundle `ca` into `state_dir` (as `ca.pem`) and returns its absolute path:
+/// the service that runs the agent later neither starts where `join` ran nor may read the
+/// home directory the bundle was given from.
+pub fn keep_ca(state_dir: &Path, ca: &Path) -> anyhow::Result<PathBuf> {
+    let kept = std::path::absolute(state_dir.join("ca.pem"))
+        .with_context(|| format!("the path of {}", state_dir.display()))?;
+    let given = std::path::absolute(ca).with_context(|| format!("the path of {}", ca.display()))?;
+    if given != kept {
+        std::fs::create_dir_all(state_dir)
+            .with_context(|| format!("creating {}", state_dir.display()))?;
+        std::fs::copy(&given, &kept)
+            .with_context(|| format!("copying {} to {}", given.display(), kept.display()))?;
+    }
+    Ok(kept)
+}
+
 /// What `proplet join` needs.
 #[derive(Debug, Clone)]
 pub struct JoinRequest {

@@ -134,9 +134,14 @@ fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
                 machine_id: args.machine_id.clone(),
                 timeout: std::time::Duration::from_secs(60),
             };
-            let credentials = tokio::runtime::Runtime::new()
+            let mut credentials = tokio::runtime::Runtime::new()
                 .context("starting the async runtime")?
                 .block_on(enrol::join(&request))?;
+            credentials.tls_ca_cert = credentials
+                .tls_ca_cert
+                .as_deref()
+                .map(|ca| enrol::keep_ca(&state_dir, ca))
+                .transpose()?;
             let path = enrol::save(&state_dir, &credentials)?;
             eprintln!(
                 "proplet: enrolled as {} in namespace {} (credentials in {})",

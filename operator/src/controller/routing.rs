@@ -22,7 +22,11 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
     if common.enrolments.get().is_some_and(|e| e.submit(event)) {
         return;
     }
-    if let Some(rotation) = common.keys.due(&event.client_id) {
+    if let Some(rotation) = common
+        .logins
+        .get()
+        .and_then(|logins| common.keys.due(logins, &event.client_id))
+    {
         crate::key_delivery::KeyDelivery::send(&common.publisher, rotation);
     }
     let now = Utc::now();

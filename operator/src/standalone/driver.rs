@@ -199,7 +199,7 @@ impl Driver {
             own_writes: OwnWrites::default(),
             load_wakes: LoadWakes::default(),
         });
-        driver.common.keys.attach(driver.credentials.clone());
+        let _ = driver.common.logins.set(driver.credentials.clone());
         Ok((driver, wakes))
     }
 

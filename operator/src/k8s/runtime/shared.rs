@@ -150,7 +150,7 @@ impl Shared {
             proplets: proplet_rx,
             rounds: round_rx,
         };
-        shared.common.keys.attach(shared.credentials.clone());
+        let _ = shared.common.logins.set(shared.credentials.clone());
         (shared, triggers)
     }
 
@@ -260,7 +260,7 @@ impl Shared {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
-        for rotation in self.common.keys.new_rotations() {
+        for rotation in self.common.keys.new_rotations(&self.credentials) {
             crate::key_delivery::KeyDelivery::send(&self.common.publisher, rotation);
         }
         if let Some(enrolments) = self.common.enrolments.get() {

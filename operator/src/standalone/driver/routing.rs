@@ -32,7 +32,7 @@ impl Driver {
             warn!(proplet = %problem.proplet, "{}", problem.message);
         }
         self.credentials.replace_all(table);
-        for rotation in self.common.keys.new_rotations() {
+        for rotation in self.common.keys.new_rotations(&self.credentials) {
             crate::key_delivery::KeyDelivery::send(&self.common.publisher, rotation);
         }
         if let Some(enrolments) = self.common.enrolments.get() {
