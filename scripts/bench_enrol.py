@@ -82,15 +82,16 @@ def main():
         delta = {k: after_requests.get(k, 0) - before_requests.get(k, 0)
                  for k in after_requests if after_requests.get(k, 0) - before_requests.get(k, 0) > 0}
         # The bench's own polls: one LIST of proplets each, and the /metrics reads.
-        delta["list proplets"] = delta.get("list proplets", 0) - polls
+        delta["LIST proplets"] = delta.get("LIST proplets", 0) - polls
         result["apiserver_cpu_s"] = round(api_cpu1 - api_cpu0, 2)
         result["api_requests"] = {k: v for k, v in sorted(delta.items()) if v > 0}
-        per = lambda verb, resource: round(delta.get(f"{verb} {resource}", 0) / n, 2)
+        per = lambda key: round(delta.get(key, 0) / n, 3)
         result["per_device"] = {
-            "create secrets": per("create", "secrets"),
-            "create proplets": per("create", "proplets"),
-            "status writes": round((delta.get("patch proplets/status", 0) + delta.get("update proplets/status", 0)) / n, 2),
-            "update secrets (token uses)": per("update", "secrets"),
+            "creates (Secret + Proplet)": per("POST secrets") + per("POST proplets"),
+            "Proplet status writes": per("PATCH proplets/status") + per("PUT proplets/status"),
+            "Proplet patches (finalizer)": per("PATCH proplets"),
+            "Events": per("POST events"),
+            "token Secret updates (uses, per batch)": per("PUT secrets"),
         }
     print(json.dumps(result))
 

@@ -3,7 +3,8 @@
 //!
 //! One cluster serves the whole test (it takes 15-25 s to form); the cases run in order:
 //! the shared cluster cases (`support/cluster_cases.rs`), the device policy enforced by
-//! RabbitMQ through propeller's callbacks, and new logins refused while propeller is down.
+//! RabbitMQ through propeller's callbacks, a device enrolling and getting a rotated key
+//! through the cluster, and new logins refused while propeller is down.
 
 mod support;
 
@@ -68,6 +69,7 @@ fn rabbitmq_cluster_carries_the_fleet_with_propeller_as_its_auth_backend() {
         .map(|i| nodes[i].clone())
         .collect();
     propeller_killed_in_a_burst(&mut fleet);
+    a_device_enrols_and_gets_a_rotated_key_through_the_callbacks(&fleet, &live[0]);
     propeller_down_refuses_new_logins(&mut fleet, &live[0]);
     the_demo_runs_through_the_cluster(&fleet, &live, callback_port);
 }
@@ -142,6 +144,82 @@ fn the_device_policy_is_enforced_through_the_callbacks(fleet: &Fleet) {
         );
     }
     println!("rabbitmq: anonymous, wrong key, username != client id and unknown client refused; a manager publish and another channel's publish refused; '#', wildcards and another channel's reports and starts delivered nothing");
+}
+
+/// A device enrols with a bootstrap token through a RabbitMQ node (the token login admitted
+/// by the callbacks to its enrolment topics only), runs as itself, and later gets a rotated
+/// key over its session through the cluster.
+fn a_device_enrols_and_gets_a_rotated_key_through_the_callbacks(fleet: &Fleet, node: &str) {
+    let (api, dir) = (fleet.api.clone(), fleet.dir.path().to_owned());
+    let client = |args: &[&str]| {
+        let (ok, out, err) = support::propeller_client(&api, &dir, args);
+        assert!(ok, "propeller {args:?}: {err}");
+        out
+    };
+    // RabbitMQ here listens on plain TCP: the token and the device both allow it.
+    let token = client(&[
+        "token",
+        "create",
+        "--insecure-enrol",
+        "--domain-id",
+        DOMAIN,
+        "--channel-id",
+        "enrolled",
+        "--labels",
+        "via=rabbitmq",
+    ]);
+    let token = token.trim();
+    let state = dir.join("enrolled-device");
+    let join = |machine: &str| {
+        support::binary("proplet")
+            .args(["join", "--no-run", "--insecure-enrol", "--server"])
+            .arg(node)
+            .args(["--token", token, "--machine-id", machine, "--state-dir"])
+            .arg(&state)
+            .output()
+            .expect("proplet join")
+    };
+    let joined = join("rabbit-machine");
+    let said = String::from_utf8_lossy(&joined.stderr).into_owned();
+    assert!(joined.status.success(), "{said}");
+    let name = said
+        .split("enrolled as ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("proplet name")
+        .to_owned();
+    let stored_key = || {
+        std::fs::read_to_string(state.join("credentials.toml"))
+            .expect("credentials")
+            .lines()
+            .find(|l| l.starts_with("client_key"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let first = stored_key();
+    let agent = support::Running::spawn({
+        let mut cmd = support::binary("proplet");
+        cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
+        cmd
+    });
+    support::standalone::wait_for_phase(&api, &dir, &name, "Running");
+    let proplet = support::standalone::get_json(&api, &dir, &["get", "proplet", &name]);
+    assert_eq!(
+        proplet["metadata"]["labels"]["via"], "rabbitmq",
+        "{proplet:#}"
+    );
+
+    client(&["rotate", &format!("proplet/{name}"), "--grace", "60s"]);
+    let started = Instant::now();
+    while stored_key() == first {
+        assert!(
+            started.elapsed() < WAIT,
+            "the agent did not get its rotated key through the cluster"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(agent);
+    println!("rabbitmq: a device enrolled with a token through the cluster, Running as {name}, and got its rotated key over its session");
 }
 
 /// With propeller stopped, RabbitMQ cannot reach its auth backend: a new login is refused,

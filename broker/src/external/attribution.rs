@@ -8,6 +8,7 @@
 //! strongly as the embedded broker does; on a channel shared by several proplets, any of them
 //! can speak for the others.
 
+use crate::protocol::enrolment::{decode_request, request_topic_client};
 use crate::protocol::{classify, Decoder};
 use crate::server::{
     is_agent_report, BrokerEvent, CredentialSource, CredentialStore, DropReason, EventKind,
@@ -42,6 +43,19 @@ pub fn attribute(
     topic: &str,
     payload: &[u8],
 ) -> Attributed {
+    if let Some(client_id) = request_topic_client(topic) {
+        // Only the enrolment login may publish there (the callbacks' topic rule), and only
+        // it may read the reply: without a broker that enforces that, nobody enrols.
+        if trust == DeviceTrust::Unauthenticated {
+            return Attributed::Dropped(DropReason::ForbiddenTopic);
+        }
+        return Attributed::Event(Box::new(BrokerEvent {
+            client_id,
+            domain: None,
+            channel: None,
+            kind: EventKind::EnrolmentRequest(decode_request(payload)),
+        }));
+    }
     let Some((channel, kind)) = classify(topic) else {
         return Attributed::NotAReport;
     };

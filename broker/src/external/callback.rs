@@ -30,7 +30,9 @@ use serde::Deserialize;
 use subtle::ConstantTimeEq;
 use tracing::debug;
 
-use crate::server::{login_shared_service, may_access_topic, CredentialSource, Role, TopicAccess};
+use crate::server::{
+    known_credential, login_shared_service, may_access_topic, CredentialSource, Role, TopicAccess,
+};
 
 /// Label set of one callback decision.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -152,17 +154,14 @@ fn rabbitmq_user(state: &CallbackState, params: &HashMap<String, String>) -> boo
 }
 
 fn rabbitmq_known(state: &CallbackState, params: &HashMap<String, String>) -> bool {
-    state
-        .credentials
-        .lookup(param(params, "username"))
-        .is_some()
+    known_credential(state.credentials.as_ref(), param(params, "username")).is_some()
 }
 
 /// Queues and exchanges: a device may use only its own subscription queues and the topic
 /// exchange (what it may route there is decided per topic).
 fn rabbitmq_resource(state: &CallbackState, params: &HashMap<String, String>) -> bool {
     let username = param(params, "username");
-    let Some(credential) = state.credentials.lookup(username) else {
+    let Some(credential) = known_credential(state.credentials.as_ref(), username) else {
         return false;
     };
     if credential.role() == Role::Service {
@@ -181,7 +180,7 @@ fn rabbitmq_resource(state: &CallbackState, params: &HashMap<String, String>) ->
 
 fn rabbitmq_topic(state: &CallbackState, params: &HashMap<String, String>) -> bool {
     let username = param(params, "username");
-    let Some(credential) = state.credentials.lookup(username) else {
+    let Some(credential) = known_credential(state.credentials.as_ref(), username) else {
         return false;
     };
     let access = match param(params, "permission") {
@@ -258,7 +257,9 @@ async fn emqx_authz(
     // propeller's replicas share its service account under client ids of their own.
     let identity = match state.credentials.lookup(&request.username) {
         Some(service) if service.role() == Role::Service => Some(service),
-        _ if request.username == request.clientid => state.credentials.lookup(&request.clientid),
+        _ if request.username == request.clientid => {
+            known_credential(state.credentials.as_ref(), &request.clientid)
+        }
         _ => None,
     };
     let allowed = identity.is_some_and(|credential| {
@@ -396,6 +397,63 @@ mod tests {
              content-length: {}\r\nconnection: close\r\n\r\n{json}",
             json.len()
         )
+    }
+
+    /// A store with one bootstrap token `abcdef.0123456789abcdef`, usable over plain TCP.
+    fn state_with_token() -> CallbackState {
+        let store = CredentialStore::new();
+        let token: crate::protocol::enrolment::BootstrapToken = "abcdef.0123456789abcdef"
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.replace_tokens(HashMap::from([(
+            "abcdef".to_owned(),
+            crate::server::TokenCredential::new(token.secret_digest(), false),
+        )]));
+        CallbackState::new(Arc::new(store), "s3cret")
+    }
+
+    #[test]
+    fn an_enrolment_login_may_use_its_own_enrolment_topics_only() {
+        let s = state_with_token();
+        let me = "enrol-abcdef-n0nce123";
+        let login = |password: &str| {
+            rabbitmq_user(
+                &s,
+                &params(&[("username", me), ("password", password), ("client_id", me)]),
+            )
+        };
+        assert!(login("abcdef.0123456789abcdef"));
+        assert!(!login("abcdef.0123456789abcdee"), "a wrong secret");
+        assert!(rabbitmq_known(&s, &params(&[("username", me)])));
+        assert!(!rabbitmq_known(
+            &s,
+            &params(&[("username", "enrol-zzzzzz-n0nce123")])
+        ));
+        let queue = format!("mqtt-subscription-{me}qos1");
+        let resource = |name: &str| {
+            rabbitmq_resource(
+                &s,
+                &params(&[("username", me), ("resource", "queue"), ("name", name)]),
+            )
+        };
+        assert!(resource(&queue));
+        assert!(!resource("mqtt-subscription-otherqos1"));
+        let topic = |key: &str, permission: &str| {
+            rabbitmq_topic(
+                &s,
+                &params(&[
+                    ("username", me),
+                    ("routing_key", key),
+                    ("permission", permission),
+                ]),
+            )
+        };
+        assert!(topic("propeller.enrol.abcdef.n0nce123.request", "write"));
+        assert!(topic("propeller.enrol.abcdef.n0nce123.reply", "read"));
+        assert!(!topic("propeller.enrol.abcdef.n0nce123.reply", "write"));
+        assert!(!topic("propeller.enrol.abcdef.other123.reply", "read"));
+        assert!(!topic("m.d.c.c1.control.proplet.alive", "write"));
+        assert!(!topic("#", "read"));
     }
 
     #[tokio::test]

@@ -86,8 +86,8 @@ impl ExternalConfig {
 }
 
 /// What propeller subscribes to: every report agents publish (alive, results, metrics, task
-/// metrics, invoke results, discovery), binary requests and FL updates, on one domain and
-/// channel or (`None`) on all.
+/// metrics, invoke results, discovery), binary requests, FL updates and enrolment requests,
+/// on one domain and channel or (`None`) on all.
 pub fn report_filters(domain: Option<&str>, channel: Option<&str>) -> Vec<String> {
     let prefix = format!("m/{}/c/{}", domain.unwrap_or("+"), channel.unwrap_or("+"));
     vec![
@@ -95,6 +95,7 @@ pub fn report_filters(domain: Option<&str>, channel: Option<&str>) -> Vec<String
         format!("{prefix}/registry/proplet"),
         format!("{prefix}/fl/rounds/+/updates/+"),
         UNPREFIXED_FL_UPDATE_FILTER.to_owned(),
+        crate::protocol::enrolment::ENROL_REQUEST_FILTER.to_owned(),
     ]
 }
 

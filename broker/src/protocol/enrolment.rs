@@ -237,6 +237,20 @@ pub struct EnrolRequest {
     pub server: String,
 }
 
+/// Reads an enrolment request's payload, bounded by [`MAX_REQUEST_BYTES`]; the error says
+/// what is wrong, for the refusal sent back.
+pub fn decode_request(payload: &[u8]) -> Result<Box<EnrolRequest>, String> {
+    if payload.len() > MAX_REQUEST_BYTES {
+        return Err(format!(
+            "the request is {} bytes; at most {MAX_REQUEST_BYTES} are accepted",
+            payload.len()
+        ));
+    }
+    serde_json::from_slice::<EnrolRequest>(payload)
+        .map(Box::new)
+        .map_err(|e| e.to_string())
+}
+
 /// The answer to an enrolment request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -333,6 +333,18 @@ fn token_login(
     Ok(Credential::new(String::new(), Role::Enrolee))
 }
 
+/// The credential a client that already logged in holds, by its username (for a broker's
+/// later checks, which carry no password): its own, or for an enrolment login whose token
+/// still exists, [`Role::Enrolee`].
+pub fn known_credential(source: &dyn CredentialSource, username: &str) -> Option<Credential> {
+    source.lookup(username).or_else(|| {
+        let token = crate::protocol::enrolment::enrol_client_token_id(username)?;
+        source
+            .lookup_token(token)
+            .map(|_| Credential::new(String::new(), Role::Enrolee))
+    })
+}
+
 /// Like [`login`], for an external cluster's auth callbacks: there a service account
 /// (propeller's own, shared by its replicas, each under a client id of its own) may also use
 /// any client id no device owns; a device's client id stays its own.

@@ -45,7 +45,7 @@ use crate::protocol::{
 };
 
 pub use auth::{
-    authenticate, load_credentials_file, login, login_over, login_shared_service,
+    authenticate, known_credential, load_credentials_file, login, login_over, login_shared_service,
     parse_credentials, AuthFailure, ChannelScope, Credential, CredentialSource, CredentialStore,
     CredentialsFileError, LayeredCredentials, Role, TokenCredential, Transport,
     TOKEN_FAILURES_BEFORE_LOCK, TOKEN_LOCK,

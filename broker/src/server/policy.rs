@@ -6,7 +6,7 @@
 //! and a refused subscription filter is rewritten to an inert literal topic.
 
 use crate::protocol::enrolment::{
-    key_topic, reply_topic, request_topic, EnrolRequest, KEY_TOPIC_PREFIX, MAX_REQUEST_BYTES,
+    decode_request, key_topic, reply_topic, request_topic, KEY_TOPIC_PREFIX,
 };
 use crate::protocol::{classify, Decoder, TopicKind};
 
@@ -165,14 +165,7 @@ fn judge_enrolment(client_id: &str, topic: &str, payload: &[u8]) -> PublishDecis
             decode_error: None,
         };
     }
-    let request = if payload.len() > MAX_REQUEST_BYTES {
-        Err(format!(
-            "the request is {} bytes; at most {MAX_REQUEST_BYTES} are accepted",
-            payload.len()
-        ))
-    } else {
-        serde_json::from_slice::<EnrolRequest>(payload).map_err(|e| e.to_string())
-    };
+    let request = decode_request(payload);
     let decode_error = request.as_ref().err().cloned();
     PublishDecision {
         kind: None,
@@ -180,7 +173,7 @@ fn judge_enrolment(client_id: &str, topic: &str, payload: &[u8]) -> PublishDecis
             client_id: client_id.to_owned(),
             domain: None,
             channel: None,
-            kind: EventKind::EnrolmentRequest(request.map(Box::new)),
+            kind: EventKind::EnrolmentRequest(request),
         }))),
         decode_error,
     }
