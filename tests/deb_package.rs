@@ -541,12 +541,7 @@ fn arm_packages() {
             .arg(root.path().join("state")));
         let said = String::from_utf8_lossy(&joined.stderr).into_owned();
         assert!(joined.status.success(), "{arch}: proplet join: {said}");
-        let name = said
-            .split("enrolled as ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("{arch}: {said}"))
-            .to_owned();
+        let name = support::enrol::enrolled_name(&said);
         let (found, json, err) = server.client(&["get", "proplet", &name, "-o", "json"]);
         assert!(found, "{arch}: {err}");
         let proplet: serde_json::Value = serde_json::from_str(&json).expect("json");

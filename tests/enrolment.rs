@@ -87,12 +87,7 @@ fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
         cmd
     });
     let enrolled = agent.stderr_line("enrolled as");
-    let name = enrolled
-        .split("enrolled as ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("proplet name")
-        .to_owned();
+    let name = support::enrol::enrolled_name(&enrolled);
     let credentials = state.join("credentials.toml");
     let mode = std::os::unix::fs::PermissionsExt::mode(
         &std::fs::metadata(&credentials)
@@ -348,12 +343,7 @@ fn a_manual_approval_token_holds_devices_back_until_approved() {
     let out = join(&tls, &ca, &token, "held", &state);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stderr(&out);
-    let name = text
-        .split("enrolled as ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("name")
-        .to_owned();
+    let name = support::enrol::enrolled_name(&text);
     let agent = Running::spawn({
         let mut cmd = binary("proplet");
         cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
@@ -412,12 +402,7 @@ fn a_rotated_key_reaches_the_agent_and_the_old_one_works_only_for_the_grace_peri
     let state = dir.path().join("device");
     let out = join(&server.tls_port, &server.ca, &token, "rotating", &state);
     assert!(out.status.success(), "{}", stderr(&out));
-    let name = stderr(&out)
-        .split("enrolled as ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("name")
-        .to_owned();
+    let name = support::enrol::enrolled_name(&stderr(&out));
     let first = stored_key(&state);
     let start_agent = || {
         Running::spawn({

@@ -182,12 +182,7 @@ fn a_device_enrols_and_gets_a_rotated_key_through_the_callbacks(fleet: &Fleet, n
     let joined = join("rabbit-machine");
     let said = String::from_utf8_lossy(&joined.stderr).into_owned();
     assert!(joined.status.success(), "{said}");
-    let name = said
-        .split("enrolled as ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("proplet name")
-        .to_owned();
+    let name = support::enrol::enrolled_name(&said);
     let stored_key = || {
         std::fs::read_to_string(state.join("credentials.toml"))
             .expect("credentials")

@@ -1515,12 +1515,7 @@ fn a_device_enrols_with_a_token_through_the_operator_on_a_real_api_server() {
         cmd
     });
     let said = agent.stderr_line_within("enrolled as", STATUS_WAIT);
-    let name = said
-        .split("enrolled as ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("proplet name")
-        .to_owned();
+    let name = support::enrol::enrolled_name(&said);
     let proplet = wait_phase(&cp, ns, "proplet", &name, "Running");
     assert_eq!(proplet["metadata"]["labels"]["site"], "lab", "{proplet:#}");
     assert_eq!(

@@ -81,3 +81,12 @@ impl TlsServer {
         format!("mqtts://127.0.0.1:{}", self.tls_port)
     }
 }
+
+/// The Proplet name `proplet join` printed ("enrolled as NAME ...") in `said`.
+pub fn enrolled_name(said: &str) -> String {
+    said.split("enrolled as ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no \"enrolled as\" in {said:?}"))
+        .to_owned()
+}
