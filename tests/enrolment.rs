@@ -69,23 +69,7 @@ fn a_device_enrols_with_a_token_over_tls_and_runs_tasks() {
 
     // The whole path a user takes: join, and the agent runs with its new credentials.
     let state = dir.path().join("device");
-    let mut agent = Running::spawn({
-        let mut cmd = binary("proplet");
-        cmd.args(["join", "--server"])
-            .arg(format!("mqtts://127.0.0.1:{tls}"))
-            .args([
-                "--token",
-                &token,
-                "--machine-id",
-                "machine-one",
-                "--tls-ca-cert",
-            ])
-            .arg(&ca)
-            .arg("--state-dir")
-            .arg(&state)
-            .env("RUST_LOG", "info");
-        cmd
-    });
+    let mut agent = support::enrol::join_and_run(&tls, &token, "machine-one", &ca, &state);
     let enrolled = agent.stderr_line("enrolled as");
     let name = support::enrol::enrolled_name(&enrolled);
     let credentials = state.join("credentials.toml");

@@ -1497,23 +1497,13 @@ fn a_device_enrols_with_a_token_through_the_operator_on_a_real_api_server() {
 
     // The device joins over TLS and runs.
     let state = dir.join("device");
-    let mut agent = Running::spawn({
-        let mut cmd = binary("proplet");
-        cmd.args(["join", "--server"])
-            .arg(format!("mqtts://127.0.0.1:{tls}"))
-            .args([
-                "--token",
-                &token,
-                "--machine-id",
-                "kube-machine",
-                "--tls-ca-cert",
-            ])
-            .arg(dir.join("ca.pem"))
-            .arg("--state-dir")
-            .arg(&state)
-            .env("RUST_LOG", "info");
-        cmd
-    });
+    let mut agent = support::enrol::join_and_run(
+        &tls.to_string(),
+        &token,
+        "kube-machine",
+        &dir.join("ca.pem"),
+        &state,
+    );
     let said = agent.stderr_line_within("enrolled as", STATUS_WAIT);
     let name = support::enrol::enrolled_name(&said);
     let proplet = wait_phase(&cp, ns, "proplet", &name, "Running");

@@ -155,16 +155,7 @@ pub const PREVIOUS_KEY: &str = "previous-key";
 /// The entry that says until when (RFC 3339) [`PREVIOUS_KEY`] still works.
 pub const PREVIOUS_KEY_UNTIL: &str = "previous-key-until";
 
-/// The value of `key` in a Secret, as the API server would hand it out: `stringData`
-/// (which a write merges over `data`) first, then `data`. Both drivers read keys through
-/// this, whatever store the Secret came from.
-pub fn secret_entry(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Option<String> {
-    if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
-        return Some(text.clone());
-    }
-    let bytes = secret.data.as_ref()?.get(key)?;
-    String::from_utf8(bytes.0.clone()).ok()
-}
+pub use crate::crd::common::secret_entry;
 
 #[cfg(test)]
 mod tests {

@@ -27,6 +27,7 @@ use crate::decision::enrolment::{
     machine_label, plan_enrolment, token_secret_name, EnrolPlan, Enrolled, TokenRecord,
     MACHINE_LABEL, TOKEN_SECRET_TYPE,
 };
+use crate::decision::scheduler::SelectorView;
 use crate::decision::task::Note;
 
 /// Where standalone mode keeps its bootstrap tokens.
@@ -281,10 +282,15 @@ async fn plan_batch<C: Cluster>(
     Ok(planned)
 }
 
-/// The Proplet of `namespace` labelled with this machine, from the driver's cache.
+/// The Proplet of `namespace` labelled with this machine, from the driver's cache (through
+/// its label index).
 fn machine_proplet<C: Cluster>(cluster: &C, namespace: &str, machine: &str) -> Option<Proplet> {
+    let selector = SelectorView {
+        match_labels: BTreeMap::from([(MACHINE_LABEL.to_owned(), machine.to_owned())]),
+        ..SelectorView::default()
+    };
     cluster
-        .proplets_in(namespace)
+        .proplets_for(namespace, &selector)
         .into_iter()
         .find(|p| {
             p.metadata.deletion_timestamp.is_none()

@@ -90,3 +90,17 @@ pub fn enrolled_name(said: &str) -> String {
         .unwrap_or_else(|| panic!("no \"enrolled as\" in {said:?}"))
         .to_owned()
 }
+
+/// `proplet join` over TLS as machine `machine` into `state`, then running as the agent, in
+/// the background (it prints "enrolled as NAME" once enrolled).
+pub fn join_and_run(port: &str, token: &str, machine: &str, ca: &Path, state: &Path) -> Running {
+    let mut cmd = binary("proplet");
+    cmd.args(["join", "--server"])
+        .arg(format!("mqtts://127.0.0.1:{port}"))
+        .args(["--token", token, "--machine-id", machine, "--tls-ca-cert"])
+        .arg(ca)
+        .arg("--state-dir")
+        .arg(state)
+        .env("RUST_LOG", "info");
+    Running::spawn(cmd)
+}

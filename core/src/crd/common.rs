@@ -8,6 +8,17 @@ use serde::{Deserialize, Serialize};
 
 pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
+/// The value of `key` in a Secret, as the API server would hand it out: `stringData`
+/// (which a write merges over `data`) first, then `data`. Every reader of a Secret's keys
+/// goes through this, whatever store the Secret came from.
+pub fn secret_entry(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Option<String> {
+    if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
+        return Some(text.clone());
+    }
+    let bytes = secret.data.as_ref()?.get(key)?;
+    String::from_utf8(bytes.0.clone()).ok()
+}
+
 /// API group of every Propeller resource; kept identical to upstream so manifests carry over.
 pub const GROUP: &str = "propeller.propeller.absmach.eu";
 /// The only served and stored version.

@@ -19,6 +19,7 @@ use propeller_broker::protocol::enrolment::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::crd::common::secret_entry;
 use crate::crd::proplet::{ConnectionConfig, Proplet, PropletSpec, PropletType};
 
 /// The Secret type of a stored bootstrap token.
@@ -148,13 +149,7 @@ impl TokenRecord {
         if secret.type_.as_deref() != Some(TOKEN_SECRET_TYPE) {
             return Err(fail(format!("its type is not {TOKEN_SECRET_TYPE}")));
         }
-        let field = |key: &str| -> Option<String> {
-            if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
-                return Some(text.clone());
-            }
-            let bytes = secret.data.as_ref()?.get(key)?;
-            String::from_utf8(bytes.0.clone()).ok()
-        };
+        let field = |key: &str| secret_entry(secret, key);
         let required = |key: &str| field(key).ok_or_else(|| fail(format!("no {key}")));
         let id = required("token-id")?;
         if !is_token_id(&id) {
@@ -455,13 +450,7 @@ pub fn rotate_key(
     fresh: &str,
     until: DateTime<Utc>,
 ) -> Option<Secret> {
-    let read = |key: &str| -> Option<String> {
-        if let Some(text) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
-            return Some(text.clone());
-        }
-        String::from_utf8(secret.data.as_ref()?.get(key)?.0.clone()).ok()
-    };
-    let old = read(entry).filter(|k| !k.is_empty())?;
+    let old = secret_entry(secret, entry).filter(|k| !k.is_empty())?;
     let mut rotated = secret.clone();
     let mut data = rotated.data.take().unwrap_or_default();
     for (key, value) in rotated.string_data.take().unwrap_or_default() {
