@@ -4,15 +4,17 @@
 //! the servers after each change.
 //!
 //! One cluster serves the whole test; the cases run in order: the shared cluster cases
-//! (`support/cluster_cases.rs`) and the device policy as NATS enforces it.
+//! (`support/cluster_cases.rs`, among them a device enrolling through the token's rendered
+//! user and getting a rotated key) and the device policy as NATS enforces it.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
 use support::cluster_cases::{
-    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, probe_logins,
-    propeller_killed_in_a_burst, tasks_dags_broadcasts_and_jobs, Fleet, DEVICES, PROBE,
+    a_device_enrols_and_gets_a_rotated_key, a_last_will_crosses_nodes,
+    a_node_killed_under_a_running_task, probe_logins, propeller_killed_in_a_burst,
+    tasks_dags_broadcasts_and_jobs, Fleet, DEVICES, PROBE,
 };
 use support::external::{eventually, Probe, Secrets, DOMAIN, PROPELLER_USER};
 use support::mqtt_cluster::NatsCluster;
@@ -70,8 +72,9 @@ fn nats_cluster_carries_the_fleet_with_a_rendered_device_policy() {
     tasks_dags_broadcasts_and_jobs(&mut fleet);
     the_rendered_policy_is_enforced(&fleet, &secrets.password);
     a_last_will_crosses_nodes(&mut fleet);
-    a_node_killed_under_a_running_task(&mut fleet, |i| cluster.kill_node(i));
+    let dead = a_node_killed_under_a_running_task(&mut fleet, |i| cluster.kill_node(i));
     propeller_killed_in_a_burst(&mut fleet);
+    a_device_enrols_and_gets_a_rotated_key(&fleet, &nodes[(dead + 1) % nodes.len()]);
 }
 
 /// What NATS refuses with the rendered authorization: unknown users and wrong passwords at

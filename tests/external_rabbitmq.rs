@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use support::cluster_cases::{
-    a_last_will_crosses_nodes, a_node_killed_under_a_running_task, probe_logins,
-    propeller_killed_in_a_burst, tasks_dags_broadcasts_and_jobs, Fleet, PROBE,
+    a_device_enrols_and_gets_a_rotated_key, a_last_will_crosses_nodes,
+    a_node_killed_under_a_running_task, probe_logins, propeller_killed_in_a_burst,
+    tasks_dags_broadcasts_and_jobs, Fleet, PROBE,
 };
 use support::envtest::free_port;
 use support::external::{
@@ -69,7 +70,7 @@ fn rabbitmq_cluster_carries_the_fleet_with_propeller_as_its_auth_backend() {
         .map(|i| nodes[i].clone())
         .collect();
     propeller_killed_in_a_burst(&mut fleet);
-    a_device_enrols_and_gets_a_rotated_key_through_the_callbacks(&fleet, &live[0]);
+    a_device_enrols_and_gets_a_rotated_key(&fleet, &live[0]);
     propeller_down_refuses_new_logins(&mut fleet, &live[0]);
     the_demo_runs_through_the_cluster(&fleet, &live, callback_port);
 }
@@ -144,77 +145,6 @@ fn the_device_policy_is_enforced_through_the_callbacks(fleet: &Fleet) {
         );
     }
     println!("rabbitmq: anonymous, wrong key, username != client id and unknown client refused; a manager publish and another channel's publish refused; '#', wildcards and another channel's reports and starts delivered nothing");
-}
-
-/// A device enrols with a bootstrap token through a RabbitMQ node (the token login admitted
-/// by the callbacks to its enrolment topics only), runs as itself, and later gets a rotated
-/// key over its session through the cluster.
-fn a_device_enrols_and_gets_a_rotated_key_through_the_callbacks(fleet: &Fleet, node: &str) {
-    let (api, dir) = (fleet.api.clone(), fleet.dir.path().to_owned());
-    let client = |args: &[&str]| {
-        let (ok, out, err) = support::propeller_client(&api, &dir, args);
-        assert!(ok, "propeller {args:?}: {err}");
-        out
-    };
-    // RabbitMQ here listens on plain TCP: the token and the device both allow it.
-    let token = client(&[
-        "token",
-        "create",
-        "--insecure-enrol",
-        "--domain-id",
-        DOMAIN,
-        "--channel-id",
-        "enrolled",
-        "--labels",
-        "via=rabbitmq",
-    ]);
-    let token = token.trim();
-    let state = dir.join("enrolled-device");
-    let join = |machine: &str| {
-        support::binary("proplet")
-            .args(["join", "--no-run", "--insecure-enrol", "--server"])
-            .arg(node)
-            .args(["--token", token, "--machine-id", machine, "--state-dir"])
-            .arg(&state)
-            .output()
-            .expect("proplet join")
-    };
-    let joined = join("rabbit-machine");
-    let said = String::from_utf8_lossy(&joined.stderr).into_owned();
-    assert!(joined.status.success(), "{said}");
-    let name = support::enrol::enrolled_name(&said);
-    let stored_key = || {
-        std::fs::read_to_string(state.join("credentials.toml"))
-            .expect("credentials")
-            .lines()
-            .find(|l| l.starts_with("client_key"))
-            .unwrap_or_default()
-            .to_owned()
-    };
-    let first = stored_key();
-    let agent = support::Running::spawn({
-        let mut cmd = support::binary("proplet");
-        cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
-        cmd
-    });
-    support::standalone::wait_for_phase(&api, &dir, &name, "Running");
-    let proplet = support::standalone::get_json(&api, &dir, &["get", "proplet", &name]);
-    assert_eq!(
-        proplet["metadata"]["labels"]["via"], "rabbitmq",
-        "{proplet:#}"
-    );
-
-    client(&["rotate", &format!("proplet/{name}"), "--grace", "60s"]);
-    let started = Instant::now();
-    while stored_key() == first {
-        assert!(
-            started.elapsed() < WAIT,
-            "the agent did not get its rotated key through the cluster"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    drop(agent);
-    println!("rabbitmq: a device enrolled with a token through the cluster, Running as {name}, and got its rotated key over its session");
 }
 
 /// With propeller stopped, RabbitMQ cannot reach its auth backend: a new login is refused,

@@ -8,6 +8,7 @@
 pub mod external;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod private_file;
 pub mod protocol;
 #[cfg(feature = "server")]
 pub mod server;

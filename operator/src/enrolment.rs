@@ -16,7 +16,9 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::ByteString;
 use propeller_broker::protocol::enrolment::{
     enrol_client_token_id, reply_topic, EnrolRefusal, EnrolReply, EnrolRequest, RefusalReason,
+    SealedReply,
 };
+use propeller_broker::protocol::sealed_grant::seal_grant;
 use propeller_broker::server::{BrokerEvent, CredentialSource, EventKind, TokenCredential};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{info, instrument, warn};
@@ -93,7 +95,8 @@ pub fn token_table<'a>(
         .filter_map(|s| match TokenRecord::from_secret(s) {
             Ok(token) => Some((
                 token.id.clone(),
-                TokenCredential::new(token.secret_digest, !token.insecure),
+                TokenCredential::new(token.secret_digest, !token.insecure)
+                    .with_bcrypt(token.secret_bcrypt),
             )),
             Err(e) => {
                 warn!("{e}");
@@ -134,6 +137,8 @@ async fn answer_requests<C: Cluster>(
 /// What one request came to, once planned.
 struct Planned {
     client_id: String,
+    /// The device's key the grant is sealed to (none when the request did not decode).
+    reply_key: Option<String>,
     plan: EnrolPlan,
 }
 
@@ -186,19 +191,24 @@ async fn enrol_batch<C: Cluster>(
         }
     }
     let mut replies = Vec::with_capacity(planned.len());
-    for Planned { client_id, plan } in planned {
+    for Planned {
+        client_id,
+        reply_key,
+        plan,
+    } in planned
+    {
         let reply = apply(cluster, token_id, plan).await;
-        replies.push((client_id, reply));
+        replies.push((client_id, reply_key, reply));
     }
     wait_for_logins(cluster, &replies).await;
-    for (client_id, reply) in replies {
+    for (client_id, reply_key, reply) in replies {
         let outcome = match &reply {
             EnrolReply::Enrolled(g) if g.rotated => "rotated",
             EnrolReply::Enrolled(_) => "enrolled",
             EnrolReply::Refused(r) => r.reason.as_str(),
         };
         cluster.common().metrics.enrolment(outcome);
-        publish(cluster, &client_id, &reply).await;
+        publish(cluster, &client_id, reply_key.as_deref(), reply).await;
     }
 }
 
@@ -207,13 +217,16 @@ const LOGIN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Waits (up to [`LOGIN_WAIT`]) until the broker accepts every granted key, so a device
 /// that logs in as soon as it has its reply is let in.
-async fn wait_for_logins<C: Cluster>(cluster: &C, replies: &[(String, EnrolReply)]) {
+async fn wait_for_logins<C: Cluster>(
+    cluster: &C,
+    replies: &[(String, Option<String>, EnrolReply)],
+) {
     let Some(logins) = cluster.common().logins.get() else {
         return;
     };
     let started = tokio::time::Instant::now();
     while started.elapsed() < LOGIN_WAIT {
-        let waiting = replies.iter().any(|(_, reply)| match reply {
+        let waiting = replies.iter().any(|(_, _, reply)| match reply {
             EnrolReply::Enrolled(grant) => !logins
                 .lookup(&grant.client_id)
                 .is_some_and(|c| c.accepts(&grant.client_key)),
@@ -276,6 +289,7 @@ async fn plan_batch<C: Cluster>(
         }
         planned.push(Planned {
             client_id: pending.client_id.clone(),
+            reply_key: request.ok().map(|r| r.reply_key.clone()),
             plan,
         });
     }
@@ -386,7 +400,7 @@ fn note<C: Cluster>(cluster: &C, proplet: &Proplet, reason: &'static str, messag
     );
 }
 
-fn unavailable(message: &str) -> EnrolReply {
+fn unavailable<G>(message: &str) -> EnrolReply<G> {
     warn!("enrolment failed: {message}");
     EnrolReply::Refused(EnrolRefusal {
         reason: RefusalReason::Unavailable,
@@ -395,18 +409,33 @@ fn unavailable(message: &str) -> EnrolReply {
 }
 
 async fn refuse_all<C: Cluster>(cluster: &C, batch: Vec<Pending>, message: &str) {
-    let reply = unavailable(message);
+    let reply: EnrolReply = unavailable(message);
     for pending in batch {
         cluster
             .common()
             .metrics
             .enrolment(RefusalReason::Unavailable.as_str());
-        publish(cluster, &pending.client_id, &reply).await;
+        publish(cluster, &pending.client_id, None, reply.clone()).await;
     }
 }
 
-async fn publish<C: Cluster>(cluster: &C, client_id: &str, reply: &EnrolReply) {
-    let payload = match serde_json::to_vec(reply) {
+/// Publishes `reply` to `client_id`, its grant sealed to the device's `reply_key`.
+async fn publish<C: Cluster>(
+    cluster: &C,
+    client_id: &str,
+    reply_key: Option<&str>,
+    reply: EnrolReply,
+) {
+    let sealed: SealedReply = match reply {
+        EnrolReply::Refused(refusal) => EnrolReply::Refused(refusal),
+        EnrolReply::Enrolled(grant) => {
+            match seal_grant(&grant, reply_key.unwrap_or_default(), client_id) {
+                Ok(sealed) => EnrolReply::Enrolled(sealed),
+                Err(e) => unavailable(&e.to_string()),
+            }
+        }
+    };
+    let payload = match serde_json::to_vec(&sealed) {
         Ok(payload) => payload,
         Err(e) => return warn!(%e, "encoding an enrolment reply"),
     };

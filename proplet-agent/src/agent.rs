@@ -42,6 +42,7 @@ use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, W
 
 mod chunks;
 mod heartbeats;
+mod login_keys;
 mod options;
 mod results;
 mod rotation;
@@ -110,8 +111,9 @@ pub struct Agent {
     /// result queued for the old connection can then never go out on the next one besides
     /// its resend.
     spool_gate: Mutex<()>,
-    /// The key propeller sent after a rotation, for the next logins.
-    rotated_key: Mutex<Option<String>>,
+    /// The keys for the next logins: the configured one, or after a rotation the new one and,
+    /// during its grace, the replaced one.
+    login_keys: Mutex<login_keys::LoginKeys>,
 }
 
 impl Agent {
@@ -163,7 +165,10 @@ impl Agent {
             session,
             broker_options,
             spool_gate: Mutex::new(()),
-            rotated_key: Mutex::new(None),
+            login_keys: Mutex::new(login_keys::LoginKeys::new(
+                config.client_key.clone(),
+                stored_previous_key(&config),
+            )),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -293,16 +298,15 @@ impl Agent {
                     let wait = backoff.next_delay();
                     let failed = brokers.current().clone();
                     let next = brokers.advance(&mut eventloop);
-                    if let Some(key) = self
-                        .rotated_key
+                    let key = self
+                        .login_keys
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .clone()
-                    {
-                        eventloop
-                            .mqtt_options
-                            .set_credentials(&self.config.client_id, key);
-                    }
+                        .next(!connected, chrono::Utc::now())
+                        .to_owned();
+                    eventloop
+                        .mqtt_options
+                        .set_credentials(&self.config.client_id, key);
                     match (connected, next) {
                         (true, None) => warn!(%error, retry_in = ?wait, "MQTT connection lost"),
                         (false, None) => {
@@ -385,29 +389,41 @@ impl Agent {
                 "a key rotation for another client"
             );
         }
-        let mut current = self.rotated_key.lock().unwrap_or_else(|e| e.into_inner());
-        if current.as_deref() == Some(rotation.client_key.as_str()) {
+        let Ok(until) = chrono::DateTime::parse_from_rfc3339(&rotation.previous_valid_until) else {
+            return warn!(
+                until = rotation.previous_valid_until,
+                "a key rotation whose grace end does not read as a time"
+            );
+        };
+        let mut keys = self.login_keys.lock().unwrap_or_else(|e| e.into_inner());
+        if !keys.rotate(
+            rotation.client_key.clone(),
+            until.with_timezone(&chrono::Utc),
+        ) {
             return;
         }
         let dir = &self.config.state_dir;
-        let credentials = match crate::enrol::load(dir) {
-            Ok(Some(mut stored)) => {
-                stored.client_key = rotation.client_key.clone();
-                stored
-            }
-            Ok(None) => crate::enrol::Credentials {
-                mqtt_address: self.config.brokers.to_string(),
-                tls_ca_cert: self.config.tls.as_ref().map(|t| t.ca_cert.clone()),
-                domain_id: self.config.domain_id.clone(),
-                channel_id: self.config.channel_id.clone(),
-                client_id: self.config.client_id.clone(),
-                client_key: rotation.client_key.clone(),
-                namespace: self.config.namespace.clone(),
-            },
+        let stored = match crate::enrol::load(dir) {
+            Ok(stored) => stored,
             Err(e) => {
-                return warn!(%e, "cannot read the stored credentials; the new key is not kept")
+                return warn!(%e, "cannot read the stored credentials; the new key is used until this agent stops")
             }
         };
+        let mut credentials = stored.unwrap_or_else(|| crate::enrol::Credentials {
+            mqtt_address: self.config.brokers.to_string(),
+            tls_ca_cert: self.config.tls.as_ref().map(|t| t.ca_cert.clone()),
+            domain_id: self.config.domain_id.clone(),
+            channel_id: self.config.channel_id.clone(),
+            client_id: self.config.client_id.clone(),
+            client_key: String::new(),
+            namespace: self.config.namespace.clone(),
+            previous_client_key: None,
+            previous_key_until: None,
+        });
+        credentials.client_key = keys.current().to_owned();
+        let previous = keys.previous(chrono::Utc::now());
+        credentials.previous_client_key = previous.map(|(key, _)| key.to_owned());
+        credentials.previous_key_until = previous.map(|(_, until)| until);
         match crate::enrol::save(dir, &credentials) {
             Ok(path) => info!(
                 path = %path.display(),
@@ -416,7 +432,6 @@ impl Agent {
             ),
             Err(e) => warn!(%e, "cannot store the new key; it is used until this agent stops"),
         }
-        *current = Some(rotation.client_key);
     }
 
     /// Subscribes and announces the proplet on a new connection, to `host:port`.
@@ -526,6 +541,17 @@ fn qos(level: u8) -> QoS {
         1 => QoS::AtLeastOnce,
         _ => QoS::ExactlyOnce,
     }
+}
+
+/// The key the stored credentials say the configured key replaced, while it still works.
+fn stored_previous_key(config: &Config) -> Option<(String, chrono::DateTime<chrono::Utc>)> {
+    let stored = crate::enrol::load(&config.state_dir).ok().flatten()?;
+    if stored.client_key != config.client_key {
+        return None;
+    }
+    let key = stored.previous_client_key?;
+    let until = stored.previous_key_until?;
+    (chrono::Utc::now() < until).then_some((key, until))
 }
 
 #[cfg(test)]

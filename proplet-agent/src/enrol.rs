@@ -2,15 +2,15 @@
 //! and keeps them in the state directory's `credentials.toml` (mode 0600, written
 //! atomically) where every later start finds them. The token itself is never stored.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use propeller_broker::protocol::enrolment::{
-    enrol_client_id, reply_topic, request_topic, BootstrapToken, EnrolGrant, EnrolReply,
-    EnrolRequest,
+    enrol_client_id, reply_topic, request_topic, token_login_name, BootstrapToken, EnrolGrant,
+    EnrolReply, EnrolRequest, SealedReply,
 };
+use propeller_broker::protocol::sealed_grant::ReplyKey;
 use propeller_broker::protocol::BrokerAddress;
 use rumqttc::{AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS, Transport};
 use serde::{Deserialize, Serialize};
@@ -39,6 +39,12 @@ pub struct Credentials {
     pub client_key: String,
     /// Its Proplet's namespace.
     pub namespace: String,
+    /// After a rotation, the key the current one replaced, while it still works.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_client_key: Option<String>,
+    /// Until when `previous_client_key` works.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_key_until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -79,45 +85,15 @@ pub fn load(state_dir: &Path) -> Result<Option<Credentials>, CredentialsError> {
     }
 }
 
-/// Writes `credentials` to `state_dir` atomically with mode 0600 (a temporary file,
-/// synced, then renamed over the old one). Run as root into a directory another user owns
-/// (the packaged service's), the file is given to that user.
+/// Writes `credentials` to `state_dir` atomically with mode 0600
+/// ([`propeller_broker::private_file::write_private`]: run as root into a directory another
+/// user owns, the packaged service's, the file is given to that user).
 pub fn save(state_dir: &Path, credentials: &Credentials) -> anyhow::Result<PathBuf> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     std::fs::create_dir_all(state_dir)
         .with_context(|| format!("creating the state directory {}", state_dir.display()))?;
     let text = toml::to_string(credentials).context("encoding the credentials")?;
     let path = state_dir.join(CREDENTIALS_FILE);
-    let temporary = state_dir.join(format!(".{CREDENTIALS_FILE}.{}", std::process::id()));
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&temporary)
-        .with_context(|| format!("creating {}", temporary.display()))?;
-    let written = file
-        .write_all(text.as_bytes())
-        .and_then(|()| file.sync_all());
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(e).with_context(|| format!("writing {}", temporary.display()));
-    }
-    let directory = std::fs::metadata(state_dir)?;
-    let file_owner = std::fs::metadata(&temporary)?;
-    if file_owner.uid() != directory.uid() {
-        std::os::unix::fs::chown(&temporary, Some(directory.uid()), Some(directory.gid()))
-            .with_context(|| {
-                format!(
-                    "giving {} to the state directory's owner",
-                    temporary.display()
-                )
-            })?;
-    }
-    std::fs::rename(&temporary, &path)
-        .with_context(|| format!("moving the credentials into {}", path.display()))?;
-    if let Ok(dir) = std::fs::File::open(state_dir) {
-        let _ = dir.sync_all();
-    }
+    propeller_broker::private_file::write_private(&path, text.as_bytes())?;
     Ok(path)
 }
 
@@ -156,7 +132,7 @@ pub struct JoinRequest {
 
 /// Logins a refused token gets before `join` gives up: a token made a moment ago may not
 /// have reached the broker's table yet.
-const REFUSED_LOGIN_ATTEMPTS: u32 = 3;
+const REFUSED_LOGIN_ATTEMPTS: u32 = 5;
 
 /// Enrols this device: logs in with the token, sends its facts, and returns the
 /// credentials propeller answered with (or its refusal, as the error).
@@ -205,7 +181,7 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
     let client_id = enrol_client_id(token.id(), &nonce);
     let mut options = MqttOptions::new(&client_id, &address.host, address.port);
     options
-        .set_credentials(&client_id, token.reveal())
+        .set_credentials(token_login_name(token.id()), token.reveal())
         .set_keep_alive(Duration::from_secs(30))
         .set_clean_session(true);
     if address.tls {
@@ -222,8 +198,10 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
         options.set_transport(Transport::tls_with_config(tls));
     }
     let (client, mut events) = AsyncClient::new(options, 16);
+    let reply_key = ReplyKey::generate();
     let payload = serde_json::to_vec(&EnrolRequest {
         server: request.server.clone(),
+        reply_key: reply_key.public().to_owned(),
         ..facts
     })?;
     let exchange = async {
@@ -263,7 +241,7 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
                         .await?;
                 }
                 Event::Incoming(Packet::Publish(p)) if p.topic == reply_topic(&client_id) => {
-                    let reply: EnrolReply = serde_json::from_slice(&p.payload)
+                    let reply: SealedReply = serde_json::from_slice(&p.payload)
                         .context("propeller's answer could not be read")?;
                     return Ok::<_, JoinError>(reply);
                 }
@@ -286,7 +264,12 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
             "enrolment refused: {}",
             refusal.message
         ))),
-        EnrolReply::Enrolled(grant) => Ok(credentials(request, grant)),
+        EnrolReply::Enrolled(sealed) => {
+            let grant = reply_key
+                .open(&sealed, &client_id)
+                .context("propeller's answer could not be opened")?;
+            Ok(credentials(request, grant))
+        }
     }
 }
 
@@ -299,6 +282,8 @@ fn credentials(request: &JoinRequest, grant: EnrolGrant) -> Credentials {
         client_id: grant.client_id,
         client_key: grant.client_key,
         namespace: grant.namespace,
+        previous_client_key: None,
+        previous_key_until: None,
     }
 }
 
@@ -339,6 +324,7 @@ fn facts(machine_id: Option<&str>) -> anyhow::Result<EnrolRequest> {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         server: String::new(),
+        reply_key: String::new(),
     })
 }
 
@@ -369,6 +355,8 @@ mod tests {
             client_id: "pi-1".into(),
             client_key: "k".into(),
             namespace: "default".into(),
+            previous_client_key: Some("old".into()),
+            previous_key_until: Some(chrono::Utc::now()),
         };
         let path = save(dir.path(), &credentials).unwrap_or_else(|e| panic!("{e}"));
         let mode = std::fs::metadata(&path)

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::external::{
     add_task, device_agent, device_manifest, eventually, expect_results, start_propeller, task_ids,
@@ -389,4 +389,97 @@ pub fn probe_logins(probe: &Probe, client_id_is_the_user: bool) {
             "{what}: the login was accepted"
         );
     }
+}
+
+/// A device enrols with a bootstrap token through the node `node` (the token login admitted
+/// to its token's enrolment topics only: by the callbacks, or by the rendered NATS user),
+/// runs as itself, and later gets a rotated key over its session through the cluster.
+pub fn a_device_enrols_and_gets_a_rotated_key(fleet: &Fleet, node: &str) {
+    let (api, dir) = (fleet.api.clone(), fleet.dir.path().to_owned());
+    let client = |args: &[&str]| {
+        let (ok, out, err) = super::propeller_client(&api, &dir, args);
+        assert!(ok, "propeller {args:?}: {err}");
+        out
+    };
+    // The clusters here listen on plain TCP: the token and the device both allow it.
+    let token = client(&[
+        "token",
+        "create",
+        "--insecure-enrol",
+        "--domain-id",
+        DOMAIN,
+        "--channel-id",
+        "enrolled",
+        "--labels",
+        &format!("via={}", fleet.engine),
+    ]);
+    let token = token.trim();
+    let state = dir.join("enrolled-device");
+    let join = |machine: &str| {
+        super::binary("proplet")
+            .args(["join", "--no-run", "--insecure-enrol", "--server"])
+            .arg(node)
+            .args(["--token", token, "--machine-id", machine, "--state-dir"])
+            .arg(&state)
+            .output()
+            .expect("proplet join")
+    };
+    let joined = join(&format!("{}-machine", fleet.engine));
+    let said = String::from_utf8_lossy(&joined.stderr).into_owned();
+    assert!(joined.status.success(), "{said}");
+    let name = super::enrol::enrolled_name(&said);
+    let stored_key = || {
+        std::fs::read_to_string(state.join("credentials.toml"))
+            .expect("credentials")
+            .lines()
+            .find(|l| l.starts_with("client_key"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let first = stored_key();
+    let agent = Running::spawn({
+        let mut cmd = super::binary("proplet");
+        cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
+        cmd
+    });
+    wait_for_phase(&api, &dir, &name, "Running");
+    let proplet = get_json(&api, &dir, &["get", "proplet", &name]);
+    assert_eq!(
+        proplet["metadata"]["labels"]["via"], fleet.engine,
+        "{proplet:#}"
+    );
+
+    let grace = Duration::from_secs(15);
+    client(&["rotate", &format!("proplet/{name}"), "--grace", "15s"]);
+    let started = Instant::now();
+    while stored_key() == first {
+        if started.elapsed() > WAIT {
+            let said: Vec<String> = agent.stderr.try_iter().collect();
+            panic!(
+                "the agent did not get its rotated key through the cluster; it said:\n{}",
+                said.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(agent);
+    let restart = || {
+        let agent = Running::spawn({
+            let mut cmd = super::binary("proplet");
+            cmd.arg("--state-dir").arg(&state).env("RUST_LOG", "info");
+            cmd
+        });
+        agent.stderr_line("connected to the broker");
+    };
+    // Within the grace both keys log in (where the broker holds one password per client, the
+    // agent falls back to its old key); after it, the new key does.
+    restart();
+    let in_grace = started.elapsed();
+    assert!(in_grace < grace, "the restart took {in_grace:?}");
+    std::thread::sleep(grace.saturating_sub(started.elapsed()) + Duration::from_secs(3));
+    restart();
+    println!(
+        "{}: a device enrolled with a token through the cluster, Running as {name}, got its rotated key over its session, and logged in again within the grace and after it",
+        fleet.engine
+    );
 }

@@ -30,8 +30,10 @@ use serde::Deserialize;
 use subtle::ConstantTimeEq;
 use tracing::debug;
 
+use crate::protocol::enrolment::{enrol_client_token_id, token_login_token_id};
 use crate::server::{
-    known_credential, login_shared_service, may_access_topic, CredentialSource, Role, TopicAccess,
+    known_credential, login_shared_service, may_access_topic, Credential, CredentialSource, Role,
+    TopicAccess,
 };
 
 /// Label set of one callback decision.
@@ -172,9 +174,24 @@ fn rabbitmq_resource(state: &CallbackState, params: &HashMap<String, String>) ->
         "exchange" => name == "amq.topic",
         "queue" => name
             .strip_prefix("mqtt-subscription-")
-            .and_then(|rest| rest.strip_prefix(username))
-            .is_some_and(|qos| qos == "qos0" || qos == "qos1"),
+            .and_then(|rest| {
+                rest.strip_suffix("qos0")
+                    .or_else(|| rest.strip_suffix("qos1"))
+            })
+            .is_some_and(|client_id| queue_owner_is(username, &credential, client_id)),
         _ => false,
+    }
+}
+
+/// Whether the login `username` may use the subscription queue of `client_id`: a device its
+/// own; an enrolment login (username `enrol-<token id>`) those of its token's client ids.
+fn queue_owner_is(username: &str, credential: &Credential, client_id: &str) -> bool {
+    match credential.role() {
+        Role::Enrolee => {
+            let token = enrol_client_token_id(client_id);
+            token.is_some() && token_login_token_id(username) == token
+        }
+        _ => client_id == username,
     }
 }
 
@@ -189,7 +206,13 @@ fn rabbitmq_topic(state: &CallbackState, params: &HashMap<String, String>) -> bo
         _ => return false,
     };
     let topic = mqtt_topic_of_routing_key(param(params, "routing_key"));
-    may_access_topic(username, &credential, access, &topic)
+    // An enrolment login's username names only its token; RabbitMQ's MQTT plugin adds the
+    // client id, which binds the login to its own exchange.
+    let login = match params.get("variable_map.client_id") {
+        Some(client_id) if credential.role() == Role::Enrolee => client_id.as_str(),
+        _ => username,
+    };
+    may_access_topic(login, &credential, access, &topic)
 }
 
 /// RabbitMQ's routing key back to the MQTT topic: `.` separates levels, `*` is `+`.
@@ -258,6 +281,13 @@ async fn emqx_authz(
     let identity = match state.credentials.lookup(&request.username) {
         Some(service) if service.role() == Role::Service => Some(service),
         _ if request.username == request.clientid => {
+            known_credential(state.credentials.as_ref(), &request.clientid)
+        }
+        // An enrolment login: its username names its token, its client id the exchange.
+        _ if token_login_token_id(&request.username).is_some()
+            && token_login_token_id(&request.username)
+                == enrol_client_token_id(&request.clientid) =>
+        {
             known_credential(state.credentials.as_ref(), &request.clientid)
         }
         _ => None,
@@ -416,44 +446,76 @@ mod tests {
     fn an_enrolment_login_may_use_its_own_enrolment_topics_only() {
         let s = state_with_token();
         let me = "enrol-abcdef-n0nce123";
-        let login = |password: &str| {
+        let user = "enrol-abcdef";
+        let login = |username: &str, password: &str| {
             rabbitmq_user(
                 &s,
-                &params(&[("username", me), ("password", password), ("client_id", me)]),
-            )
-        };
-        assert!(login("abcdef.0123456789abcdef"));
-        assert!(!login("abcdef.0123456789abcdee"), "a wrong secret");
-        assert!(rabbitmq_known(&s, &params(&[("username", me)])));
-        assert!(!rabbitmq_known(
-            &s,
-            &params(&[("username", "enrol-zzzzzz-n0nce123")])
-        ));
-        let queue = format!("mqtt-subscription-{me}qos1");
-        let resource = |name: &str| {
-            rabbitmq_resource(
-                &s,
-                &params(&[("username", me), ("resource", "queue"), ("name", name)]),
-            )
-        };
-        assert!(resource(&queue));
-        assert!(!resource("mqtt-subscription-otherqos1"));
-        let topic = |key: &str, permission: &str| {
-            rabbitmq_topic(
-                &s,
                 &params(&[
-                    ("username", me),
-                    ("routing_key", key),
-                    ("permission", permission),
+                    ("username", username),
+                    ("password", password),
+                    ("client_id", me),
                 ]),
             )
         };
-        assert!(topic("propeller.enrol.abcdef.n0nce123.request", "write"));
-        assert!(topic("propeller.enrol.abcdef.n0nce123.reply", "read"));
-        assert!(!topic("propeller.enrol.abcdef.n0nce123.reply", "write"));
-        assert!(!topic("propeller.enrol.abcdef.other123.reply", "read"));
-        assert!(!topic("m.d.c.c1.control.proplet.alive", "write"));
-        assert!(!topic("#", "read"));
+        assert!(login(user, "abcdef.0123456789abcdef"));
+        assert!(!login(user, "abcdef.0123456789abcdee"), "a wrong secret");
+        assert!(
+            !login(me, "abcdef.0123456789abcdef"),
+            "the username must be the token's login name"
+        );
+        assert!(rabbitmq_known(&s, &params(&[("username", user)])));
+        assert!(!rabbitmq_known(
+            &s,
+            &params(&[("username", "enrol-zzzzzz")])
+        ));
+        let resource = |name: &str| {
+            rabbitmq_resource(
+                &s,
+                &params(&[("username", user), ("resource", "queue"), ("name", name)]),
+            )
+        };
+        assert!(resource(&format!("mqtt-subscription-{me}qos1")));
+        assert!(!resource("mqtt-subscription-otherqos1"));
+        assert!(!resource("mqtt-subscription-enrol-zzzzzz-n0nce123qos1"));
+        let topic = |key: &str, permission: &str, client: Option<&str>| {
+            let mut p = params(&[
+                ("username", user),
+                ("routing_key", key),
+                ("permission", permission),
+            ]);
+            if let Some(client) = client {
+                p.insert("variable_map.client_id".into(), client.into());
+            }
+            rabbitmq_topic(&s, &p)
+        };
+        for client in [Some(me), None] {
+            assert!(topic(
+                "propeller.enrol.abcdef.n0nce123.request",
+                "write",
+                client
+            ));
+            assert!(topic(
+                "propeller.enrol.abcdef.n0nce123.reply",
+                "read",
+                client
+            ));
+            assert!(!topic(
+                "propeller.enrol.abcdef.n0nce123.reply",
+                "write",
+                client
+            ));
+            assert!(!topic(
+                "propeller.enrol.zzzzzz.n0nce123.reply",
+                "read",
+                client
+            ));
+            assert!(!topic("m.d.c.c1.control.proplet.alive", "write", client));
+            assert!(!topic("#", "read", client));
+        }
+        assert!(
+            !topic("propeller.enrol.abcdef.other123.reply", "read", Some(me)),
+            "given the client id, another login's reply is refused"
+        );
     }
 
     #[tokio::test]

@@ -3,19 +3,32 @@
 //! topics [`crate::server::may_access_topic`] allows, written as NATS subjects (`/` becomes
 //! `.`, `+` becomes `*`).
 //!
+//! Each bootstrap token that has a bcrypt hash becomes the user `enrol-<token id>` with that
+//! hash as its password (NATS checks bcrypt itself, so the secret is never written), allowed
+//! its token's enrolment subjects only. NATS does not lock a token after wrong secrets nor
+//! know whether a login came over TLS; the secret's 82 bits bound guessing, and a token that
+//! must not cross a plain link needs a NATS MQTT listener with TLS.
+//!
 //! NATS reads the block at start and again on `nats-server --signal reload=<pid>` (SIGHUP);
 //! propeller rewrites the file when the credential table changes and can run the reload.
 
 use std::fmt::Write;
 
-use crate::server::{ChannelScope, Credential, Role};
+use crate::protocol::enrolment::token_login_name;
+use crate::server::{ChannelScope, Credential, Role, TokenCredential};
 
-/// Renders `authorization { users: [...] }` for every credential.
-pub fn render_authorization(entries: &[(String, Credential)]) -> String {
+/// Renders `authorization { users: [...] }` at `now` for every credential (a rotated device
+/// with its old key until the grace ends: [`Credential::single_key`]) and every token with a
+/// bcrypt hash.
+pub fn render_authorization(
+    entries: &[(String, Credential)],
+    tokens: &[(String, TokenCredential)],
+    now: chrono::DateTime<chrono::Utc>,
+) -> String {
     let mut out = String::from("authorization {\n  users: [\n");
     for (client_id, credential) in entries {
         let user = quote(client_id);
-        let password = quote(credential.secret());
+        let password = quote(credential.single_key(now));
         match credential.role() {
             Role::Service => {
                 let _ = writeln!(out, "    {{ user: {user}, password: {password} }}");
@@ -33,6 +46,20 @@ pub fn render_authorization(entries: &[(String, Credential)]) -> String {
                 );
             }
         }
+    }
+    for (id, token) in tokens {
+        let Some(hash) = token.bcrypt() else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "    {{ user: {}, password: {}, allowed_connection_types: [\"MQTT\"],\n      \
+             permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}, \"$MQTT.sub.>\"] }} }} }}",
+            quote(&token_login_name(id)),
+            quote(hash),
+            quote(&format!("propeller.enrol.{id}.*.request")),
+            quote(&format!("propeller.enrol.{id}.*.reply")),
+        );
     }
     out.push_str("  ]\n}\n");
     out
@@ -99,10 +126,40 @@ mod tests {
             channel: "c1".into(),
         });
         let service = Credential::new("s", Role::Service);
-        let text = render_authorization(&[
-            ("dev1".to_owned(), device),
-            ("propeller".to_owned(), service),
-        ]);
+        let tokens = [
+            (
+                "abcdef".to_owned(),
+                TokenCredential::new("digest", true).with_bcrypt(Some("$2b$06$hash".into())),
+            ),
+            ("nohash".to_owned(), TokenCredential::new("digest", true)),
+        ];
+        let text = render_authorization(
+            &[
+                ("dev1".to_owned(), device),
+                ("propeller".to_owned(), service),
+            ],
+            &tokens,
+            chrono::Utc::now(),
+        );
+        assert!(
+            text.contains(r#"{ user: "enrol-abcdef", password: "$2b$06$hash""#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"publish: { allow: ["propeller.enrol.abcdef.*.request"] }"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"subscribe: { allow: ["propeller.enrol.abcdef.*.reply", "$MQTT.sub.>"] }"#
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("digest"),
+            "only the bcrypt hash is written: {text}"
+        );
+        assert!(!text.contains("nohash"), "{text}");
         assert!(text.contains(r#"user: "dev1", password: "k\"1""#), "{text}");
         assert!(
             text.contains(r#""m.d.c.c1.control.proplet.alive""#),
@@ -117,6 +174,17 @@ mod tests {
             text.contains(r#"{ user: "propeller", password: "s" }"#),
             "{text}"
         );
+        let now = chrono::Utc::now();
+        let rotated =
+            Credential::proplet("new").with_previous("old", now + chrono::Duration::minutes(5));
+        let during = render_authorization(&[("dev2".to_owned(), rotated.clone())], &[], now);
+        assert!(during.contains(r#"password: "old""#), "{during}");
+        let after = render_authorization(
+            &[("dev2".to_owned(), rotated)],
+            &[],
+            now + chrono::Duration::minutes(6),
+        );
+        assert!(after.contains(r#"password: "new""#), "{after}");
         let (publish, subscribe) = device_subjects("dev1", None);
         assert!(publish.iter().all(|s| !s.contains("manager")));
         assert!(subscribe.iter().all(|s| !s.contains("proplet.alive")));

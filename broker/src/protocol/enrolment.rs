@@ -4,10 +4,13 @@
 //! anyone may see (it names the token in lists and logs) and a 16-character secret only the
 //! holder knows (about 82 bits of entropy). Only a SHA-256 digest of the secret is stored.
 //!
-//! A device holding a token logs in with client id `enrol-<token id>-<nonce>`, username the
-//! same, password the whole token; that login may publish only on
-//! [`request_topic`]`(client id)` and subscribe only to [`reply_topic`]`(client id)`, so the
-//! reply, which carries the device's new key, reaches only the login that asked.
+//! A device holding a token logs in with client id `enrol-<token id>-<nonce>`, username
+//! `enrol-<token id>` ([`token_login_name`]: one name per token, as brokers with a static user
+//! list such as NATS need), password the whole token. That login may publish only on
+//! [`request_topic`]`(client id)` and subscribe only to [`reply_topic`]`(client id)` where the
+//! broker tells the client id, and to its token's enrolment topics where it tells only the
+//! username; either way the grant in the reply, which carries the device's new key, is sealed
+//! to a one-time key of the asking device ([`super::sealed_grant`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -143,6 +146,52 @@ pub fn enrol_client_token_id(client_id: &str) -> Option<&str> {
     enrol_client_parts(client_id).map(|(id, _)| id)
 }
 
+/// The username every enrolment login of token `id` gives: `enrol-<id>`.
+pub fn token_login_name(id: &str) -> String {
+    format!("{ENROL_CLIENT_PREFIX}{id}")
+}
+
+/// The token id a token login name ([`token_login_name`]) names.
+pub fn token_login_token_id(username: &str) -> Option<&str> {
+    username
+        .strip_prefix(ENROL_CLIENT_PREFIX)
+        .filter(|id| is_token_id(id))
+}
+
+/// Which leg of the exchange a topic is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnrolLeg {
+    /// The device's request (it publishes).
+    Request,
+    /// propeller's reply (the device subscribes).
+    Reply,
+}
+
+/// Whether the enrolment login `login` may use `topic` as `leg`: given its client id
+/// (`enrol-<id>-<nonce>`), exactly its own topic; given only its username (`enrol-<id>`,
+/// when the broker does not say the client id), any exchange of its token.
+pub fn enrol_topic_allowed(login: &str, topic: &str, leg: EnrolLeg) -> bool {
+    let suffix = match leg {
+        EnrolLeg::Request => "/request",
+        EnrolLeg::Reply => "/reply",
+    };
+    let Some((id, nonce)) = topic
+        .strip_prefix(ENROL_TOPIC_PREFIX)
+        .and_then(|rest| rest.strip_suffix(suffix))
+        .and_then(|rest| rest.split_once('/'))
+    else {
+        return false;
+    };
+    let asked = enrol_client_id(id, nonce);
+    if enrol_client_parts(&asked).is_none() {
+        return false;
+    }
+    match enrol_client_parts(login) {
+        Some(_) => login == asked,
+        None => token_login_token_id(login) == Some(id),
+    }
+}
+
 /// The client id an enrolling device uses for token `id`, with its own random `nonce`.
 pub fn enrol_client_id(id: &str, nonce: &str) -> String {
     format!("{ENROL_CLIENT_PREFIX}{id}-{nonce}")
@@ -235,6 +284,10 @@ pub struct EnrolRequest {
     /// The broker address the device enrolled through (kept in its Proplet).
     #[serde(default)]
     pub server: String,
+    /// The device's one-time public key the grant is sealed to
+    /// ([`super::sealed_grant::ReplyKey`]), base64.
+    #[serde(default)]
+    pub reply_key: String,
 }
 
 /// Reads an enrolment request's payload, bounded by [`MAX_REQUEST_BYTES`]; the error says
@@ -246,20 +299,24 @@ pub fn decode_request(payload: &[u8]) -> Result<Box<EnrolRequest>, String> {
             payload.len()
         ));
     }
-    serde_json::from_slice::<EnrolRequest>(payload)
-        .map(Box::new)
-        .map_err(|e| e.to_string())
+    let request = serde_json::from_slice::<EnrolRequest>(payload).map_err(|e| e.to_string())?;
+    super::sealed_grant::check_reply_key(&request.reply_key).map_err(|e| e.to_string())?;
+    Ok(Box::new(request))
 }
 
-/// The answer to an enrolment request.
+/// The answer to an enrolment request: with the grant in the clear as propeller decides it,
+/// and with a [`super::sealed_grant::SealedGrant`] on the wire ([`SealedReply`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub enum EnrolReply {
+pub enum EnrolReply<G = EnrolGrant> {
     /// Enrolled: the credentials to write and use from now on.
-    Enrolled(EnrolGrant),
+    Enrolled(G),
     /// Refused, with the reason to show the user.
     Refused(EnrolRefusal),
 }
+
+/// The answer as it crosses the broker: the grant sealed to the asking device.
+pub type SealedReply = EnrolReply<super::sealed_grant::SealedGrant>;
 
 /// What an enrolled device needs to connect as itself.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -417,6 +474,63 @@ mod tests {
             request_topic_client("propeller/enrol/abcdef/n0nce123/x/request"),
             None
         );
+        assert_eq!(token_login_name("abcdef"), "enrol-abcdef");
+        assert_eq!(token_login_token_id("enrol-abcdef"), Some("abcdef"));
+        assert_eq!(token_login_token_id(&client), None);
+        assert_eq!(token_login_token_id("enrol-ABCDEF"), None);
+    }
+
+    #[test]
+    fn a_login_uses_its_own_exchange_or_with_only_its_username_its_tokens() {
+        let mine = "propeller/enrol/abcdef/n0nce123/reply";
+        let sibling = "propeller/enrol/abcdef/other123/reply";
+        let foreign = "propeller/enrol/zzzzzz/n0nce123/reply";
+        let client = "enrol-abcdef-n0nce123";
+        assert!(enrol_topic_allowed(client, mine, EnrolLeg::Reply));
+        assert!(!enrol_topic_allowed(client, sibling, EnrolLeg::Reply));
+        assert!(!enrol_topic_allowed(client, mine, EnrolLeg::Request));
+        assert!(enrol_topic_allowed(
+            client,
+            "propeller/enrol/abcdef/n0nce123/request",
+            EnrolLeg::Request
+        ));
+        assert!(enrol_topic_allowed("enrol-abcdef", mine, EnrolLeg::Reply));
+        assert!(enrol_topic_allowed(
+            "enrol-abcdef",
+            sibling,
+            EnrolLeg::Reply
+        ));
+        assert!(!enrol_topic_allowed(
+            "enrol-abcdef",
+            foreign,
+            EnrolLeg::Reply
+        ));
+        for bad in [
+            "propeller/enrol/abcdef/+/reply",
+            "propeller/enrol/abcdef/#",
+            "propeller/enrol/abcdef/n0nce123/x/reply",
+            "propeller/enrol/abcdef/short/reply",
+        ] {
+            assert!(
+                !enrol_topic_allowed("enrol-abcdef", bad, EnrolLeg::Reply),
+                "{bad}"
+            );
+        }
+        assert!(!enrol_topic_allowed("pi-1", mine, EnrolLeg::Reply));
+    }
+
+    #[test]
+    fn a_request_without_a_reply_key_is_refused_with_what_to_do() {
+        let request =
+            serde_json::json!({"machineId": "m", "hostname": "h", "arch": "amd64", "os": "linux"});
+        let error = decode_request(request.to_string().as_bytes()).expect_err("no reply key");
+        assert!(error.contains("update proplet"), "{error}");
+        let key = crate::protocol::sealed_grant::ReplyKey::generate();
+        let mut with_key = request;
+        with_key["replyKey"] = key.public().into();
+        let decoded =
+            decode_request(with_key.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(decoded.reply_key, key.public());
     }
 
     #[test]

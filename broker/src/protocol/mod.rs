@@ -19,6 +19,7 @@ mod fields;
 mod fl;
 mod registry;
 mod reports;
+pub mod sealed_grant;
 mod time;
 mod topics;
 

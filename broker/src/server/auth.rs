@@ -110,6 +110,17 @@ impl Credential {
         &self.key
     }
 
+    /// The one key a broker that holds a single password per client (NATS's rendered users)
+    /// must accept at `now`: the replaced key while its grace lasts (the connected device keeps
+    /// its session and is sent its new key over it; an agent whose new key is refused logs in
+    /// with the old one), then the current key. Never log it.
+    pub fn single_key(&self, now: chrono::DateTime<chrono::Utc>) -> &str {
+        match &self.previous {
+            Some((previous, until)) if now < *until => previous,
+            _ => &self.key,
+        }
+    }
+
     /// The channel a device is bound to, if any.
     pub fn scope(&self) -> Option<&ChannelScope> {
         self.scope.as_ref()
@@ -145,6 +156,7 @@ impl fmt::Debug for Credential {
 #[derive(Debug, Clone)]
 pub struct TokenCredential {
     digest: String,
+    bcrypt: Option<String>,
     require_tls: bool,
     attempts: Arc<TokenAttempts>,
 }
@@ -155,9 +167,22 @@ impl TokenCredential {
     pub fn new(digest: impl Into<String>, require_tls: bool) -> Self {
         Self {
             digest: digest.into(),
+            bcrypt: None,
             require_tls,
             attempts: Arc::default(),
         }
+    }
+
+    /// The same token with the bcrypt hash of the whole token, for brokers that check a
+    /// rendered password themselves (NATS).
+    pub fn with_bcrypt(mut self, hash: Option<String>) -> Self {
+        self.bcrypt = hash;
+        self
+    }
+
+    /// The bcrypt hash of the whole token, when the token has one.
+    pub fn bcrypt(&self) -> Option<&str> {
+        self.bcrypt.as_deref()
     }
 }
 
@@ -229,7 +254,7 @@ pub enum Transport {
 pub enum AuthFailure {
     /// No username or password was given.
     Anonymous,
-    /// The username is not the client id.
+    /// The username is not the client id (for an enrolment login: not its token's login name).
     UsernameMismatch,
     /// No credential exists for the client id.
     UnknownClient,
@@ -282,8 +307,9 @@ pub fn login(
 }
 
 /// Like [`login`], for a connection that came over `transport`. A client id of the form
-/// `enrol-<token id>-<nonce>` is an enrolment login: its password must be that bootstrap
-/// token, over TLS unless the token allows plain TCP, and it gets [`Role::Enrolee`].
+/// `enrol-<token id>-<nonce>` is an enrolment login: its username must be `enrol-<token id>`,
+/// its password that bootstrap token, over TLS unless the token allows plain TCP, and it gets
+/// [`Role::Enrolee`].
 pub fn login_over(
     source: &dyn CredentialSource,
     client_id: &str,
@@ -294,11 +320,14 @@ pub fn login_over(
     if username.is_empty() && password.is_empty() {
         return Err(AuthFailure::Anonymous);
     }
+    if let Some(token_id) = crate::protocol::enrolment::enrol_client_token_id(client_id) {
+        if username != crate::protocol::enrolment::token_login_name(token_id) {
+            return Err(AuthFailure::UsernameMismatch);
+        }
+        return token_login(source, token_id, password, transport);
+    }
     if username != client_id {
         return Err(AuthFailure::UsernameMismatch);
-    }
-    if let Some(token_id) = crate::protocol::enrolment::enrol_client_token_id(client_id) {
-        return token_login(source, token_id, password, transport);
     }
     let credential = source.lookup(client_id).ok_or(AuthFailure::UnknownClient)?;
     if credential.accepts(password) {
@@ -334,11 +363,13 @@ fn token_login(
 }
 
 /// The credential a client that already logged in holds, by its username (for a broker's
-/// later checks, which carry no password): its own, or for an enrolment login whose token
-/// still exists, [`Role::Enrolee`].
+/// later checks, which carry no password): its own, or for an enrolment login (its username
+/// `enrol-<token id>`, or its client id where a broker gives that instead) whose token still
+/// exists, [`Role::Enrolee`].
 pub fn known_credential(source: &dyn CredentialSource, username: &str) -> Option<Credential> {
     source.lookup(username).or_else(|| {
-        let token = crate::protocol::enrolment::enrol_client_token_id(username)?;
+        let token = crate::protocol::enrolment::token_login_token_id(username)
+            .or_else(|| crate::protocol::enrolment::enrol_client_token_id(username))?;
         source
             .lookup_token(token)
             .map(|_| Credential::new(String::new(), Role::Enrolee))
@@ -474,10 +505,9 @@ impl CredentialStore {
         }
         if current.tokens.len() != next.len()
             || next.iter().any(|(id, t)| {
-                current
-                    .tokens
-                    .get(id)
-                    .is_none_or(|o| o.digest != t.digest || o.require_tls != t.require_tls)
+                current.tokens.get(id).is_none_or(|o| {
+                    o.digest != t.digest || o.bcrypt != t.bcrypt || o.require_tls != t.require_tls
+                })
             })
         {
             current.generation += 1;

@@ -6,7 +6,8 @@
 //! and a refused subscription filter is rewritten to an inert literal topic.
 
 use crate::protocol::enrolment::{
-    decode_request, key_topic, reply_topic, request_topic, KEY_TOPIC_PREFIX,
+    decode_request, enrol_topic_allowed, key_topic, reply_topic, request_topic, EnrolLeg,
+    KEY_TOPIC_PREFIX,
 };
 use crate::protocol::{classify, Decoder, TopicKind};
 
@@ -229,10 +230,11 @@ pub fn may_access_topic(
     match credential.role() {
         Role::Service => return true,
         Role::Enrolee => {
-            return match access {
-                TopicAccess::Publish => topic == request_topic(client_id),
-                TopicAccess::Subscribe => topic == reply_topic(client_id),
-            }
+            let leg = match access {
+                TopicAccess::Publish => EnrolLeg::Request,
+                TopicAccess::Subscribe => EnrolLeg::Reply,
+            };
+            return enrol_topic_allowed(client_id, topic, leg);
         }
         Role::Proplet => {}
     }

@@ -56,6 +56,9 @@ pub struct TokenRecord {
     pub id: String,
     /// The hex SHA-256 digest of the secret.
     pub secret_digest: String,
+    /// The bcrypt hash of the whole token, rendered for brokers that check passwords
+    /// themselves (NATS); tokens made before it existed have none.
+    pub secret_bcrypt: Option<String>,
     /// When it stops working; `None`: never.
     pub expires: Option<DateTime<Utc>>,
     /// How many devices it may enrol; `None`: any number.
@@ -102,6 +105,9 @@ impl TokenRecord {
         };
         put("token-id", self.id.clone());
         put("secret-digest", self.secret_digest.clone());
+        if let Some(hash) = &self.secret_bcrypt {
+            put("secret-bcrypt", hash.clone());
+        }
         if let Some(expires) = self.expires {
             put(
                 "expiration",
@@ -179,6 +185,7 @@ impl TokenRecord {
         Ok(Self {
             id,
             secret_digest: required("secret-digest")?,
+            secret_bcrypt: field("secret-bcrypt"),
             expires,
             usage_limit: number("usage-limit")?,
             uses: number("uses")?.unwrap_or(0),
@@ -540,6 +547,7 @@ mod tests {
         TokenRecord {
             id: "abcdef".into(),
             secret_digest: "00".repeat(32),
+            secret_bcrypt: Some("$2b$06$h".into()),
             expires: Some(now() + chrono::Duration::hours(1)),
             usage_limit: Some(2),
             uses: 0,
@@ -563,6 +571,7 @@ mod tests {
             cpus: 4,
             agent_version: "0.1.0".into(),
             server: "mqtts://b:8883".into(),
+            reply_key: String::new(),
         }
     }
 

@@ -120,6 +120,30 @@ fn evaluate_approval(
 }
 
 /// What the driver knows about a proplet beyond the object itself.
+/// How long the first status of an enrolled device waits for the device to be heard.
+pub const FIRST_CONTACT_WAIT: Duration = Duration::from_secs(10);
+
+/// An enrolled device logs in the moment it has its key: until it is heard, or
+/// [`FIRST_CONTACT_WAIT`] after its Proplet was created, its first status waits (the time
+/// returned), so that one write says Running instead of two saying Initializing, then Running.
+fn awaiting_first_contact(
+    proplet: &Proplet,
+    observed: &ExternalObservation,
+    now: DateTime<Utc>,
+) -> Option<DateTime<Utc>> {
+    let enrolled = proplet
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(super::enrolment::ENROLLED_WITH_LABEL));
+    if !enrolled || proplet.status.is_some() || !observed.heartbeats.is_empty() {
+        return None;
+    }
+    let created = super::conditions::from_k8s_time(proplet.metadata.creation_timestamp.as_ref()?)?;
+    let until = created + chrono::Duration::from_std(FIRST_CONTACT_WAIT).ok()?;
+    (now < until).then_some(until)
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct PropletObservations {
     /// Broker events not yet reflected in the status (external proplets).
@@ -197,6 +221,10 @@ pub fn plan(
             evaluate_k8s(&mut desired, &deployment, generation, now);
         }
         PropletType::External => {
+            if let Some(until) = awaiting_first_contact(proplet, &observed.external, now) {
+                plan.look_again_by(until);
+                return plan;
+            }
             plan.requeue_at = evaluate_external(
                 &mut desired,
                 &observed.external,
@@ -279,5 +307,62 @@ mod tests {
         assert!(wakes_waiting_tasks(Some(Offline), Running));
         assert!(!wakes_waiting_tasks(Some(Running), Running));
         assert!(!wakes_waiting_tasks(Some(Running), Offline));
+    }
+
+    #[test]
+    fn an_enrolled_devices_first_status_waits_for_the_device_and_says_running() {
+        let created = Utc::now();
+        let proplet = |enrolled: bool| -> Proplet {
+            let labels = if enrolled {
+                serde_json::json!({ super::super::enrolment::ENROLLED_WITH_LABEL: "abcdef" })
+            } else {
+                serde_json::json!({})
+            };
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "propeller.absmach.eu/v1alpha1",
+                "kind": "Proplet",
+                "metadata": {
+                    "name": "pi-1", "namespace": "default", "labels": labels,
+                    "creationTimestamp": created.to_rfc3339(),
+                },
+                "spec": { "type": "external", "connectionConfig": { "mqttAddress": "tcp://b:1883", "channelId": "c" } },
+            }))
+            .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let settings = PropletSettings {
+            last_seen_threshold: Duration::from_secs(30),
+            status_flush_interval: Duration::from_secs(5),
+            routine_writes_per_second: 0,
+        };
+        let unheard = PropletObservations::default();
+        let soon = created + chrono::Duration::seconds(1);
+        let waiting = plan(&proplet(true), &unheard, &settings, soon);
+        assert_eq!(waiting.status, None, "no Initializing write");
+        let wait = chrono::Duration::from_std(FIRST_CONTACT_WAIT).unwrap_or_default();
+        assert_eq!(waiting.requeue_at, Some(created + wait));
+        let heard = PropletObservations {
+            external: ExternalObservation {
+                heartbeats: vec![soon],
+                offline_at: None,
+            },
+            ..PropletObservations::default()
+        };
+        let first = plan(&proplet(true), &heard, &settings, soon);
+        assert_eq!(
+            first.status.map(|s| s.phase),
+            Some(PropletPhase::Running),
+            "the first write says Running"
+        );
+        let late = plan(&proplet(true), &unheard, &settings, created + wait);
+        assert_eq!(
+            late.status.map(|s| s.phase),
+            Some(PropletPhase::Initializing),
+            "a device not heard within the wait is shown waiting"
+        );
+        let by_hand = plan(&proplet(false), &unheard, &settings, soon);
+        assert!(
+            by_hand.status.is_some(),
+            "a Proplet made by hand is written at once"
+        );
     }
 }

@@ -4,7 +4,7 @@
 //! a reload command after each change.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,9 +13,12 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::ListParams;
 use kube::Api;
 use propeller_broker::external::nats_config::render_authorization;
+use propeller_broker::private_file::write_private;
 use propeller_broker::server::{load_credentials_file, Credential, CredentialStore};
 use propeller_operator::crd::proplet::{ClientKeySource, Proplet};
 use propeller_operator::credentials::credential_table;
+use propeller_operator::decision::enrolment::TOKEN_LABEL;
+use propeller_operator::enrolment::token_table;
 use tracing::{info, warn};
 
 /// How often the rendered file is compared with the credential table.
@@ -40,6 +43,10 @@ pub struct BrokerConfigCommand {
     /// TOML file of service clients (propeller's own login among them) to include.
     #[arg(long, env = "PROPELLER_CREDENTIALS")]
     pub credentials: Option<PathBuf>,
+    /// Namespace of the bootstrap token Secrets (as `propeller run --token-namespace`): the
+    /// --namespace, else the client's default namespace, when unset.
+    #[arg(long, env = "PROPELLER_TOKEN_NAMESPACE")]
+    pub token_namespace: Option<String>,
 }
 
 /// Prints the configuration for the Proplets (and their Secrets) of the cluster.
@@ -89,8 +96,25 @@ pub async fn print(cmd: BrokerConfigCommand) -> anyhow::Result<()> {
         entries.extend(load_credentials_file(path)?);
     }
     entries.sort_by(|a, b| a.0.cmp(&b.0));
+    let token_namespace = cmd
+        .token_namespace
+        .clone()
+        .or_else(|| cmd.namespace.clone())
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    let token_secrets = Api::<Secret>::namespaced(client.clone(), &token_namespace)
+        .list(&ListParams::default().labels(TOKEN_LABEL))
+        .await
+        .with_context(|| format!("listing bootstrap tokens in {token_namespace}"))?
+        .items;
+    let mut tokens: Vec<_> = token_table(&token_secrets, &token_namespace)
+        .into_iter()
+        .collect();
+    tokens.sort_by(|a, b| a.0.cmp(&b.0));
     match cmd.format {
-        ConfigFormat::Nats => print!("{}", render_authorization(&entries)),
+        ConfigFormat::Nats => print!(
+            "{}",
+            render_authorization(&entries, &tokens, chrono::Utc::now())
+        ),
     }
     Ok(())
 }
@@ -112,19 +136,27 @@ pub async fn keep_rendered(
         tokio::time::sleep(RENDER_EVERY / 10).await;
     }
     let mut rendered_at = None;
+    // The end of the first rotation's grace in the last rendering: the device's rendered key
+    // changes then, though the tables do not.
+    let mut grace_ends: Option<chrono::DateTime<chrono::Utc>> = None;
     loop {
         let generations = (proplets.generation(), services.generation());
-        if rendered_at == Some(generations) {
+        let now = chrono::Utc::now();
+        if rendered_at == Some(generations) && grace_ends.is_none_or(|end| now < end) {
             tokio::time::sleep(RENDER_EVERY).await;
             continue;
         }
         let mut entries = proplets.snapshot();
         entries.extend(services.snapshot());
-        let text = render_authorization(&entries);
+        grace_ends = entries
+            .iter()
+            .filter_map(|(_, credential)| credential.previous_valid_until(now))
+            .min();
+        let text = render_authorization(&entries, &proplets.token_snapshot(), now);
         if written.as_deref() == Some(text.as_str()) {
             rendered_at = Some(generations);
         } else {
-            match write_atomically(&path, &text) {
+            match write_private(&path, text.as_bytes()) {
                 Ok(()) => {
                     info!(path = %path.display(), users = entries.len(), "broker configuration written");
                     if let Some(command) = &reload {
@@ -140,12 +172,6 @@ pub async fn keep_rendered(
         }
         tokio::time::sleep(RENDER_EVERY).await;
     }
-}
-
-fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
-    let temporary = path.with_extension("tmp");
-    std::fs::write(&temporary, text).with_context(|| format!("writing {}", temporary.display()))?;
-    std::fs::rename(&temporary, path).with_context(|| format!("replacing {}", path.display()))
 }
 
 async fn run_reload(command: &str) {

@@ -7,7 +7,6 @@ pub mod device_broker;
 pub mod external_args;
 pub mod image_args;
 pub mod logging;
-pub mod private_file;
 pub mod random;
 pub mod reconcile_args;
 pub mod run;

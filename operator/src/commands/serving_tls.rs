@@ -43,7 +43,7 @@ pub fn serving_files(dir: &Path, names: &[String]) -> anyhow::Result<ServingFile
     let cert = params
         .signed_by(&key, &issuer)
         .context("signing the server certificate")?;
-    super::private_file::write_private(&files.key, &key.serialize_pem())?;
+    propeller_broker::private_file::write_private(&files.key, key.serialize_pem().as_bytes())?;
     std::fs::write(&files.cert, cert.pem())
         .with_context(|| format!("writing {}", files.cert.display()))?;
     std::fs::write(&files.ca, ca.pem())

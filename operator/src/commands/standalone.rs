@@ -129,7 +129,7 @@ fn token(dir: &Path) -> anyhow::Result<String> {
         return Ok(existing.trim().to_owned());
     }
     let token = super::random::random_hex(24)?;
-    super::private_file::write_private(&path, &token)?;
+    propeller_broker::private_file::write_private(&path, token.as_bytes())?;
     Ok(token)
 }
 
