@@ -430,3 +430,113 @@ fn a_rotated_key_reaches_the_agent_and_the_old_one_works_only_for_the_grace_peri
     wait_for_phase(&server.api, server_dir, &name, "Running");
     drop(agent);
 }
+
+/// The README's "Add a device" commands, as a user types them: the server with a TLS
+/// listener, a token, and `proplet join` with the token and the server's CA beside the agent.
+/// Only what a test must change is changed: the listeners' ports (ephemeral), the name the
+/// device dials (`localhost` for `broker.example`), the token pasted in, the device's state
+/// directory (`PROPLET_STATE_DIR`, not the machine's `/var/lib/proplet`).
+#[test]
+fn the_readme_add_a_device_steps_run_as_written() {
+    let blocks = support::readme_blocks("add-device");
+    assert_eq!(blocks.len(), 3, "server, token, join: {blocks:#?}");
+    let work = tempfile::tempdir().expect("temp dir");
+    let root = support::repo_root();
+    std::os::unix::fs::symlink(root.join("target"), work.path().join("target")).expect("symlink");
+    let port = || support::envtest::free_port().to_string();
+    let (api_port, mqtt_port, tls_port) = (port(), port(), port());
+    let api = format!("127.0.0.1:{api_port}");
+    let server = blocks[0]
+        .replace("8883", &tls_port)
+        .replace("broker.example", "localhost");
+    let token = blocks[1].trim();
+    let join = blocks[2]
+        .replace("8883", &tls_port)
+        .replace("broker.example", "localhost")
+        .replace("<token>", "\"$TOKEN\"");
+    let script = format!(
+        "set -euo pipefail\n{server_cmd} &\n\
+         for _ in $(seq 1 150); do\n  \
+           [ -f propeller-data/tls/ca.pem ] && (exec 3<>/dev/tcp/127.0.0.1/{tls_port}) 2>/dev/null && break\n  \
+           sleep 0.2\n\
+         done\n\
+         TOKEN=$({token})\n\
+         mkdir -p device && cp propeller-data/tls/ca.pem device/ && cd device\n\
+         {join}\n",
+        server_cmd = server.trim(),
+    );
+    let bin_dir = root.join("target/debug");
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = std::process::Command::new("timeout");
+    cmd.args(["120", "bash", "-c", &script])
+        .current_dir(work.path())
+        .env("PATH", path)
+        .env("PROPELLER_API_LISTEN", &api)
+        .env("PROPELLER_API", &api)
+        .env("PROPELLER_MQTT_LISTEN", format!("127.0.0.1:{mqtt_port}"))
+        .env("PROPLET_STATE_DIR", work.path().join("device/state"))
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(work.path().join("steps.out")).expect("output file"))
+        .stderr(std::fs::File::create(work.path().join("steps.err")).expect("output file"));
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    support::pdeathsig(&mut cmd);
+    let mut child = cmd.spawn().expect("run bash");
+    let group = child.id();
+    let stop = || {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", "--", &format!("-{group}")])
+            .status();
+    };
+    let data = work.path().join("propeller-data");
+    let started = std::time::Instant::now();
+    let running = loop {
+        let (ok, out, _) =
+            support::propeller_client(&api, &data, &["get", "proplets", "-o", "json"]);
+        let list: serde_json::Value = if ok {
+            serde_json::from_str(&out).unwrap_or_default()
+        } else {
+            serde_json::Value::Null
+        };
+        let found = list.as_array().and_then(|items| {
+            items
+                .iter()
+                .find(|p| {
+                    p["metadata"]["labels"]["site"] == "lab" && p["status"]["phase"] == "Running"
+                })
+                .cloned()
+        });
+        if let Some(proplet) = found {
+            break proplet;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(60)
+            || child.try_wait().ok().flatten().is_some()
+        {
+            stop();
+            let _ = child.wait();
+            let said = std::fs::read_to_string(work.path().join("steps.err")).unwrap_or_default();
+            let tail: Vec<&str> = said.lines().rev().take(40).collect();
+            panic!(
+                "no Running proplet labelled site=lab after the README's steps; they said:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    stop();
+    let _ = child.wait();
+    let labels = &running["metadata"]["labels"];
+    assert_eq!(labels["kubernetes.io/os"], "linux", "{running:#}");
+    assert!(labels["kubernetes.io/arch"].is_string(), "{running:#}");
+    let credentials = work.path().join("device/state/credentials.toml");
+    assert!(credentials.exists(), "the device kept its credentials");
+    println!(
+        "README 'Add a device': {} Running with site=lab {:?} after the steps began",
+        running["metadata"]["name"].as_str().unwrap_or_default(),
+        started.elapsed()
+    );
+}

@@ -26,28 +26,7 @@ const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-li
 
 /// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the README.
 fn readme_steps(name: &str) -> String {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
-    let begin = format!("<!-- in-cluster:{name}:begin -->");
-    let end = format!("<!-- in-cluster:{name}:end -->");
-    let start = readme
-        .find(&begin)
-        .unwrap_or_else(|| panic!("README has no {begin}"));
-    let stop = readme[start..]
-        .find(&end)
-        .unwrap_or_else(|| panic!("README has no {end}"));
-    let mut commands = String::new();
-    let mut in_code = false;
-    for line in readme[start..start + stop].lines() {
-        let line = line.trim();
-        if line.starts_with("```") {
-            in_code = !in_code;
-        } else if in_code {
-            commands.push_str(line);
-            commands.push('\n');
-        }
-    }
-    assert!(!commands.is_empty(), "README step {name} has no commands");
-    commands
+    support::readme_blocks(&format!("in-cluster:{name}")).concat()
 }
 
 /// Where helm and kubectl run: a scratch directory that sees the repository's `configs/`.

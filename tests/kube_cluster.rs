@@ -759,27 +759,7 @@ fn the_api_server_and_client_side_admission_judge_every_case_alike() {
 
 /// The shell blocks of the README between the `k8s-steps` markers, in order.
 fn readme_steps() -> String {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("read README.md");
-    let begin = readme
-        .find("<!-- k8s-steps:begin -->")
-        .expect("README has the k8s-steps:begin marker");
-    let end = readme
-        .find("<!-- k8s-steps:end -->")
-        .expect("README has the k8s-steps:end marker");
-    let mut script = String::new();
-    let mut inside = false;
-    for line in readme[begin..end].lines() {
-        match (inside, line.trim_start()) {
-            (false, "```sh") => inside = true,
-            (true, "```") => inside = false,
-            (true, _) => {
-                script.push_str(line);
-                script.push('\n');
-            }
-            _ => {}
-        }
-    }
-    script
+    support::readme_blocks("k8s-steps").concat()
 }
 
 #[test]

@@ -46,6 +46,37 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The shell blocks (```` ```sh ````) of the README between `<!-- NAME:begin -->` and
+/// `<!-- NAME:end -->`, in order, each as its text.
+pub fn readme_blocks(name: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let begin = format!("<!-- {name}:begin -->");
+    let end = format!("<!-- {name}:end -->");
+    let start = readme
+        .find(&begin)
+        .unwrap_or_else(|| panic!("README has no {begin}"));
+    let stop = readme[start..]
+        .find(&end)
+        .unwrap_or_else(|| panic!("README has no {end}"));
+    let mut blocks = Vec::new();
+    // The block being read, and the indentation of its fence (a block in a list item).
+    let mut current: Option<(String, usize)> = None;
+    for line in readme[start..start + stop].lines() {
+        let indent = line.len() - line.trim_start().len();
+        match (current.as_mut(), line.trim()) {
+            (None, "```sh") => current = Some((String::new(), indent)),
+            (Some(_), "```") => blocks.extend(current.take().map(|(block, _)| block)),
+            (Some((block, fence)), _) => {
+                block.push_str(&line[indent.min(*fence)..]);
+                block.push('\n');
+            }
+            (None, _) => {}
+        }
+    }
+    assert!(!blocks.is_empty(), "README section {name} has no sh blocks");
+    blocks
+}
+
 /// A child process killed when dropped, with its output lines delivered on channels.
 pub struct Running {
     pub child: Child,
