@@ -431,14 +431,15 @@ fn a_rotated_key_reaches_the_agent_and_the_old_one_works_only_for_the_grace_peri
     drop(agent);
 }
 
-/// The README's "Add a device" commands, as a user types them: the server with a TLS
-/// listener, a token, and `proplet join` with the token and the server's CA beside the agent.
+/// The book's "Add a device" commands (`docs/src/devices.md`), as a user types them: the
+/// server with a TLS listener, a token, and `proplet join` with the token and the server's CA
+/// beside the agent.
 /// Only what a test must change is changed: the listeners' ports (ephemeral), the name the
 /// device dials (`localhost` for `broker.example`), the token pasted in, the device's state
 /// directory (`PROPLET_STATE_DIR`, not the machine's `/var/lib/proplet`).
 #[test]
 fn the_readme_add_a_device_steps_run_as_written() {
-    let blocks = support::readme_blocks("add-device");
+    let blocks = support::doc_blocks("add-device");
     assert_eq!(blocks.len(), 3, "server, token, join: {blocks:#?}");
     let work = tempfile::tempdir().expect("temp dir");
     let root = support::repo_root();
@@ -521,7 +522,7 @@ fn the_readme_add_a_device_steps_run_as_written() {
             let said = std::fs::read_to_string(work.path().join("steps.err")).unwrap_or_default();
             let tail: Vec<&str> = said.lines().rev().take(40).collect();
             panic!(
-                "no Running proplet labelled site=lab after the README's steps; they said:\n{}",
+                "no Running proplet labelled site=lab after the book's steps; they said:\n{}",
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             );
         }
@@ -535,7 +536,7 @@ fn the_readme_add_a_device_steps_run_as_written() {
     let credentials = work.path().join("device/state/credentials.toml");
     assert!(credentials.exists(), "the device kept its credentials");
     println!(
-        "README 'Add a device': {} Running with site=lab {:?} after the steps began",
+        "the book's 'Add a device': {} Running with site=lab {:?} after the steps began",
         running["metadata"]["name"].as_str().unwrap_or_default(),
         started.elapsed()
     );

@@ -1,6 +1,6 @@
 //! Propeller deployed as users deploy it, on a real single-node cluster (kubelet,
 //! containerd, kube-proxy, cluster DNS: `../shared/envtest/node`): the images built from our
-//! Dockerfiles' runtime stage, the chart installed with the README's commands, an agent pod
+//! Dockerfiles' runtime stage, the chart installed with the book's commands, an agent pod
 //! the operator runs, tasks as Job pods, a device outside the cluster over TLS through a
 //! NodePort, an upgrade while tasks run, and the uninstall.
 //!
@@ -24,9 +24,10 @@ const RESULT_WORKLOAD: &str = "localhost/propeller-job-result:t1";
 /// The devices' agents, cross-built by `scripts/build-agent-cross.sh` (profile dev here).
 const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"];
 
-/// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the README.
+/// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the book's
+/// Kubernetes page (`docs/src/kubernetes.md`).
 fn readme_steps(name: &str) -> String {
-    support::readme_blocks(&format!("in-cluster:{name}")).concat()
+    support::doc_blocks(&format!("in-cluster:{name}")).concat()
 }
 
 /// Where helm and kubectl run: a scratch directory that sees the repository's `configs/`.
@@ -47,7 +48,7 @@ impl Workspace {
         self.dir.path()
     }
 
-    /// Runs shell commands (README steps) with kubectl and helm on the node.
+    /// Runs shell commands (the book's steps) with kubectl and helm on the node.
     fn run(&self, node: &Node, script: &str) -> String {
         let helm_dir = self.helm.parent().expect("helm dir");
         let path = format!(
@@ -272,7 +273,7 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
         build_images(&node, work.path())
     });
 
-    // The README's install, with the local image instead of a registry's.
+    // The book's install, with the local image instead of a registry's.
     let install = readme_steps("install");
     let local = install
         .replace(
@@ -282,7 +283,7 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
         .replace("image.tag=latest", "image.tag=t1");
     assert_ne!(
         local, install,
-        "the README's install names no image to replace"
+        "the book's install names no image to replace"
     );
     let operator = stage("helm install to a Ready operator", || {
         work.run(&node, &local);

@@ -260,7 +260,7 @@ fn external_proplets_run_tasks_dags_broadcasts_and_jobs_through_the_operator() {
     wait_phase(&cp, ns, "proplet", "edge-a", "Running");
     wait_phase(&cp, ns, "proplet", "edge-b", "Running");
 
-    // The quick start's task, exactly as the README applies it.
+    // The quick start's task, exactly as the book's Kubernetes steps apply it.
     cp.kubectl_ok(&["-n", ns, "apply", "-f", "configs/samples/task-add.yaml"]);
     let add = wait_phase(&cp, ns, "task", "wasm-add", "completed");
     assert_eq!(add["status"]["results"], "42", "{:#}", add["status"]);
@@ -757,9 +757,10 @@ fn the_api_server_and_client_side_admission_judge_every_case_alike() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// The shell blocks of the README between the `k8s-steps` markers, in order.
+/// The shell blocks of the book's Kubernetes page (`docs/src/kubernetes.md`) between the
+/// `k8s-steps` markers, in order.
 fn readme_steps() -> String {
-    support::readme_blocks("k8s-steps").concat()
+    support::doc_blocks("k8s-steps").concat()
 }
 
 #[test]
@@ -799,7 +800,7 @@ fn the_readme_kubernetes_steps_run_as_written() {
     let stderr = std::fs::read_to_string(work.join("steps.err")).unwrap_or_default();
     assert!(
         status.success(),
-        "the README's steps failed ({status}):\n{stdout}\n{}",
+        "the book's Kubernetes steps failed ({status}):\n{stdout}\n{}",
         shorten_tail(&stderr)
     );
     assert_eq!(stdout.lines().last(), Some("42"), "{stdout}");
@@ -1273,7 +1274,7 @@ fn the_helm_chart_lints_renders_and_passes_a_server_side_dry_run() {
 /// `propeller run` (as the ServiceAccount, leading) on a 3-node NATS cluster instead of the
 /// embedded broker: `--device-auth rendered` keeps the servers' authorization current from
 /// the Proplets and their Secrets, agents on different nodes log in with their Proplets'
-/// keys, and the README's task completes. `/readyz` follows the broker session and
+/// keys, and the quick start's task completes. `/readyz` follows the broker session and
 /// `/metrics` shows it; `propeller broker-config` prints the same users from the cluster.
 #[test]
 fn the_operator_runs_devices_through_an_external_nats_cluster() {

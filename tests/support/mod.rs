@@ -46,22 +46,50 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The shell blocks (```` ```sh ````) of the README between `<!-- NAME:begin -->` and
-/// `<!-- NAME:end -->`, in order, each as its text.
-pub fn readme_blocks(name: &str) -> Vec<String> {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+/// The shell blocks (```` ```sh ````) between `<!-- NAME:begin -->` and `<!-- NAME:end -->`,
+/// in order, each as its text, from the one file that has the begin marker: a page of the
+/// book (every `*.md` under `docs/src`, sorted by path) or `README.md`.
+pub fn doc_blocks(name: &str) -> Vec<String> {
+    let root = repo_root();
     let begin = format!("<!-- {name}:begin -->");
     let end = format!("<!-- {name}:end -->");
-    let start = readme
-        .find(&begin)
-        .unwrap_or_else(|| panic!("README has no {begin}"));
-    let stop = readme[start..]
+    let mut files = Vec::new();
+    markdown_files(&root.join("docs/src"), &mut files);
+    files.sort();
+    files.push(root.join("README.md"));
+    let mut holders: Vec<(String, String)> = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(&path).expect("a page of the book");
+        let shown = path
+            .strip_prefix(&root)
+            .unwrap_or(&path)
+            .display()
+            .to_string();
+        for _ in text.matches(&begin) {
+            holders.push((shown.clone(), text.clone()));
+        }
+    }
+    let (file, text) = match holders.len() {
+        1 => holders.remove(0),
+        0 => panic!("no file under docs/src nor README.md has {begin}"),
+        _ => panic!(
+            "{begin} is there {} times, it must be once: {}",
+            holders.len(),
+            holders
+                .iter()
+                .map(|(file, _)| file.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let start = text.find(&begin).expect("the begin marker found above");
+    let stop = text[start..]
         .find(&end)
-        .unwrap_or_else(|| panic!("README has no {end}"));
+        .unwrap_or_else(|| panic!("{file} has {begin} but no {end} after it"));
     let mut blocks = Vec::new();
     // The block being read, and the indentation of its fence (a block in a list item).
     let mut current: Option<(String, usize)> = None;
-    for line in readme[start..start + stop].lines() {
+    for line in text[start..start + stop].lines() {
         let indent = line.len() - line.trim_start().len();
         match (current.as_mut(), line.trim()) {
             (None, "```sh") => current = Some((String::new(), indent)),
@@ -73,8 +101,21 @@ pub fn readme_blocks(name: &str) -> Vec<String> {
             (None, _) => {}
         }
     }
-    assert!(!blocks.is_empty(), "README section {name} has no sh blocks");
+    assert!(!blocks.is_empty(), "{file}: section {name} has no sh blocks");
     blocks
+}
+
+/// Every `*.md` file under `dir`, its subdirectories included.
+fn markdown_files(dir: &std::path::Path, out: &mut Vec<PathBuf>) {
+    let entries = std::fs::read_dir(dir).expect("the book's directory, docs/src");
+    for entry in entries {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            markdown_files(&path, out);
+        } else if path.extension().is_some_and(|ext| ext == "md") {
+            out.push(path);
+        }
+    }
 }
 
 /// A child process killed when dropped, with its output lines delivered on channels.

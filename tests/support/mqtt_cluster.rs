@@ -1,7 +1,7 @@
 #![allow(dead_code)]
 //! Real 3-node MQTT broker clusters for tests: RabbitMQ 3.10 (`rabbitmq_mqtt` with the HTTP
-//! auth backend) and NATS 2.9 (JetStream + MQTT), set up as the README's "Scaling out"
-//! describes.
+//! auth backend) and NATS 2.9 (JetStream + MQTT), set up as the book's "Scaling out"
+//! (`docs/src/scaling-out.md`) describes.
 //!
 //! Every server listens on loopback ports chosen with [`free_port`], keeps its files in a
 //! fresh temporary directory and is stopped by pid when the cluster is dropped (also on
@@ -707,7 +707,7 @@ impl RabbitCluster {
         }
         // MQTT subscription queues are durable classic queues on one node (RabbitMQ 3.x): a
         // client whose queue's node died could not subscribe again on another node until it
-        // returned. Mirrored on every node, the queue outlives its node (README, "Scaling
+        // returned. Mirrored on every node, the queue outlives its node (the book's "Scaling
         // out").
         cluster.ctl_ok(
             0,
