@@ -101,7 +101,10 @@ pub fn doc_blocks(name: &str) -> Vec<String> {
             (None, _) => {}
         }
     }
-    assert!(!blocks.is_empty(), "{file}: section {name} has no sh blocks");
+    assert!(
+        !blocks.is_empty(),
+        "{file}: section {name} has no sh blocks"
+    );
     blocks
 }
 
