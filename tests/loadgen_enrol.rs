@@ -5,7 +5,8 @@
 
 use super::*;
 use proplet_agent::config::TlsFiles;
-use proplet_agent::enrol::{join, Credentials, JoinRequest};
+use proplet_agent::credentials::Credentials;
+use proplet_agent::enrol::{join, JoinRequest};
 
 /// Simulated enrolling devices.
 #[derive(clap::Args, Debug)]

@@ -115,7 +115,7 @@ pub struct Common {
     /// This replica's share of the objects, once attached (`None`: it owns every object).
     pub shard: OnceLock<Arc<ownership::Ownership>>,
     /// The enrolment queue, once attached (`None`: devices cannot enrol).
-    pub enrolments: OnceLock<Arc<crate::enrolment::Enrolments>>,
+    pub enrolments: OnceLock<Arc<crate::enrolment_queue::Enrolments>>,
     /// Rotated keys on their way to the devices.
     pub keys: crate::key_delivery::KeyDelivery,
     /// The devices' broker logins as the driver derives them, once attached.

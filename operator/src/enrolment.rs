@@ -15,12 +15,11 @@ use chrono::Utc;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::ByteString;
 use propeller_broker::protocol::enrolment::{
-    enrol_client_token_id, reply_topic, EnrolRefusal, EnrolReply, EnrolRequest, RefusalReason,
-    SealedReply,
+    enrol_client_token_id, reply_topic, EnrolRefusal, EnrolReply, RefusalReason, SealedReply,
 };
 use propeller_broker::protocol::sealed_grant::seal_grant;
-use propeller_broker::server::{BrokerEvent, CredentialSource, EventKind, TokenCredential};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use propeller_broker::server::{CredentialSource, TokenCredential};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::{info, instrument, warn};
 
 use crate::controller::{Cluster, ObjectName, Refusal};
@@ -31,6 +30,7 @@ use crate::decision::enrolment::{
 };
 use crate::decision::scheduler::SelectorView;
 use crate::decision::task::Note;
+use crate::enrolment_queue::{Enrolments, Pending};
 
 /// Where standalone mode keeps its bootstrap tokens.
 pub const STANDALONE_TOKEN_NAMESPACE: &str = "default";
@@ -40,44 +40,14 @@ const BATCH: usize = 256;
 /// Times a batch is planned again after its token's uses changed under it.
 const CONFLICT_RETRIES: usize = 8;
 
-/// One request waiting for its answer.
-struct Pending {
-    client_id: String,
-    request: Result<Box<EnrolRequest>, String>,
-}
-
-/// The queue of enrolment requests, held by the driver; see [`Enrolments::start`].
-pub struct Enrolments {
-    queue: UnboundedSender<Pending>,
-    /// The namespace bootstrap token Secrets are kept in.
-    pub token_namespace: String,
-}
-
-impl Enrolments {
-    /// Starts the worker that answers requests for `cluster`, whose tokens are kept in
-    /// `token_namespace`; it stops with the driver.
-    pub fn start<C: Cluster + 'static>(cluster: &Arc<C>, token_namespace: String) -> Arc<Self> {
-        let (queue, requests) = unbounded_channel();
-        let namespace = token_namespace.clone();
-        let cluster = Arc::downgrade(cluster);
-        tokio::spawn(async move { answer_requests(cluster, namespace, requests).await });
-        Arc::new(Self {
-            queue,
-            token_namespace,
-        })
-    }
-
-    /// Queues `event` if it is an enrolment request; `false` when it is something else.
-    pub fn submit(&self, event: &BrokerEvent) -> bool {
-        let EventKind::EnrolmentRequest(request) = &event.kind else {
-            return false;
-        };
-        let _ = self.queue.send(Pending {
-            client_id: event.client_id.clone(),
-            request: request.clone(),
-        });
-        true
-    }
+/// Starts the worker that answers the requests queued on the returned [`Enrolments`] for
+/// `cluster`, whose tokens are kept in `token_namespace`; it stops with the driver.
+pub fn start<C: Cluster + 'static>(cluster: &Arc<C>, token_namespace: String) -> Arc<Enrolments> {
+    let (queue, requests) = unbounded_channel();
+    let namespace = token_namespace.clone();
+    let cluster = Arc::downgrade(cluster);
+    tokio::spawn(async move { answer_requests(cluster, namespace, requests).await });
+    Arc::new(Enrolments::new(queue, token_namespace))
 }
 
 /// The broker's token table from the Secrets of `namespace`: each stored token's digest and

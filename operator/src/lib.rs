@@ -6,6 +6,7 @@ pub use propeller_core::{crd, decision};
 pub mod controller;
 pub mod credentials;
 pub mod enrolment;
+pub mod enrolment_queue;
 pub mod errors;
 pub mod executor;
 pub mod inbox;

@@ -403,13 +403,13 @@ impl Agent {
             return;
         }
         let dir = &self.config.state_dir;
-        let stored = match crate::enrol::load(dir) {
+        let stored = match crate::credentials::load(dir) {
             Ok(stored) => stored,
             Err(e) => {
                 return warn!(%e, "cannot read the stored credentials; the new key is used until this agent stops")
             }
         };
-        let mut credentials = stored.unwrap_or_else(|| crate::enrol::Credentials {
+        let mut credentials = stored.unwrap_or_else(|| crate::credentials::Credentials {
             mqtt_address: self.config.brokers.to_string(),
             tls_ca_cert: self.config.tls.as_ref().map(|t| t.ca_cert.clone()),
             domain_id: self.config.domain_id.clone(),
@@ -424,7 +424,7 @@ impl Agent {
         let previous = keys.previous(chrono::Utc::now());
         credentials.previous_client_key = previous.map(|(key, _)| key.to_owned());
         credentials.previous_key_until = previous.map(|(_, until)| until);
-        match crate::enrol::save(dir, &credentials) {
+        match crate::credentials::save(dir, &credentials) {
             Ok(path) => info!(
                 path = %path.display(),
                 old_key_until = rotation.previous_valid_until,
@@ -545,7 +545,7 @@ fn qos(level: u8) -> QoS {
 
 /// The key the stored credentials say the configured key replaced, while it still works.
 fn stored_previous_key(config: &Config) -> Option<(String, chrono::DateTime<chrono::Utc>)> {
-    let stored = crate::enrol::load(&config.state_dir).ok().flatten()?;
+    let stored = crate::credentials::load(&config.state_dir).ok().flatten()?;
     if stored.client_key != config.client_key {
         return None;
     }

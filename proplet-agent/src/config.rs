@@ -267,12 +267,12 @@ impl Flags {
             None => FileConfig::default(),
         };
         if let Some(dir) = self.state_dir.clone().or(file.state_dir.clone()) {
-            if crate::enrol::load(&dir)
+            if crate::credentials::load(&dir)
                 .map_err(|e| invalid("credentials", &e.to_string()))?
                 .is_some()
             {
                 return Ok(Readiness::Enrolled(
-                    dir.join(crate::enrol::CREDENTIALS_FILE),
+                    dir.join(crate::credentials::CREDENTIALS_FILE),
                 ));
             }
         }
@@ -418,9 +418,8 @@ impl Config {
         };
         // An enrolled device's own credentials (`proplet join`) come before the file's.
         let enrolled = match flags.state_dir.clone().or(file.state_dir.clone()) {
-            Some(dir) => {
-                crate::enrol::load(&dir).map_err(|e| invalid("credentials", &e.to_string()))?
-            }
+            Some(dir) => crate::credentials::load(&dir)
+                .map_err(|e| invalid("credentials", &e.to_string()))?,
             None => None,
         };
         let mut file = file;
@@ -435,7 +434,7 @@ impl Config {
         let enrolled_brokers = match (&enrolled, flags.mqtt_address.as_deref()) {
             (Some(e), None | Some("")) => Some(BrokerAddresses::parse_list(
                 &e.mqtt_address,
-                crate::enrol::CREDENTIALS_FILE,
+                crate::credentials::CREDENTIALS_FILE,
             )?),
             _ => None,
         };

@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod component;
 pub mod config;
+pub mod credentials;
 pub mod enrol;
 pub mod fetch;
 pub mod finished;

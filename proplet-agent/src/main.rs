@@ -7,7 +7,7 @@ use anyhow::Context;
 use propeller_broker::protocol::Channel;
 use proplet_agent::agent::{mqtt_options, Agent};
 use proplet_agent::config::{AgentCommand, Config, Flags, JoinArgs, Readiness};
-use proplet_agent::enrol;
+use proplet_agent::{credentials, enrol};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -119,11 +119,11 @@ fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
             .unwrap_or_else(|| PACKAGED_STATE_DIR.into()),
     };
     flags.state_dir = Some(state_dir.clone());
-    match enrol::load(&state_dir)? {
+    match credentials::load(&state_dir)? {
         Some(existing) => eprintln!(
             "proplet: this device is already enrolled as {} (credentials in {}); the token is not used. Remove that file to enrol again.",
             existing.client_id,
-            state_dir.join(enrol::CREDENTIALS_FILE).display()
+            state_dir.join(credentials::CREDENTIALS_FILE).display()
         ),
         None => {
             let request = enrol::JoinRequest {
@@ -142,7 +142,7 @@ fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
                 .as_deref()
                 .map(|ca| enrol::keep_ca(&state_dir, ca))
                 .transpose()?;
-            let path = enrol::save(&state_dir, &credentials)?;
+            let path = credentials::save(&state_dir, &credentials)?;
             eprintln!(
                 "proplet: enrolled as {} in namespace {} (credentials in {})",
                 credentials.client_id,

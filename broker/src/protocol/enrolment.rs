@@ -397,7 +397,7 @@ impl RefusalReason {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn counter() -> impl FnMut(usize) -> usize {
@@ -533,16 +533,24 @@ mod tests {
         assert_eq!(decoded.reply_key, key.public());
     }
 
-    #[test]
-    fn replies_keep_their_wire_shape_and_hide_the_key_from_logs() {
-        let grant = EnrolGrant {
+    /// A grant for tests, its key `sekrit`.
+    pub(crate) fn sample_grant() -> EnrolGrant {
+        EnrolGrant {
             client_id: "pi-1".into(),
             client_key: "sekrit".into(),
             domain_id: "d".into(),
             channel_id: "c".into(),
             namespace: "default".into(),
             rotated: false,
+            pending_approval: false,
+        }
+    }
+
+    #[test]
+    fn replies_keep_their_wire_shape_and_hide_the_key_from_logs() {
+        let grant = EnrolGrant {
             pending_approval: true,
+            ..sample_grant()
         };
         let json = serde_json::to_value(EnrolReply::Enrolled(grant.clone()))
             .unwrap_or_else(|e| panic!("{e}"));

@@ -16,9 +16,8 @@ use hpke::aead::ChaCha20Poly1305;
 use hpke::kdf::HkdfSha256;
 use hpke::kem::X25519HkdfSha256;
 use hpke::{Deserializable, Kem, OpModeR, OpModeS, Serializable};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-
-use super::enrolment::EnrolGrant;
 
 /// HPKE's `info`: names this use, so a sealed grant means nothing elsewhere.
 const INFO: &[u8] = b"propeller enrolment grant v1";
@@ -73,7 +72,11 @@ impl ReplyKey {
     }
 
     /// Opens the grant sealed for `client_id` (the login that asked).
-    pub fn open(&self, sealed: &SealedGrant, client_id: &str) -> Result<EnrolGrant, SealError> {
+    pub fn open<G: DeserializeOwned>(
+        &self,
+        sealed: &SealedGrant,
+        client_id: &str,
+    ) -> Result<G, SealError> {
         let decode = |text: &str| BASE64.decode(text).map_err(|_| SealError::DoesNotOpen);
         let encapsulated =
             <ReplyKem as Kem>::EncappedKey::from_bytes(&decode(&sealed.encapsulated_key)?)
@@ -109,9 +112,10 @@ fn public_key(reply_key: &str) -> Result<<ReplyKem as Kem>::PublicKey, SealError
     <ReplyKem as Kem>::PublicKey::from_bytes(&bytes).map_err(|_| SealError::BadReplyKey)
 }
 
-/// Seals `grant` to the device that sent `reply_key` from the login `client_id`.
-pub fn seal_grant(
-    grant: &EnrolGrant,
+/// Seals `grant` (the enrolment grant, [`super::enrolment::EnrolGrant`]) to the device that
+/// sent `reply_key` from the login `client_id`.
+pub fn seal_grant<G: Serialize>(
+    grant: &G,
     reply_key: &str,
     client_id: &str,
 ) -> Result<SealedGrant, SealError> {
@@ -137,17 +141,8 @@ pub fn seal_grant(
 mod tests {
     use super::*;
 
-    fn grant() -> EnrolGrant {
-        EnrolGrant {
-            client_id: "pi-1".into(),
-            client_key: "sekrit".into(),
-            domain_id: "d".into(),
-            channel_id: "c".into(),
-            namespace: "default".into(),
-            rotated: false,
-            pending_approval: false,
-        }
-    }
+    use crate::protocol::enrolment::tests::sample_grant as grant;
+    use crate::protocol::enrolment::EnrolGrant;
 
     #[test]
     fn only_the_asking_device_opens_its_grant() {
@@ -157,10 +152,13 @@ mod tests {
         let sealed = seal_grant(&grant(), mine.public(), client).unwrap_or_else(|e| panic!("{e}"));
         let text = serde_json::to_string(&sealed).unwrap_or_else(|e| panic!("{e}"));
         assert!(!text.contains("sekrit"), "{text}");
-        assert_eq!(mine.open(&sealed, client), Ok(grant()));
-        assert_eq!(other.open(&sealed, client), Err(SealError::DoesNotOpen));
+        assert_eq!(mine.open::<EnrolGrant>(&sealed, client), Ok(grant()));
         assert_eq!(
-            mine.open(&sealed, "enrol-abcdef-other123"),
+            other.open::<EnrolGrant>(&sealed, client),
+            Err(SealError::DoesNotOpen)
+        );
+        assert_eq!(
+            mine.open::<EnrolGrant>(&sealed, "enrol-abcdef-other123"),
             Err(SealError::DoesNotOpen),
             "a grant sealed for one login does not open as another's"
         );
@@ -170,7 +168,10 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         bytes[0] ^= 1;
         tampered.ciphertext = BASE64.encode(bytes);
-        assert_eq!(mine.open(&tampered, client), Err(SealError::DoesNotOpen));
+        assert_eq!(
+            mine.open::<EnrolGrant>(&tampered, client),
+            Err(SealError::DoesNotOpen)
+        );
         assert!(!format!("{mine:?}").is_empty());
     }
 

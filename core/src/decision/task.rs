@@ -36,7 +36,7 @@ use running::*;
 
 pub use super::task_observations::{
     could_take, needs_image_resolution, observe_indexed, occupied, occupies, proplet_scope,
-    proplet_view, ImageObservation, JobOutcome, PropletScope, PropletView, ReportedResult,
+    proplet_view, runs_on, ImageObservation, JobOutcome, PropletScope, PropletView, ReportedResult,
     TaskObservations,
 };
 
@@ -295,15 +295,6 @@ fn waiting(
         gen,
         now,
     );
-}
-
-/// Whether a proplet of this type can run `task`: a `k8s` proplet runs it as a Kubernetes Job
-/// of `imageUrl`, so it needs an image and cannot take part in a broadcast.
-pub fn runs_on(task: &Task, proplet_type: PropletType) -> bool {
-    match proplet_type {
-        PropletType::External => true,
-        PropletType::K8s => task.spec.image_url.is_some() && !task.spec.broadcast,
-    }
 }
 
 fn runs_as_job(observed: &TaskObservations, status: &TaskStatus) -> bool {

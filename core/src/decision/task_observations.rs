@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::scheduler::{CandidateProplet, RoundRobinState};
 use crate::crd::common::MetricsSample;
+use crate::crd::proplet::PropletType;
 use crate::crd::task::{Task, TaskPhase};
 
 /// A proplet the task may be sent to, with the identity its messages carry.
@@ -156,7 +157,7 @@ pub fn could_take(
     selector: &super::scheduler::SelectorView,
     proplet: &crate::crd::proplet::Proplet,
 ) -> bool {
-    super::task::runs_on(task, proplet.spec.type_) && super::scheduler::admits(proplet, selector)
+    runs_on(task, proplet.spec.type_) && super::scheduler::admits(proplet, selector)
 }
 
 /// How a Proplet looks to the Task plan; `active_tasks` is counted by the driver.
@@ -241,4 +242,13 @@ pub fn occupies(task: &Task, name: &str) -> bool {
             && (s.assigned_proplet.as_deref() == Some(name)
                 || s.broadcast_proplets.iter().any(|p| p == name))
     })
+}
+
+/// Whether a proplet of this type can run `task`: a `k8s` proplet runs it as a Kubernetes Job
+/// of `imageUrl`, so it needs an image and cannot take part in a broadcast.
+pub fn runs_on(task: &Task, proplet_type: PropletType) -> bool {
+    match proplet_type {
+        PropletType::External => true,
+        PropletType::K8s => task.spec.image_url.is_some() && !task.spec.broadcast,
+    }
 }

@@ -57,7 +57,7 @@ mod reconcile;
 mod routing;
 mod shared;
 
-pub use cluster::KubeJobs;
+pub use super::task_job::KubeJobs;
 pub use reconcile::*;
 pub use routing::*;
 pub use shared::*;
@@ -356,7 +356,7 @@ pub async fn run(
     }
     let shard = shard.as_ref();
     let shared = Arc::new(shared);
-    let enrolments = crate::enrolment::Enrolments::start(&shared, token_namespace);
+    let enrolments = crate::enrolment::start(&shared, token_namespace);
     let _ = shared.common.enrolments.set(enrolments);
     if let Some(images) = shared.common.images() {
         let weak = Arc::downgrade(&shared);

@@ -12,7 +12,7 @@ use crate::executor::{
     apply_task, BackendError, Dispatch, ObjectWriter, TaskApplyError, TaskEffects,
 };
 
-use super::runtime::KubeJobs;
+use super::task_job::KubeJobs;
 
 use super::patch::{finalizers_patch, status_patch};
 

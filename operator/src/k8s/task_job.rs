@@ -314,6 +314,30 @@ pub async fn observe(
     }
 }
 
+/// Runs `k8s` proplets' tasks as Jobs through the API server.
+#[derive(Clone)]
+pub struct KubeJobs(kube::Client);
+
+impl KubeJobs {
+    /// Jobs created and read with `client`.
+    pub fn new(client: kube::Client) -> Self {
+        Self(client)
+    }
+}
+
+impl crate::executor::JobRunner for KubeJobs {
+    async fn create_task_job(&self, task: &Task) -> Result<(), crate::executor::BackendError> {
+        Ok(create(&self.0, task).await?)
+    }
+
+    async fn observe_task_job(
+        &self,
+        task: &Task,
+    ) -> Result<Option<JobOutcome>, crate::executor::BackendError> {
+        Ok(observe(&self.0, task).await?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

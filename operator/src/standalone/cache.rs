@@ -28,7 +28,7 @@ use crate::decision::scheduler::SelectorView;
 use crate::proplet_index::{Narrowed, PropletIndex};
 use crate::task_index::TaskIndex;
 
-use super::driver::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
+use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
 use super::store::{Change, ObjectStore, StoreError};
 
 use crate::watch_index::{name_in, Index, Name};

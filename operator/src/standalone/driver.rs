@@ -47,18 +47,7 @@ mod writer;
 use routing::LoadWakes;
 use writer::*;
 
-/// Kind names as stored.
-pub const PROPLET: &str = "Proplet";
-/// Kind name of Tasks.
-pub const TASK: &str = "Task";
-/// Kind name of PropellerJobs.
-pub const PROPELLER_JOB: &str = "PropellerJob";
-/// Kind name of Secrets (proplet keys).
-pub const SECRET: &str = "Secret";
-/// Kind name of FederatedJobs.
-pub const FEDERATED_JOB: &str = "FederatedJob";
-/// Kind name of TrainingRounds.
-pub const TRAINING_ROUND: &str = "TrainingRound";
+use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, SECRET, TASK, TRAINING_ROUND};
 /// Kind name of ConfigMaps (aggregated models).
 pub const CONFIG_MAP: &str = "ConfigMap";
 
@@ -218,7 +207,7 @@ impl Driver {
     /// Answers devices' enrolment requests with the bootstrap tokens kept in
     /// `token_namespace`; before [`Driver::run`], so the first credential table has them.
     pub fn attach_enrolments(self: &Arc<Self>, token_namespace: String) {
-        let enrolments = crate::enrolment::Enrolments::start(self, token_namespace);
+        let enrolments = crate::enrolment::start(self, token_namespace);
         let _ = self.common.enrolments.set(enrolments);
     }
 

@@ -6,6 +6,7 @@ pub mod cache;
 pub mod client;
 pub mod driver;
 pub mod events;
+pub mod kinds;
 pub mod pull_secrets;
 pub mod store;
 pub mod watch;

@@ -3,7 +3,7 @@
 use futures::future::{BoxFuture, FutureExt};
 use k8s_openapi::api::core::v1::Secret;
 
-use super::driver::SECRET;
+use super::kinds::SECRET;
 use super::store::ObjectStore;
 use crate::oci::credentials::docker_config_of;
 use crate::oci::PullSecrets;

@@ -10,30 +10,9 @@ use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
 use crate::decision::scheduler::SelectorView;
-use crate::decision::task::{JobOutcome, TaskPlan};
-use crate::executor::{BackendError, JobRunner};
+use crate::decision::task::TaskPlan;
+use crate::executor::BackendError;
 use crate::proplet_index::Narrowed;
-
-/// Runs `k8s` proplets' tasks as Jobs through the API server.
-#[derive(Clone)]
-pub struct KubeJobs(Client);
-
-impl KubeJobs {
-    /// Jobs created and read with `client`.
-    pub fn new(client: Client) -> Self {
-        Self(client)
-    }
-}
-
-impl JobRunner for KubeJobs {
-    async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
-        Ok(super::super::task_job::create(&self.0, task).await?)
-    }
-
-    async fn observe_task_job(&self, task: &Task) -> Result<Option<JobOutcome>, BackendError> {
-        Ok(super::super::task_job::observe(&self.0, task).await?)
-    }
-}
 
 fn object_ref<K: Stored>(name: &ObjectName) -> ObjectRef<K> {
     ObjectRef::new(&name.name).within(&name.namespace)
