@@ -50,9 +50,10 @@ pub struct JoinRequest {
     pub timeout: Duration,
 }
 
-/// Logins a refused token gets before `join` gives up: a token made a moment ago may not
-/// have reached the broker's table yet.
-const REFUSED_LOGIN_ATTEMPTS: u32 = 5;
+/// Logins a refused token gets before `join` gives up, 1 s then 2 s apart: a token made a
+/// moment ago may not have reached the broker yet (NATS: the rendered file and its reload).
+/// Few, because each wrong secret counts towards the token's lock.
+const REFUSED_LOGIN_ATTEMPTS: u32 = 3;
 
 /// Enrols this device: logs in with the token, sends its facts, and returns the
 /// credentials propeller answered with (or its refusal, as the error).
@@ -62,8 +63,8 @@ pub async fn join(request: &JoinRequest) -> anyhow::Result<Credentials> {
         match join_once(request).await {
             Err(JoinError::Refused(message)) if attempt < REFUSED_LOGIN_ATTEMPTS => {
                 tracing::debug!(attempt, "{message}; trying again");
+                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
                 attempt += 1;
-                tokio::time::sleep(Duration::from_secs(1)).await;
             }
             Err(JoinError::Refused(message)) => bail!("{message}"),
             Err(JoinError::Other(e)) => return Err(e),

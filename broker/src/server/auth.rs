@@ -317,6 +317,30 @@ pub fn login_over(
     password: &str,
     transport: Transport,
 ) -> Result<Credential, AuthFailure> {
+    decide_login(source, client_id, username, password, transport, true)
+}
+
+/// The decision [`login_over`] made for a CONNECT, taken again by a second reader of the
+/// same CONNECT (rumqttd's own auth hook after the guard): a wrong token secret is not
+/// counted against the token's throttle a second time.
+pub fn login_again(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+    transport: Transport,
+) -> Result<Credential, AuthFailure> {
+    decide_login(source, client_id, username, password, transport, false)
+}
+
+fn decide_login(
+    source: &dyn CredentialSource,
+    client_id: &str,
+    username: &str,
+    password: &str,
+    transport: Transport,
+    count_attempt: bool,
+) -> Result<Credential, AuthFailure> {
     if username.is_empty() && password.is_empty() {
         return Err(AuthFailure::Anonymous);
     }
@@ -324,7 +348,7 @@ pub fn login_over(
         if username != crate::protocol::enrolment::token_login_name(token_id) {
             return Err(AuthFailure::UsernameMismatch);
         }
-        return token_login(source, token_id, password, transport);
+        return token_login(source, token_id, password, transport, count_attempt);
     }
     if username != client_id {
         return Err(AuthFailure::UsernameMismatch);
@@ -337,12 +361,14 @@ pub fn login_over(
     }
 }
 
-/// Checks an enrolment login against the token table and its throttle.
+/// Checks an enrolment login against the token table and its throttle (counting the
+/// attempt when `count_attempt`).
 fn token_login(
     source: &dyn CredentialSource,
     token_id: &str,
     password: &str,
     transport: Transport,
+    count_attempt: bool,
 ) -> Result<Credential, AuthFailure> {
     let token = source
         .lookup_token(token_id)
@@ -352,10 +378,14 @@ fn token_login(
         return Err(AuthFailure::TokenLocked);
     }
     if !crate::protocol::enrolment::token_matches(token_id, &token.digest, password) {
-        token.attempts.failed(now);
+        if count_attempt {
+            token.attempts.failed(now);
+        }
         return Err(AuthFailure::WrongTokenSecret);
     }
-    token.attempts.succeeded();
+    if count_attempt {
+        token.attempts.succeeded();
+    }
     if token.require_tls && transport == Transport::Plain {
         return Err(AuthFailure::TokenNeedsTls);
     }
@@ -732,6 +762,41 @@ mod tests {
         s.insert("dev-a", Credential::proplet("key-a"));
         s.insert("proxy", Credential::new("key-p", Role::Service));
         s
+    }
+
+    #[test]
+    fn a_connect_read_twice_counts_one_wrong_secret() {
+        let s = CredentialStore::new();
+        let token: crate::protocol::enrolment::BootstrapToken = "abcdef.0123456789abcdef"
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}"));
+        s.replace_tokens(HashMap::from([(
+            "abcdef".to_owned(),
+            TokenCredential::new(token.secret_digest(), false),
+        )]));
+        let client = "enrol-abcdef-n0nce123";
+        let wrong = "abcdef.0000000000000000";
+        for _ in 0..TOKEN_FAILURES_BEFORE_LOCK - 1 {
+            for check in [login_over, login_again] {
+                assert_eq!(
+                    check(&s, client, "enrol-abcdef", wrong, Transport::Plain).err(),
+                    Some(AuthFailure::WrongTokenSecret)
+                );
+            }
+        }
+        let right = token.reveal();
+        assert!(
+            login_again(&s, client, "enrol-abcdef", &right, Transport::Plain).is_ok(),
+            "one short of the lock: the guard and rumqttd's hook counted each CONNECT once"
+        );
+        assert_eq!(
+            login_over(&s, client, "enrol-abcdef", wrong, Transport::Plain).err(),
+            Some(AuthFailure::WrongTokenSecret)
+        );
+        assert_eq!(
+            login_over(&s, client, "enrol-abcdef", &right, Transport::Plain).err(),
+            Some(AuthFailure::TokenLocked)
+        );
     }
 
     #[test]

@@ -45,10 +45,10 @@ use crate::protocol::{
 };
 
 pub use auth::{
-    authenticate, known_credential, load_credentials_file, login, login_over, login_shared_service,
-    parse_credentials, AuthFailure, ChannelScope, Credential, CredentialSource, CredentialStore,
-    CredentialsFileError, LayeredCredentials, Role, TokenCredential, Transport,
-    TOKEN_FAILURES_BEFORE_LOCK, TOKEN_LOCK,
+    authenticate, known_credential, load_credentials_file, login, login_again, login_over,
+    login_shared_service, parse_credentials, AuthFailure, ChannelScope, Credential,
+    CredentialSource, CredentialStore, CredentialsFileError, LayeredCredentials, Role,
+    TokenCredential, Transport, TOKEN_FAILURES_BEFORE_LOCK, TOKEN_LOCK,
 };
 pub use events::{BrokerEvent, EventKind, OfflineCause};
 pub use listener::TlsSettings;
@@ -214,10 +214,9 @@ impl EmbeddedBroker {
             let auth_shared = shared.clone();
             connections.set_auth_handler(move |client_id: String, user: String, pass: String| {
                 let shared = auth_shared.clone();
-                // Counting and logging of failures happen in the guard, which sees every
-                // CONNECT.
+                // The guard, which sees every CONNECT first, decided, counted and logged it.
                 async move {
-                    login_over(
+                    login_again(
                         shared.credentials.as_ref(),
                         &client_id,
                         &user,
