@@ -290,12 +290,24 @@ fn wrong_secrets_lock_a_token_id_and_leave_other_tokens_alone() {
     );
     let target = server.token(&[]);
     let other = server.token(&[]);
-    // Each refused join tries three logins: four joins pass the ten wrong secrets.
+    // Each refused join tries up to three logins: join until the broker has counted the ten
+    // wrong secrets that lock the id.
     let wrong = format!("{}.0000000000000000", &target[..6]);
-    for i in 0..4 {
+    let wrong_secrets = || {
+        metric(
+            &api,
+            dir.path(),
+            "propeller_broker_auth_failures_total{reason=\"wrong_token_secret\"}",
+        )
+    };
+    for i in 0..10 {
+        if wrong_secrets() >= 10 {
+            break;
+        }
         let out = join(&tls, &ca, &wrong, &format!("m-{i}"), &dir.path().join("x"));
         assert!(!out.status.success());
     }
+    assert!(wrong_secrets() >= 10, "ten wrong secrets counted");
     let locked = join(&tls, &ca, &target, "m-good", &dir.path().join("locked"));
     assert!(
         !locked.status.success(),

@@ -130,12 +130,28 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
         loop {
             let event = events.poll().await.map_err(|e| match e {
                 // A refused login: a CONNACK saying so, or (as the embedded broker does) the
-                // connection closed before any CONNACK.
+                // connection closed after the CONNECT, before any CONNACK (seen as a state
+                // error or, over TLS, as the stream ending).
                 rumqttc::ConnectionError::ConnectionRefused(
                     ConnectReturnCode::BadUserNamePassword | ConnectReturnCode::NotAuthorized,
                 )
                 | rumqttc::ConnectionError::MqttState(_)
                     if !connected =>
+                {
+                    JoinError::Refused(format!(
+                        "the broker refused bootstrap token {}: it does not exist (deleted or mistyped), its secret is wrong, it is locked for a while after too many wrong secrets, or it is only for TLS and this was plain tcp://",
+                        token.id()
+                    ))
+                }
+                rumqttc::ConnectionError::Io(ref io)
+                    if !connected
+                        && matches!(
+                            io.kind(),
+                            std::io::ErrorKind::UnexpectedEof
+                                | std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::ConnectionAborted
+                                | std::io::ErrorKind::BrokenPipe
+                        ) =>
                 {
                     JoinError::Refused(format!(
                         "the broker refused bootstrap token {}: it does not exist (deleted or mistyped), its secret is wrong, it is locked for a while after too many wrong secrets, or it is only for TLS and this was plain tcp://",
