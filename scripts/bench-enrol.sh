@@ -20,15 +20,8 @@ else
   BIN=$BENCH_BIN_DIR
 fi
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 source scripts/lib/harness.sh
+scratch_workspace
 export PYTHONPATH=scripts
 
 standalone() {

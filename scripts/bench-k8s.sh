@@ -28,15 +28,8 @@ BIN=target/release
 # PROPELLER_BIN: another propeller binary to measure (an earlier build, for before/after).
 PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 source scripts/lib/harness.sh
+scratch_workspace
 
 # One control plane and one operator per measurement, so runs do not share state.
 run_one() {

@@ -19,15 +19,8 @@ COUNTS=("$@")
 scripts/build-release.sh
 BIN=target/release
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 source scripts/lib/harness.sh
+scratch_workspace
 if [ "${BENCH_SHARDED_WATCHES:-}" = 1 ]; then
   export ENVTEST_ARGS="--sharded-list-and-watch"
 fi

@@ -22,14 +22,7 @@ BIN="${FAULTS_BIN_DIR:-target/release}"
 [ -n "${FAULTS_BIN_DIR:-}" ] || scripts/build-release.sh
 source scripts/lib/harness.sh
 RUNS=${FAILOVER_RUNS:-3}
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+scratch_workspace
 
 failed=0
 points=(0.1 0.4 0.7)

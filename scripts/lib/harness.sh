@@ -18,6 +18,11 @@
 # DIR; $ENVTEST_ARGS added to its arguments) and writes DIR/propeller.kubeconfig: the same cluster, authenticated as the
 # ServiceAccount propeller-system/propeller that configs/rbac binds. Sets ENVTEST_PID,
 # APISERVER_PID and KUBECONFIG (the admin's). The caller stops ENVTEST_PID.
+#
+#   scratch_workspace
+#
+# Sets WORK (a new temporary directory) and PIDS (empty: the caller adds each process it
+# starts); on exit every pid in PIDS is killed and waited for, and WORK removed.
 
 use_debian_python() {
   PYTHON=/usr/bin/python3
@@ -72,4 +77,16 @@ start_control_plane() {
 free_port() {
   PYTHONPATH="$(dirname "${BASH_SOURCE[0]}")/.." \
     "$PYTHON" -c 'from bench_api import free_port; print(free_port())'
+}
+
+scratch_workspace() {
+  WORK="$(mktemp -d)"
+  PIDS=()
+  trap stop_workspace EXIT
+}
+
+stop_workspace() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
 }
