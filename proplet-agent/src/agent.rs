@@ -46,6 +46,7 @@ mod login_keys;
 mod options;
 mod results;
 mod rotation;
+mod subscriptions;
 mod tasks;
 
 pub use options::*;
@@ -114,6 +115,8 @@ pub struct Agent {
     /// The keys for the next logins: the configured one, or after a rotation the new one and,
     /// during its grace, the replaced one.
     login_keys: Mutex<login_keys::LoginKeys>,
+    /// The SUBSCRIBEs awaiting their SUBACKs.
+    subscriptions: subscriptions::Subscriptions,
 }
 
 impl Agent {
@@ -169,6 +172,7 @@ impl Agent {
                 config.client_key.clone(),
                 stored_previous_key(&config),
             )),
+            subscriptions: subscriptions::Subscriptions::default(),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -255,21 +259,25 @@ impl Agent {
                 Ok(Event::Incoming(Packet::PubAck(ack))) => {
                     let _ = ack_tx.send(AckSignal::Acked(ack.pkid));
                 }
+                Ok(Event::Outgoing(Outgoing::Subscribe(pkid))) => self.subscriptions.sent(pkid),
                 Ok(Event::Incoming(Packet::SubAck(ack))) => {
                     let refused = ack
                         .return_codes
                         .iter()
                         .any(|code| matches!(code, rumqttc::SubscribeReasonCode::Failure));
+                    let which = self.subscriptions.refused(ack.pkid, &ack.return_codes);
                     if refused {
                         // A clustered broker may refuse subscriptions for a while after a
-                        // node failure (NATS re-electing its JetStream leaders): try again.
+                        // node failure (NATS re-electing its JetStream leaders): try again,
+                        // the refused filters only.
                         warn!(
                             retry_in = ?RESUBSCRIBE_AFTER,
+                            filters = ?which,
                             "the broker refused a subscription; subscribing again"
                         );
                         subscriptions_refused = true;
                         let agent = self.clone();
-                        tokio::spawn(async move { agent.subscribe_again(sessions).await });
+                        tokio::spawn(async move { agent.subscribe_again(sessions, which).await });
                     } else if subscriptions_refused {
                         // Starts sent meanwhile reached nobody: announcing the proplet again
                         // makes propeller send them again.
@@ -293,6 +301,7 @@ impl Agent {
                             // spool sender saw the session end (it sends those again).
                             eventloop.clean();
                         }
+                        self.subscriptions.forget();
                     }
                     self.metrics.mqtt_connected.set(0);
                     let wait = backoff.next_delay();
@@ -354,25 +363,48 @@ impl Agent {
         }
     }
 
-    /// Subscribes again after [`RESUBSCRIBE_AFTER`] if session `session` is still the live one.
-    async fn subscribe_again(&self, session: u64) {
+    /// Subscribes again after [`RESUBSCRIBE_AFTER`] to `filters` (all when `None`) if
+    /// session `session` is still the live one.
+    async fn subscribe_again(&self, session: u64, filters: Option<Vec<String>>) {
         tokio::time::sleep(RESUBSCRIBE_AFTER).await;
         if *self.session.borrow() != Some(session) {
             return;
         }
-        self.subscribe().await;
+        let wanted = self.filters();
+        let filters = match filters {
+            None => wanted,
+            Some(refused) => wanted
+                .into_iter()
+                .filter(|(f, _)| refused.contains(f))
+                .collect(),
+        };
+        self.request_subscriptions(filters).await;
     }
 
     async fn subscribe(&self) {
+        self.request_subscriptions(self.filters()).await;
+    }
+
+    /// Every filter the agent listens on, with its QoS: its channel's and its key topic.
+    fn filters(&self) -> Vec<(String, QoS)> {
         let qos = qos(self.config.qos);
-        for filter in self.channel.agent_filters() {
-            if let Err(e) = self.client.subscribe(filter.clone(), qos).await {
-                warn!(%e, filter, "subscribe failed");
+        let mut filters: Vec<(String, QoS)> = self
+            .channel
+            .agent_filters()
+            .into_iter()
+            .map(|f| (f, qos))
+            .collect();
+        filters.push((key_topic(&self.config.client_id), QoS::AtLeastOnce));
+        filters
+    }
+
+    /// Sends one SUBSCRIBE for `filters`, waiting while the client's queue is full.
+    async fn request_subscriptions(&self, filters: Vec<(String, QoS)>) {
+        while !self.subscriptions.request(&self.client, filters.clone()) {
+            if self.session.borrow().is_none() {
+                return warn!(?filters, "not subscribed: the connection is gone");
             }
-        }
-        let keys = key_topic(&self.config.client_id);
-        if let Err(e) = self.client.subscribe(keys.clone(), QoS::AtLeastOnce).await {
-            warn!(%e, filter = keys, "subscribe failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 

@@ -12,7 +12,9 @@ use propeller_broker::protocol::enrolment::{
 };
 use propeller_broker::protocol::sealed_grant::ReplyKey;
 use propeller_broker::protocol::BrokerAddress;
-use rumqttc::{AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS, Transport};
+use rumqttc::{
+    AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS, SubscribeReasonCode, Transport,
+};
 
 use crate::config::TlsFiles;
 use crate::credentials::Credentials;
@@ -55,18 +57,35 @@ pub struct JoinRequest {
 /// Few, because each wrong secret counts towards the token's lock.
 const REFUSED_LOGIN_ATTEMPTS: u32 = 3;
 
+/// How long a request sent waits for its answer before the device asks again on a new
+/// connection (a new client id, so a late answer to the old one cannot arrive). A request or
+/// its answer can be lost (a broker node failing over, propeller restarting between them);
+/// asking again is safe because propeller answers a machine it already enrolled with a fresh
+/// key for the same proplet, and the token's uses count machines, not requests.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+
 /// Enrols this device: logs in with the token, sends its facts, and returns the
 /// credentials propeller answered with (or its refusal, as the error).
 pub async fn join(request: &JoinRequest) -> anyhow::Result<Credentials> {
-    let mut attempt = 1;
+    let deadline = tokio::time::Instant::now() + request.timeout;
+    let mut refused = 1;
     loop {
-        match join_once(request).await {
-            Err(JoinError::Refused(message)) if attempt < REFUSED_LOGIN_ATTEMPTS => {
-                tracing::debug!(attempt, "{message}; trying again");
-                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
-                attempt += 1;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match join_once(request, left).await {
+            Err(JoinError::Refused(message)) if refused < REFUSED_LOGIN_ATTEMPTS => {
+                tracing::debug!(attempt = refused, "{message}; trying again");
+                tokio::time::sleep(Duration::from_secs(u64::from(refused))).await;
+                refused += 1;
             }
             Err(JoinError::Refused(message)) => bail!("{message}"),
+            Err(JoinError::NoAnswer) if tokio::time::Instant::now() < deadline => {
+                tracing::info!("no answer from propeller yet; asking again");
+            }
+            Err(JoinError::NoAnswer) => bail!(
+                "no answer from propeller within {:?}: is propeller running and reachable at {}?",
+                request.timeout,
+                request.server
+            ),
             Err(JoinError::Other(e)) => return Err(e),
             Ok(credentials) => return Ok(credentials),
         }
@@ -77,6 +96,8 @@ pub async fn join(request: &JoinRequest) -> anyhow::Result<Credentials> {
 enum JoinError {
     /// The broker refused the token login.
     Refused(String),
+    /// Propeller did not answer in time.
+    NoAnswer,
     /// Anything else (final).
     Other(anyhow::Error),
 }
@@ -87,7 +108,7 @@ impl<E: Into<anyhow::Error>> From<E> for JoinError {
     }
 }
 
-async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
+async fn join_once(request: &JoinRequest, wait: Duration) -> Result<Credentials, JoinError> {
     let token: BootstrapToken = request.token.parse()?;
     let address = BrokerAddress::parse(&request.server)
         .map_err(|e| anyhow::anyhow!("--server {:?}: {e}", request.server))?;
@@ -127,8 +148,17 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
     })?;
     let exchange = async {
         let mut connected = false;
+        // When the request went out: its answer is awaited for ANSWER_WAIT from then.
+        let mut asked: Option<tokio::time::Instant> = None;
         loop {
-            let event = events.poll().await.map_err(|e| match e {
+            let polled = match asked {
+                Some(at) => match tokio::time::timeout_at(at + ANSWER_WAIT, events.poll()).await {
+                    Ok(polled) => polled,
+                    Err(_) => return Err(JoinError::NoAnswer),
+                },
+                None => events.poll().await,
+            };
+            let event = polled.map_err(|e| match e {
                 // A refused login: a CONNACK saying so, or (as the embedded broker does) the
                 // connection closed after the CONNECT, before any CONNACK (seen as a state
                 // error or, over TLS, as the stream ending).
@@ -167,6 +197,22 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
                         .subscribe(reply_topic(&client_id), QoS::AtLeastOnce)
                         .await?;
                 }
+                Event::Incoming(Packet::SubAck(ack))
+                    if ack
+                        .return_codes
+                        .iter()
+                        .any(|c| matches!(c, SubscribeReasonCode::Failure)) =>
+                {
+                    // A clustered broker can refuse a subscription for a while (NATS after a
+                    // node failure); the request waits until the answer can reach the device.
+                    tracing::info!(
+                        "the broker refused the answer's subscription; subscribing again"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    client
+                        .subscribe(reply_topic(&client_id), QoS::AtLeastOnce)
+                        .await?;
+                }
                 Event::Incoming(Packet::SubAck(_)) => {
                     client
                         .publish(
@@ -176,6 +222,7 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
                             payload.clone(),
                         )
                         .await?;
+                    asked = Some(tokio::time::Instant::now());
                 }
                 Event::Incoming(Packet::Publish(p)) if p.topic == reply_topic(&client_id) => {
                     let reply: SealedReply = serde_json::from_slice(&p.payload)
@@ -186,16 +233,9 @@ async fn join_once(request: &JoinRequest) -> Result<Credentials, JoinError> {
             }
         }
     };
-    let reply = tokio::time::timeout(request.timeout, exchange)
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "no answer from propeller within {:?}: is propeller running and reachable at {}?",
-                request.timeout,
-                request.server
-            )
-        })??;
+    let answer = tokio::time::timeout(wait, exchange).await;
     let _ = client.disconnect().await;
+    let reply = answer.map_err(|_| JoinError::NoAnswer)??;
     match reply {
         EnrolReply::Refused(refusal) => Err(JoinError::Other(anyhow::anyhow!(
             "enrolment refused: {}",

@@ -309,7 +309,24 @@ pub fn propeller_killed_in_a_burst(fleet: &mut Fleet) {
     let (api, dir) = fleet.paths();
     let names: Vec<String> = (0..n).map(|i| format!("burst-{i}")).collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let done = finished_tasks_within(&api, &dir, &names, WAIT * 6);
+    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        finished_tasks_within(&api, &dir, &names, WAIT * 6)
+    }))
+    .unwrap_or_else(|unfinished| {
+        for (name, agent) in fleet.agents.iter_mut() {
+            let lines = agent.lines();
+            eprintln!(
+                "--- agent {name}, last lines ---\n{}",
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
+        let propeller: Vec<String> = fleet.propeller.stderr.try_iter().collect();
+        eprintln!(
+            "--- propeller, last lines ---\n{}",
+            propeller[propeller.len().saturating_sub(60)..].join("\n")
+        );
+        std::panic::resume_unwind(unfinished)
+    });
     let mut lost = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let status = &done[*name]["status"];
@@ -426,7 +443,14 @@ pub fn a_device_enrols_and_gets_a_rotated_key(fleet: &Fleet, node: &str) {
     };
     let joined = join(&format!("{}-machine", fleet.engine));
     let said = String::from_utf8_lossy(&joined.stderr).into_owned();
-    assert!(joined.status.success(), "{said}");
+    if !joined.status.success() {
+        let propeller: Vec<String> = fleet.propeller.stderr.try_iter().collect();
+        let tail = &propeller[propeller.len().saturating_sub(80)..];
+        panic!(
+            "proplet join failed:\n{said}\npropeller's last lines:\n{}",
+            tail.join("\n")
+        );
+    }
     let name = super::enrol::enrolled_name(&said);
     let stored_key = || {
         std::fs::read_to_string(state.join("credentials.toml"))
@@ -449,8 +473,10 @@ pub fn a_device_enrols_and_gets_a_rotated_key(fleet: &Fleet, node: &str) {
         "{proplet:#}"
     );
 
-    let grace = Duration::from_secs(15);
-    client(&["rotate", &format!("proplet/{name}"), "--grace", "15s"]);
+    // Long enough for the key to arrive on a cluster missing a node (NATS then takes up to
+    // 4 s per refused subscription) and for a restart inside it.
+    let grace = Duration::from_secs(30);
+    client(&["rotate", &format!("proplet/{name}"), "--grace", "30s"]);
     let started = Instant::now();
     while stored_key() == first {
         if started.elapsed() > WAIT {

@@ -146,7 +146,20 @@ fn file_tail(path: &Path, lines: usize) -> String {
     match std::fs::read(path) {
         Ok(bytes) => {
             let text = String::from_utf8_lossy(&bytes);
-            let all: Vec<&str> = text.lines().collect();
+            // A killed node's peers log a failed route dial every second: keep the last one.
+            const REDIAL: &str = "Error trying to connect to route";
+            let redials = text.lines().filter(|l| l.contains(REDIAL)).count();
+            let mut all: Vec<&str> = Vec::new();
+            let mut seen = 0;
+            for line in text.lines() {
+                if line.contains(REDIAL) {
+                    seen += 1;
+                    if seen < redials {
+                        continue;
+                    }
+                }
+                all.push(line);
+            }
             all[all.len().saturating_sub(lines)..].join("\n")
         }
         Err(e) => format!("({} unreadable: {e})", path.display()),

@@ -1,0 +1,140 @@
+//! Which filters each SUBSCRIBE carried, so a SUBACK that refuses some of them is answered by
+//! subscribing again to those alone. Subscribing again to a filter the broker already holds
+//! is not free: NATS replaces the JetStream consumer behind a QoS 1 subscription, and what
+//! was queued for the old one is lost (a rotated key among it).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use rumqttc::{AsyncClient, QoS, SubscribeFilter, SubscribeReasonCode};
+
+/// The SUBSCRIBE requests on their way to the broker, paired with their packet ids as the
+/// event loop sends them.
+#[derive(Default)]
+pub struct Subscriptions {
+    /// Filters of each request handed to the client and not yet seen going out, in order.
+    queued: Mutex<VecDeque<Vec<String>>>,
+    /// Filters of each SUBSCRIBE sent and not yet acknowledged, by packet id.
+    sent: Mutex<HashMap<u16, Vec<String>>>,
+}
+
+impl Subscriptions {
+    /// Asks `client` to subscribe to `filters` in one SUBSCRIBE; false if its request queue
+    /// is full (the caller tries again later).
+    pub fn request(&self, client: &AsyncClient, filters: Vec<(String, QoS)>) -> bool {
+        if filters.is_empty() {
+            return true;
+        }
+        // The queue and the client's channel change together, so the order of `queued` is
+        // the order the event loop sends them in.
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        let names = filters.iter().map(|(f, _)| f.clone()).collect();
+        let packet = filters
+            .into_iter()
+            .map(|(path, qos)| SubscribeFilter::new(path, qos));
+        match client.try_subscribe_many(packet) {
+            Ok(()) => {
+                queued.push_back(names);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The event loop sent the next queued SUBSCRIBE as packet `pkid`.
+    pub fn sent(&self, pkid: u16) {
+        let next = self
+            .queued
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front();
+        if let Some(filters) = next {
+            self.sent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(pkid, filters);
+        }
+    }
+
+    /// The filters a SUBACK refused; `None` when the SUBACK matches no request known here
+    /// (the caller subscribes to everything again).
+    pub fn refused(&self, pkid: u16, codes: &[SubscribeReasonCode]) -> Option<Vec<String>> {
+        let filters = self
+            .sent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&pkid)?;
+        if filters.len() != codes.len() {
+            return None;
+        }
+        Some(
+            filters
+                .into_iter()
+                .zip(codes)
+                .filter(|(_, code)| matches!(code, SubscribeReasonCode::Failure))
+                .map(|(filter, _)| filter)
+                .collect(),
+        )
+    }
+
+    /// The connection is gone with every request not yet acknowledged (a clean session
+    /// starts without them): call together with `EventLoop::clean`.
+    pub fn forget(&self) {
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        queued.clear();
+        self.sent.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttc::MqttOptions;
+
+    fn client() -> (AsyncClient, rumqttc::EventLoop) {
+        AsyncClient::new(MqttOptions::new("t", "127.0.0.1", 1), 8)
+    }
+
+    #[test]
+    fn a_suback_names_the_filters_it_refused() {
+        let (client, _events) = client();
+        let subs = Subscriptions::default();
+        assert!(subs.request(
+            &client,
+            vec![
+                ("a".into(), QoS::AtLeastOnce),
+                ("b".into(), QoS::AtLeastOnce)
+            ]
+        ));
+        assert!(subs.request(&client, vec![("k".into(), QoS::AtLeastOnce)]));
+        subs.sent(7);
+        subs.sent(8);
+        let codes = [
+            SubscribeReasonCode::Success(QoS::AtLeastOnce),
+            SubscribeReasonCode::Failure,
+        ];
+        assert_eq!(subs.refused(7, &codes), Some(vec!["b".to_owned()]));
+        assert_eq!(
+            subs.refused(8, &[SubscribeReasonCode::Success(QoS::AtLeastOnce)]),
+            Some(vec![])
+        );
+        // Unknown or already answered packet ids are not guessed at.
+        assert_eq!(subs.refused(7, &codes), None);
+    }
+
+    #[test]
+    fn a_lost_connection_forgets_what_was_in_flight() {
+        let (client, _events) = client();
+        let subs = Subscriptions::default();
+        assert!(subs.request(&client, vec![("a".into(), QoS::AtLeastOnce)]));
+        subs.sent(1);
+        assert!(subs.request(&client, vec![("b".into(), QoS::AtLeastOnce)]));
+        subs.forget();
+        assert!(subs.request(&client, vec![("c".into(), QoS::AtLeastOnce)]));
+        subs.sent(1);
+        assert_eq!(
+            subs.refused(1, &[SubscribeReasonCode::Failure]),
+            Some(vec!["c".to_owned()])
+        );
+    }
+}
