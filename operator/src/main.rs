@@ -25,7 +25,7 @@ pub static malloc_conf: &[u8] = b"narenas:1\0";
 
 /// Propeller: orchestrates WebAssembly workloads on Kubernetes and edge devices.
 #[derive(Parser, Debug)]
-#[command(name = "propeller", version, about)]
+#[command(name = "propeller", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -38,6 +38,13 @@ enum Command {
         /// Write one file per CRD into this directory instead (as kept in `configs/crd/`).
         #[arg(long)]
         out_dir: Option<std::path::PathBuf>,
+    },
+    /// Write the book's generated reference pages: the CRD fields and these flags.
+    #[command(hide = true)]
+    Reference {
+        /// The book's reference directory.
+        #[arg(long, default_value = "docs/src/reference")]
+        out_dir: std::path::PathBuf,
     },
     /// Run the embedded MQTT broker alone and log every typed event (device bring-up).
     Broker(commands::broker::BrokerCommand),
@@ -153,6 +160,21 @@ fn main() -> anyhow::Result<()> {
                 let path = dir.join(propeller_operator::crd::crd_file_name(&crd));
                 let yaml = propeller_operator::crd::crd_yaml(&crd).context("rendering CRD")?;
                 std::fs::write(&path, yaml)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
+        }
+        Command::Reference { out_dir } => {
+            std::fs::create_dir_all(&out_dir)
+                .with_context(|| format!("creating {}", out_dir.display()))?;
+            let crds = propeller_operator::crd::crd_reference(&propeller_operator::crd::all_crds());
+            let options = clap_markdown::MarkdownOptions::new()
+                .title("`propeller` command line".to_owned())
+                .show_footer(false);
+            let flags = clap_markdown::help_markdown_custom::<Cli>(&options);
+            for (name, text) in [("crds.md", crds), ("propeller.md", flags)] {
+                let path = out_dir.join(name);
+                std::fs::write(&path, text)
                     .with_context(|| format!("writing {}", path.display()))?;
                 println!("wrote {}", path.display());
             }

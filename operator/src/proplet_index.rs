@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::crd::proplet::Proplet;
-use crate::decision::scheduler::SelectorView;
+use crate::decision::scheduler::{IndexKeys, SelectorView};
 use crate::watch_index::{Index, Name, SharedIndex};
 
 /// `(namespace, label key, label value)`.
@@ -85,27 +85,27 @@ impl Index for PropletIndex {
 
 impl PropletIndex {
     /// The proplets of `namespace` that `selector` can match: the one it names, or those
-    /// carrying the rarest of its labels.
+    /// carrying the rarest of its labels ([`SelectorView::index_keys`] says which).
     pub fn narrow(&self, namespace: &str, selector: &SelectorView) -> Narrowed {
-        if let Some(id) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
-            return Narrowed::Only(vec![id.to_owned()]);
-        }
-        let carrying = |key: &String, value: &String| {
-            self.by_label
-                .get(&(namespace.to_owned(), key.clone(), value.clone()))
+        let labels = match selector.index_keys() {
+            IndexKeys::Any => return Narrowed::Whole,
+            IndexKeys::Name(name) => return Narrowed::Only(vec![name.to_owned()]),
+            IndexKeys::Labels(labels) => labels,
         };
         let mut rarest: Option<&BTreeSet<String>> = None;
-        for (key, value) in &selector.match_labels {
-            match carrying(key, value) {
+        for (key, value) in labels {
+            let at = (namespace.to_owned(), key.to_owned(), value.to_owned());
+            match self.by_label.get(&at) {
                 None => return Narrowed::Only(Vec::new()),
                 Some(names) if rarest.is_none_or(|r| names.len() < r.len()) => rarest = Some(names),
                 Some(_) => {}
             }
         }
-        match rarest {
-            Some(names) => Narrowed::Only(names.iter().cloned().collect()),
-            None => Narrowed::Whole,
-        }
+        Narrowed::Only(
+            rarest
+                .map(|names| names.iter().cloned().collect())
+                .unwrap_or_default(),
+        )
     }
 }
 
@@ -171,6 +171,55 @@ mod tests {
             index.narrow("a", &selector(&[("role", "worker")], Some("hb"))),
             only(&["hb"])
         );
+    }
+
+    proptest::proptest! {
+        /// Narrowing never drops a proplet the scheduler's rules admit, whatever the labels,
+        /// the name pin and the namespaces.
+        #[test]
+        fn narrowing_keeps_every_proplet_the_selector_admits(
+            fleet in proptest::collection::btree_map(
+                (0..2usize, 0..6usize),
+                proptest::collection::btree_map(0..3usize, 0..2usize, 0..3),
+                0..10,
+            ),
+            wanted in proptest::collection::btree_map(0..3usize, 0..2usize, 0..3),
+            pinned in proptest::option::of(0..7usize),
+        ) {
+            let namespaces = ["a", "b"];
+            let label = |k: usize, v: usize| (format!("k{k}"), format!("v{v}"));
+            let mut index = PropletIndex::default();
+            let mut proplets = Vec::new();
+            for ((ns, n), labels) in &fleet {
+                let labels: BTreeMap<String, String> =
+                    labels.iter().map(|(k, v)| label(*k, *v)).collect();
+                let mut p = proplet(namespaces[*ns], &format!("p{n}"), json!(labels));
+                p.status = Some(serde_json::from_value(json!({"phase": "Running"}))
+                    .unwrap_or_else(|e| panic!("status: {e}")));
+                index.put(&p);
+                proplets.push(p);
+            }
+            let view = SelectorView {
+                // p6 exists nowhere: a pin to an absent proplet.
+                proplet_id: pinned.map(|n| if n == 0 { String::new() } else { format!("p{n}") }),
+                match_labels: wanted.iter().map(|(k, v)| label(*k, *v)).collect(),
+                ..SelectorView::default()
+            };
+            for namespace in namespaces {
+                let narrowed = index.narrow(namespace, &view);
+                for p in proplets.iter().filter(|p| p.metadata.namespace.as_deref() == Some(namespace)) {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    let kept = match &narrowed {
+                        Narrowed::Whole => true,
+                        Narrowed::Only(names) => names.contains(&name),
+                    };
+                    proptest::prop_assert!(
+                        kept || !crate::decision::scheduler::admits(p, &view),
+                        "{name} in {namespace} admitted by {view:?} but narrowed to {narrowed:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -203,3 +203,29 @@ fn every_cel_rule_compiles_and_passes_the_cost_estimate() {
     assert!(rules >= 12, "expected at least 12 CEL rules, found {rules}");
     assert!(warnings.is_empty(), "{warnings:#?}");
 }
+
+/// The book's generated pages (`docs/src/reference/crds.md`, `propeller.md`) are what
+/// `propeller reference` writes from the types and the flags.
+#[test]
+fn the_books_reference_pages_match_the_types_and_flags() {
+    let fresh = tempfile::tempdir().expect("temp dir");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_propeller"))
+        .args(["reference", "--out-dir"])
+        .arg(fresh.path())
+        .output()
+        .expect("running propeller reference");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let book = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference");
+    for page in ["crds.md", "propeller.md"] {
+        let generated = std::fs::read_to_string(fresh.path().join(page)).expect("generated page");
+        let kept = std::fs::read_to_string(book.join(page)).unwrap_or_default();
+        assert!(
+            kept == generated,
+            "docs/src/reference/{page} is not what the code generates; rewrite it with `cargo run -p propeller-operator --bin propeller -- reference`"
+        );
+    }
+}

@@ -5,6 +5,7 @@ pub mod common;
 pub mod federated;
 pub mod job;
 pub mod proplet;
+pub mod reference;
 pub mod task;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -14,6 +15,7 @@ pub use common::{Condition, GROUP, PREFIX, VERSION};
 pub use federated::{FederatedJob, TrainingRound};
 pub use job::PropellerJob;
 pub use proplet::Proplet;
+pub use reference::crd_reference;
 pub use task::Task;
 
 /// Every CRD, in a stable order: Proplet, Task, PropellerJob, FederatedJob, TrainingRound.

@@ -76,6 +76,42 @@ pub struct SelectorView {
     pub preferred_type: PreferredType,
 }
 
+/// The selector rules an index of proplets by name and label can answer: every proplet the
+/// selector admits is found under these keys ([`admits`] checks the other rules on each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IndexKeys<'s> {
+    /// No rule on the name or the labels: any proplet of the namespace.
+    Any,
+    /// Only the proplet of this name.
+    Name(&'s str),
+    /// Only proplets carrying every one of these labels with these values.
+    Labels(Vec<(&'s str, &'s str)>),
+}
+
+impl SelectorView {
+    /// Which index keys can find the proplets this selector admits; the rules are those of
+    /// [`admits`] (the name pin first, then `matchLabels`).
+    pub fn index_keys(&self) -> IndexKeys<'_> {
+        if let Some(name) = self.pinned_name() {
+            return IndexKeys::Name(name);
+        }
+        if self.match_labels.is_empty() {
+            return IndexKeys::Any;
+        }
+        IndexKeys::Labels(
+            self.match_labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect(),
+        )
+    }
+
+    /// The proplet name the selector pins, if any (an empty `propletId` pins none).
+    fn pinned_name(&self) -> Option<&str> {
+        self.proplet_id.as_deref().filter(|id| !id.is_empty())
+    }
+}
+
 /// Why a proplet was not a candidate: the first selector rule it failed, in the order
 /// phase, propletId, type, labels, device type, capabilities, capacity.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -319,7 +355,7 @@ fn first_failure<'s>(
     if proplet.label(super::enrolment::APPROVAL_LABEL) == Some(super::enrolment::APPROVAL_PENDING) {
         return Some(Failure::AwaitingApproval);
     }
-    if let Some(wanted) = selector.proplet_id.as_deref().filter(|id| !id.is_empty()) {
+    if let Some(wanted) = selector.pinned_name() {
         if proplet.name() != wanted {
             return Some(Failure::NotRequested(wanted));
         }
