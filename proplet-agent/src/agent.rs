@@ -11,34 +11,29 @@
 //! spool ([`crate::spool`]) and are the only QoS 1 publishes, which lets the spool sender match
 //! each broker acknowledgement to its entry.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use propeller_broker::protocol::enrolment::{key_topic, KeyRotation};
 use propeller_broker::protocol::{
-    decode, targets, AggregatedMetrics, Channel, ChunkAssembler, ChunkError, ChunkProgress,
-    Discovery, Heartbeat, Inbound, InvokeRequest, InvokeResult, MonitoringProfile, OfflineNotice,
-    ProcessMetrics, RegistryChunk, RegistryRequest, ResultValue, StartRequest, StopRequest,
-    TaskMetrics, TaskResult, Timestamp, TopicKind,
+    decode, targets, Channel, ChunkAssembler, Discovery, Inbound, StartRequest, TopicKind,
 };
 use rumqttc::{
-    AsyncClient, ConnectReturnCode, Event, EventLoop, LastWill, MqttOptions, Outgoing, Packet, QoS,
-    TlsConfiguration, Transport,
+    AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS,
 };
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn};
 
-use crate::config::{BrokerAddress, Config};
+use crate::config::Config;
 use crate::fetch::HttpFetcher;
-use crate::finished::{Finished, FinishedRuns, Seen};
-use crate::http_server::Server as HttpServer;
+use crate::finished::FinishedRuns;
 use crate::outgoing_http::OutgoingHttp;
 use crate::spool::Spool;
-use crate::system::{cpu_seconds, SystemProbe};
+use crate::system::SystemProbe;
 use crate::telemetry::AgentMetrics;
-use crate::wasm::{Compiled, Invocation, Limits, RunError, StopFlag, TaskGauge, WasmRuntime};
+use crate::wasm::{Compiled, Limits, StopFlag, WasmRuntime};
 
 mod chunks;
 mod heartbeats;
@@ -51,7 +46,6 @@ mod tasks;
 
 pub use options::*;
 use rotation::*;
-use tasks::*;
 
 /// Whole-request limit for HTTP(S) fetches.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -589,6 +583,8 @@ fn stored_previous_key(config: &Config) -> Option<(String, chrono::DateTime<chro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::tasks::start_problem;
+    use crate::config::BrokerAddress;
 
     #[test]
     fn backoff_grows_to_a_minute_with_jitter_and_resets() {

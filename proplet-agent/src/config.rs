@@ -2,7 +2,7 @@
 //! TOML file, then defaults. A bad value stops start-up with the variable's name.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;

@@ -11,7 +11,6 @@
 //! - **Compilation** is cached by content hash, so a repeated task does not recompile. Core
 //!   modules and components share one engine, one cache and the same limits.
 
-use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

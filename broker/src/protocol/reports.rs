@@ -6,7 +6,6 @@ use serde_json::Value;
 use super::error::DecodeError;
 use super::fields::{excerpt, to_bytes, Fields, ObjectBuilder};
 use super::fl::FlUpdate;
-use super::time::Timestamp;
 use super::Inbound;
 
 /// Describes the device an agent runs on; sent in discovery and, optionally, in heartbeats.

@@ -65,21 +65,22 @@
 //! (which lie *before* the start's wall-clock time) are searched too. It reads no clock and
 //! keeps no state.
 
-use std::fmt;
 use std::str::FromStr;
 
 use chrono::{
     DateTime, Datelike, MappedLocalTime, Months, NaiveDate, NaiveDateTime, NaiveTime, Offset,
-    TimeDelta, TimeZone, Timelike, Utc,
+    TimeDelta, TimeZone, Utc,
 };
-use chrono_tz::{GapInfo, Tz, TZ_VARIANTS};
+use chrono_tz::Tz;
 
 mod error;
 mod field;
+mod field_name;
 mod zone;
 
 pub use error::*;
-pub use field::*;
+use field::*;
+pub use field_name::CronField;
 pub use zone::*;
 
 /// How many years of local calendar time `next_after` examines before concluding that a
@@ -271,6 +272,7 @@ impl CronSchedule {
     /// Whether a local wall-clock time (with seconds 0) matches all fields.
     #[cfg(test)]
     fn matches_local(&self, local: NaiveDateTime) -> bool {
+        use chrono::Timelike;
         let stand_in = stand_in_year(local.year()).and_then(|year| local.with_year(year));
         local.nanosecond() == 0
             && stand_in.is_some_and(|stand_in| {
@@ -369,6 +371,7 @@ fn stand_in_year(year: i32) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::Timelike;
     use chrono::{Duration, NaiveTime};
     use proptest::prelude::*;
 

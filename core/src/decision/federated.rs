@@ -10,19 +10,17 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::api::core::v1::{LocalObjectReference, ObjectReference};
+use k8s_openapi::api::core::v1::LocalObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use super::aggregation::{self, Algorithm, ExpectedUpdate, UpdateEnvelope};
+use super::aggregation::UpdateEnvelope;
 use super::conditions::{set_condition, DesiredCondition};
 use super::names;
 use crate::crd::federated::{
-    AggregationAlgorithm, FederatedJob, FederatedJobStatus, FederatedParticipantStatus,
-    ParticipantPhase, RoundParticipantStatus, RoundPhase, TrainingRound, TrainingRoundSpec,
-    TrainingRoundStatus,
+    FederatedJob, FederatedJobStatus, FederatedParticipantStatus, RoundPhase, TrainingRound,
+    TrainingRoundSpec,
 };
 use crate::crd::job::JobPhase;
-use crate::crd::task::{PropletSelector, Task, TaskKind, TaskMode, TaskPhase, TaskSpec};
 
 mod round;
 
@@ -220,7 +218,10 @@ fn round_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crd::federated::ParticipantPhase;
     use crate::crd::federated::{AggregatorSpec, FederatedJobSpec, Participant, RoundsSpec};
+    use crate::crd::task::TaskKind;
+    use crate::crd::task::TaskPhase;
     use crate::decision::aggregation::{decode_vector, encode_json_f64};
     use chrono::TimeZone;
     use serde_json::json;

@@ -12,18 +12,13 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use propeller_broker::protocol::{MonitoringProfile as WireProfile, StartRequest, StopRequest};
-use serde_json::{Map, Value};
+use propeller_broker::protocol::{StartRequest, StopRequest};
 
-use super::conditions::{from_k8s_time, remove_condition, set_condition, DesiredCondition};
-use super::dag::{evaluate, Readiness};
-use super::recurrence::{gate, rerun_at, ScheduleGate};
-use super::scheduler::{
-    filter_candidates, select_proplet, CandidateProplet, Schedulable, SelectorView, Strategy,
-};
-use crate::crd::common::find_condition;
+use super::conditions::{remove_condition, set_condition, DesiredCondition};
+use super::recurrence::rerun_at;
+use super::scheduler::Strategy;
 use crate::crd::proplet::PropletType;
-use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
+use crate::crd::task::{Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
 
 mod commands;
 mod pending;
@@ -481,11 +476,13 @@ pub fn awaits_job(task: &Task, observed: &TaskObservations) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crd::common::find_condition;
     use crate::crd::common::MetricsSample;
     use crate::crd::proplet::{Proplet, PropletPhase};
     use crate::decision::scheduler::filter_candidates;
     use chrono::TimeZone;
     use serde_json::json;
+    use serde_json::Value;
 
     fn at(h: u32, m: u32, s: u32) -> DateTime<Utc> {
         Utc.with_ymd_and_hms(2026, 3, 14, h, m, s)

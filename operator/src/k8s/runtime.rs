@@ -7,7 +7,6 @@
 //! wrote. A result for a Task the cache does not know yet waits in the inbox until the Task
 //! appears, when its own watch event reconciles it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,38 +15,31 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Controller;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource};
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tracing::{debug, info, warn};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tracing::{info, warn};
 
 use crate::controller::ownership::Ownership;
 use crate::controller::runner::{drive, stream_of as tokio_stream_of};
-use crate::controller::Common;
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
-use crate::crd::proplet::{Proplet, PropletPhase};
+use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
-use crate::decision::task::{Note, TaskSettings};
-use crate::executor::{Dispatch, TaskApplyError};
+use crate::decision::task::TaskSettings;
 use crate::proplet_index::SharedPropletIndex;
-use crate::state::lock;
 use crate::task_index::SharedTaskIndex;
 
 use super::sharded_watch::Watches;
 
 use super::deployment::PROPLET_LABEL;
-use super::patch::finalizers_patch;
-use super::proplet::{apply as apply_proplet, PropletSettings};
-use super::task::{apply as apply_task, TaskWrites};
-use crate::credentials::{changes_credentials, credential_table, RefreshGate};
+use super::proplet::PropletSettings;
+use crate::credentials::{changes_credentials, RefreshGate};
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 

@@ -9,17 +9,14 @@
 //! the MQTT side never writes the store), and the requeue times the plans ask for, plus a
 //! periodic sweep of proplets.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::ObjectRef;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
-use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{info, warn};
 
@@ -28,12 +25,10 @@ use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
-use crate::credentials::credential_table;
 use crate::decision::proplet::PropletSettings;
 use crate::decision::task::TaskSettings;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
-use crate::state::lock;
 
 use super::cache::ObjectCache;
 use super::events::EventLog;
@@ -47,7 +42,7 @@ mod writer;
 use routing::LoadWakes;
 use writer::*;
 
-use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, SECRET, TASK, TRAINING_ROUND};
+use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
 /// Kind name of ConfigMaps (aggregated models).
 pub const CONFIG_MAP: &str = "ConfigMap";
 

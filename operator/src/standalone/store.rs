@@ -27,16 +27,14 @@
 //! hear of a change only once it is durable; plain reads may see a committed write a moment
 //! before its `fsync` completes.
 
-use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
-use chrono::{SecondsFormat, Utc};
-use redb::{Database, Durability, ReadableTable, TableDefinition};
+use redb::TableDefinition;
 use serde::de::DeserializeOwned;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
 mod change;
@@ -51,8 +49,7 @@ pub use change::*;
 use commit::*;
 pub use error::*;
 use key::*;
-use object::*;
-use recovery::{lost_cause, open_database};
+use recovery::open_database;
 use tx::*;
 
 /// Objects by `Kind/namespace/name`, as JSON bytes.

@@ -1,6 +1,15 @@
 //! Wasm binaries served as registry chunks over MQTT: the request and the assembly.
 
-use super::*;
+use propeller_broker::protocol::{
+    ChunkAssembler, ChunkError, ChunkProgress, RegistryChunk, RegistryRequest,
+};
+use rumqttc::QoS;
+use tokio::sync::oneshot;
+use tracing::{debug, warn};
+
+use crate::wasm::RunError;
+
+use super::{Agent, Fetch};
 
 impl Agent {
     /// Requests `image` from the registry proxy and waits for all its chunks.

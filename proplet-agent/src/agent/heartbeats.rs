@@ -1,6 +1,10 @@
 //! Liveness reports: heartbeats and the proplet's periodic metrics.
 
-use super::*;
+use std::sync::Arc;
+
+use propeller_broker::protocol::Heartbeat;
+
+use super::Agent;
 
 impl Agent {
     pub(super) async fn heartbeats(self: Arc<Self>) {

@@ -1,6 +1,12 @@
 //! The MQTT connection options of each configured broker: TLS, keep-alive, Last Will.
 
-use super::*;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use propeller_broker::protocol::{Channel, OfflineNotice};
+use rumqttc::{LastWill, MqttOptions, QoS, TlsConfiguration, Transport};
+
+use crate::config::{BrokerAddress, Config};
 
 /// Connection options for `config`'s first broker, with the offline Last Will; the event loop
 /// given to [`Agent::run`] is made from these.

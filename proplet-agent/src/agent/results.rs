@@ -1,7 +1,16 @@
 //! Results on their way out: the spool sender (QoS 1, matched to broker acknowledgements),
 //! result messages and how they enter the spool.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use propeller_broker::protocol::{ResultValue, TaskResult};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use crate::agent::tasks::split;
+
+use super::{qos, AckSignal, Agent, ACK_TIMEOUT};
 
 impl Agent {
     /// Sends spooled results oldest first, one at a time, deleting each on its PUBACK.

@@ -1,6 +1,10 @@
 //! Failover between brokers: which one the event loop dials next, and the reconnect backoff.
 
-use super::*;
+use std::time::Duration;
+
+use rumqttc::{EventLoop, MqttOptions};
+
+use crate::config::BrokerAddress;
 
 /// Which broker the event loop is pointed at, and the options of each.
 pub(super) struct Rotation<'a> {

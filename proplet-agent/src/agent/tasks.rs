@@ -1,6 +1,21 @@
 //! Task runs: start, execute, HTTP components, invocations, task metrics, stop and invoke.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use propeller_broker::protocol::{
+    AggregatedMetrics, InvokeRequest, InvokeResult, MonitoringProfile, ProcessMetrics, ResultValue,
+    StartRequest, StopRequest, TaskMetrics, Timestamp,
+};
+use tracing::{debug, info, warn};
+
+use crate::finished::{Finished, Seen};
+use crate::http_server::Server as HttpServer;
+use crate::system::cpu_seconds;
+use crate::wasm::{Compiled, Invocation, RunError, StopFlag, TaskGauge};
+
+use super::{Agent, Latent, MAX_TRACKED_ARRIVALS};
 
 impl Agent {
     /// Runs one start request; its logs carry the task's id and run (the span `task`).

@@ -1,6 +1,8 @@
 //! The list of brokers the agent may dial, as flags, variables and the file give it.
 
-use super::*;
+use propeller_broker::protocol::{AddressError, BrokerAddress};
+
+use super::ConfigError;
 
 /// `"tcp://x:1": bad port` for a single address (as before lists were accepted);
 /// `entry 2 of 3, "tcp://x:1": bad port` in a list.

@@ -5,7 +5,16 @@ use std::net::IpAddr;
 
 use serde::Deserialize;
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use propeller_broker::protocol::AddressError;
+
+use crate::config::addresses::BrokerAddresses;
+use crate::config::values::{
+    Dirs, Interval, LogLevel, Overrides, PortRange, Qos, Size, Switch, Words,
+};
+
+use super::ConfigError;
 
 /// `mqtt_address` as a string (comma-separated) or a list (checked entry by entry).
 #[derive(Debug, Deserialize)]

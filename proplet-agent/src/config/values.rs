@@ -2,7 +2,12 @@
 
 use std::str::FromStr;
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use propeller_broker::protocol::BrokerAddress;
+
+use super::ConfigError;
 
 /// `a, b,,c` → `[a, b, c]`; nothing for unset.
 pub(super) fn comma_list(text: Option<String>) -> Vec<String> {

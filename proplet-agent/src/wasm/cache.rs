@@ -1,6 +1,8 @@
 //! Compiled modules and components, cached by content hash with a size bound.
 
-use super::*;
+use std::collections::{HashMap, VecDeque};
+
+use super::Compiled;
 
 /// A small least-recently-used map of compiled modules.
 pub(super) struct ModuleCache {

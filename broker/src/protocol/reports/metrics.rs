@@ -1,7 +1,11 @@
 //! The figures devices report: the proplet's CPU and memory, and each task's process
 //! metrics with their running aggregate.
 
-use super::*;
+use serde_json::Value;
+
+use crate::protocol::error::DecodeError;
+use crate::protocol::fields::{to_bytes, Fields, ObjectBuilder};
+use crate::protocol::time::Timestamp;
 
 /// Process CPU figures of [`PropletMetrics`].
 #[derive(Debug, Clone, Default, PartialEq)]

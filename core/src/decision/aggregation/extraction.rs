@@ -1,8 +1,14 @@
 //! Reading an FL update out of what a proplet reported: the envelope's accepted shapes,
 //! the identity checks against the round, and messages that quote what was wrong.
 
-use super::*;
+use base64::Engine;
 use propeller_broker::protocol::round_number;
+use serde_json::{Map, Number, Value};
+
+use super::{
+    EnvelopeError, ExpectedUpdate, UpdateEnvelope, DEFAULT_NUM_SAMPLES, FORMAT_JSON_F64,
+    LENIENT_B64, MAX_STRING_NESTING, SNIPPET_CHARS,
+};
 
 /// Turns what a proplet reported as a task's results into a checked [`UpdateEnvelope`].
 ///

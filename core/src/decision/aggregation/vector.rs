@@ -1,7 +1,15 @@
 //! The numeric layouts of model vectors (JSON f64 arrays, little-endian f32, f32 deltas):
 //! decoding an update and encoding a result.
 
-use super::*;
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine;
+use serde_json::{Number, Value};
+
+use crate::decision::aggregation::extraction::snippet;
+
+use super::{
+    AggregationError, UpdateEnvelope, FORMAT_F32_DELTA, FORMAT_F32_LE, FORMAT_JSON_F64, LENIENT_B64,
+};
 
 /// The numeric layouts FedAvg can read and write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Why an expression or a zone was refused, with advice on what to write instead.
 
-use super::*;
+use crate::decision::cron::field_name::CronField;
 
 /// Why a schedule or time zone was rejected. Messages are meant to be shown to users as-is
 /// (status conditions, Events): they name the field and the offending text. Every schedule

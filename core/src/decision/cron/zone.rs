@@ -1,7 +1,16 @@
 //! Time zones: `CRON_TZ=`/`TZ=` prefixes, IANA names with suggestions, and the local times
 //! that daylight-saving changes skip or repeat.
 
-use super::*;
+use std::str::FromStr as _;
+
+use chrono::{
+    MappedLocalTime, NaiveDateTime, Offset as _, TimeDelta, TimeZone as _, Timelike as _,
+};
+use chrono_tz::{GapInfo, Tz, TZ_VARIANTS};
+
+use crate::decision::cron::error::CronError;
+
+use super::GAP_SCAN_LIMIT_MINUTES;
 
 /// Resolves `spec.timezone`. An empty (or all-whitespace) name means UTC, the upstream
 /// default; anything else must be an exact IANA name, and an error names the rejected value

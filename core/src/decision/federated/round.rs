@@ -1,7 +1,22 @@
 //! TrainingRound: its participants' tasks, the updates it collects, its aggregation and the
 //! global model it stores (a ConfigMap), and how it ends.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::crd::federated::{
+    AggregationAlgorithm, FederatedJob, ParticipantPhase, RoundParticipantStatus, RoundPhase,
+    TrainingRound, TrainingRoundStatus,
+};
+use crate::crd::task::{PropletSelector, Task, TaskKind, TaskMode, TaskPhase, TaskSpec};
+use crate::decision::aggregation::{Algorithm, ExpectedUpdate, UpdateEnvelope};
+use crate::decision::conditions::{set_condition, DesiredCondition};
+use crate::decision::{aggregation, names};
+
+use super::{owner, MAX_INLINE_MODEL, PARTICIPANT_LABEL, ROUND_ID_LABEL, ROUND_LABEL};
 
 /// What the driver observed about one participant's Task.
 #[derive(Debug, Clone, Default, PartialEq)]

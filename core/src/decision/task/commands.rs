@@ -1,7 +1,14 @@
 //! The commands a Task plan sends to devices: start requests (pinned to an image digest
 //! when resolved) and stops, and the proplet views they are addressed by.
 
-use super::*;
+use propeller_broker::protocol::{MonitoringProfile as WireProfile, StartRequest, StopRequest};
+use serde_json::Value;
+
+use crate::crd::task::{Task, TaskStatus};
+use crate::decision::scheduler::SelectorView;
+use crate::decision::task_observations::{PropletView, TaskObservations};
+
+use super::{StartCommand, StopCommand};
 
 /// The identity results of a proplet carry: its client id, or its name when unknown.
 pub(super) fn client_of<'a>(observed: &'a TaskObservations, proplet: &'a str) -> &'a str {

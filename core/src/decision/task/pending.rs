@@ -1,7 +1,25 @@
 //! Planning a pending Task: dependencies, schedule, image, candidates, the choice of
 //! proplet(s) and the dispatch.
 
-use super::*;
+use chrono::{DateTime, Utc};
+
+use crate::crd::proplet::PropletType;
+use crate::crd::task::{RunIf, Task, TaskPhase, TaskStatus};
+use crate::decision::conditions::{from_k8s_time, set_condition, DesiredCondition};
+use crate::decision::dag::{evaluate, Readiness};
+use crate::decision::recurrence::{gate, ScheduleGate};
+use crate::decision::scheduler::{
+    filter_candidates, select_proplet, CandidateProplet, Schedulable as _,
+};
+use crate::decision::task::commands::{selector_of, start_for, targets_of, view};
+use crate::decision::task_observations::{
+    needs_image_resolution, runs_on, ImageObservation, TaskObservations,
+};
+
+use super::{
+    finish, later, look_again_by, waiting, Note, TaskPlan, TaskSettings, CAPACITY_RETRY,
+    NO_CANDIDATE_RETRY, SCHEDULED, STARTED,
+};
 
 pub(super) fn plan_pending(
     task: &Task,

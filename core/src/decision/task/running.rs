@@ -1,7 +1,21 @@
 //! Planning a scheduled or running Task: its device's report, results, time limits, stops,
 //! and a start sent again after a restart.
 
-use super::*;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+
+use crate::crd::common::find_condition;
+use crate::crd::proplet::PropletType;
+use crate::crd::task::{Task, TaskPhase, TaskStatus};
+use crate::decision::conditions::from_k8s_time;
+use crate::decision::recurrence::rerun_at;
+use crate::decision::task::commands::{client_of, start_for, stop_for, targets_of, view};
+use crate::decision::task::pending::{dispatch, mark_running};
+use crate::decision::task_observations::{JobOutcome, TaskObservations};
+
+use super::{finish, later, look_again_by, runs_as_job, Note, TaskPlan, TaskSettings, SCHEDULED};
 
 /// A scheduled task: dispatch it, or, once this process has dispatched it, treat it as the
 /// running task it is and write `running` only when its result is overdue.

@@ -5,14 +5,34 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PostParams;
 use serde_json::Value;
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, ResourceExt as _};
+
 use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
+use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
+use crate::decision::liveness::DeploymentObservation;
 use crate::decision::scheduler::SelectorView;
+use crate::decision::task::Note;
 use crate::decision::task::TaskPlan;
 use crate::executor::BackendError;
+use crate::executor::{Dispatch, TaskApplyError};
+use crate::k8s::patch::finalizers_patch;
+use crate::k8s::proplet::apply as apply_proplet;
+use crate::k8s::runtime::shared::{Shared, WrittenStatus};
+use crate::k8s::task::apply as apply_task;
+use crate::k8s::task_job::KubeJobs;
 use crate::proplet_index::Narrowed;
+use crate::state::lock;
+
+use super::{observe_deployment, RESYNC};
 
 fn object_ref<K: Stored>(name: &ObjectName) -> ObjectRef<K> {
     ObjectRef::new(&name.name).within(&name.namespace)

@@ -2,8 +2,17 @@
 //! shared routing (`crate::controller::routing`), and the gauges and remembered writes kept
 //! from the caches.
 
-use super::*;
+use std::sync::Arc;
+
+use chrono::Utc;
+use kube::runtime::reflector::ObjectRef;
+use propeller_broker::server::BrokerEvent;
+use tokio::sync::mpsc::UnboundedReceiver;
+
 use crate::controller::ObjectName;
+use crate::crd::proplet::PropletPhase;
+use crate::k8s::runtime::shared::Shared;
+use crate::state::lock;
 
 /// Routes broker events into the stores and triggers until the event stream ends.
 pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<Shared>) {

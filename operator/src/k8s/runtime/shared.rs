@@ -1,10 +1,33 @@
 //! What the Kubernetes reconcilers share: the client, the caches of the watches, the
 //! driver state, the triggers, and the memory of this process's own writes.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::Client;
+use propeller_broker::server::{CredentialStore, Publisher};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tracing::{debug, warn};
+
+use crate::controller::Common;
 use crate::controller::ObjectName;
+use crate::crd::federated::TrainingRound;
+use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
+use crate::credentials::{credential_table, RefreshGate};
+use crate::decision::task::Note;
+use crate::k8s::task::TaskWrites;
+use crate::k8s::task_job::KubeJobs;
+use crate::metrics::ControllerMetrics;
 use crate::proplet_index::SharedPropletIndex;
+use crate::state::lock;
 use crate::task_index::SharedTaskIndex;
+
+use super::{Settings, RESYNC};
 
 /// State shared by the reconcilers and the event router.
 pub struct Shared {

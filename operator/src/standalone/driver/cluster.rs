@@ -13,7 +13,18 @@ use crate::decision::task::{Note, TaskPlan};
 use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
 use crate::proplet_index::Narrowed;
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::Value;
+
+use crate::crd::proplet::Proplet;
+use crate::standalone::driver::writer::{version_of, StoreTasks};
+use crate::standalone::kinds::{PROPLET, TASK, TRAINING_ROUND};
+use crate::standalone::store::StoreError;
+
+use super::{Driver, Key};
 
 impl Cluster for Driver {
     type Jobs = NoJobs;

@@ -3,11 +3,17 @@
 
 use kube::runtime::controller::{Config, Controller};
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+
 use crate::controller::runner::{
     drive, error_policy, reconcile_federated_job, reconcile_propeller_job, reconcile_proplet,
     reconcile_task, reconcile_training_round, stream_of,
 };
+
+use super::{Driver, Wakes, MAX_CONCURRENT_RECONCILES};
 
 fn config() -> Config {
     Config::default().concurrency(MAX_CONCURRENT_RECONCILES)

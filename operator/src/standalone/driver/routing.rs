@@ -2,8 +2,20 @@
 //! stored changes and their related objects (a Proplet's load-driven wake-ups merged per
 //! [`LOAD_WAKE_INTERVAL`]); and the credential table.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering as AtomicOrdering;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use propeller_broker::server::BrokerEvent;
+use tracing::warn;
+
 use crate::crd::federated::TrainingRound;
+use crate::credentials::credential_table;
+use crate::standalone::kinds::{PROPLET, SECRET, TASK, TRAINING_ROUND};
+use crate::state::lock;
+
+use super::{Driver, Key, CREDENTIAL_MAX_AGE};
 
 impl Driver {
     /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the

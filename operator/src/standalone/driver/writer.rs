@@ -1,8 +1,18 @@
 //! The Task executor's writes into the store (one transaction for finalizers and status),
 //! and the record of this driver's own writes, so their watch events wake nothing.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::Value;
+
 use crate::executor::{BackendError, NoJobs, ObjectWriter};
+use crate::standalone::kinds::TASK;
+use crate::standalone::store::ObjectStore;
+use crate::state::lock;
+
+use super::Key;
 
 /// Writes Tasks into the embedded store.
 pub(super) struct StoreTasks<'a> {

@@ -1,6 +1,8 @@
 //! What a write did and who hears of it: results, watch changes, observers, meters.
 
-use super::*;
+use std::sync::Arc;
+
+use serde_json::Value;
 
 /// What [`ObjectStore::apply`] did.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,7 +1,21 @@
 //! Durability: the group commit that shares one `fsync` between concurrent writers, the
 //! batching of status writes, and the announcement of durable changes.
 
-use super::*;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Condvar, Mutex, PoisonError, RwLock};
+
+use redb::{Database, Durability, ReadableTable as _};
+use serde_json::Value;
+use tokio::sync::{broadcast, watch};
+
+use crate::standalone::store::change::{Change, ChangeLabels, Observer, StoreMetrics};
+use crate::standalone::store::error::StoreError;
+use crate::standalone::store::key::Key;
+use crate::standalone::store::recovery::lost_cause;
+use crate::standalone::store::tx::{Announced, Tx};
+
+use super::{lock, ObjectStore, META, OBJECTS, SYNCED_KEY, VERSION_KEY};
 
 pub(super) struct Inner {
     /// The redb handle; `None` after an I/O failure until it is reopened. Transactions hold

@@ -1,6 +1,11 @@
 //! An object's identity (`Kind/namespace/name`) and the checks on its names.
 
-use super::*;
+use serde_json::{Map, Value};
+
+use crate::standalone::store::change::{Change, ChangeKind};
+use crate::standalone::store::error::StoreError;
+
+use super::DEFAULT_NAMESPACE;
 
 /// Identity of a stored object.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,11 @@
 //! Reading and editing the metadata of a stored object (JSON).
 
-use super::*;
+use chrono::{SecondsFormat, Utc};
+use serde_json::{Map, Value};
+
+use crate::standalone::store::error::StoreError;
+
+use super::NOT_DESIRED_STATE;
 
 pub(super) fn now_rfc3339() -> String {
     Utc::now().to_rfc3339_opts(SecondsFormat::Secs, true)

@@ -1,7 +1,20 @@
 //! One write transaction with the API server's semantics: create, apply, status,
 //! finalizers, deletion with its cascade.
 
-use super::*;
+use std::collections::{HashMap, VecDeque};
+
+use redb::ReadableTable as _;
+use serde_json::Value;
+
+use crate::standalone::store::change::{Applied, Change, ChangeKind, Deleted};
+use crate::standalone::store::error::StoreError;
+use crate::standalone::store::key::Key;
+use crate::standalone::store::object::{
+    desired_state, edit_meta, finalizers, given_version, is_empty_list, is_terminating, meta,
+    now_rfc3339, owner_uids, resource_version, set_finalizer_list, uid,
+};
+
+use super::{NOT_DESIRED_STATE, SERVER_FIELDS};
 
 /// One write transaction: the objects table, the counter as it will be committed, and the
 /// changes to announce once the commit has succeeded.
