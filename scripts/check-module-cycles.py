@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when the modules of a crate depend on each other in a cycle, at any depth.
+"""Fails when the modules of a crate depend on each other in a cycle, at any depth, or when a
+non-test module imports its parent's whole namespace (`use super::*`), which hides its edges.
 
 Each `crate::`, `super::` and `self::` path in a non-test source file (comments and
 `#[cfg(test)]` sections left out) is resolved to the module it names. A reference from module
@@ -65,8 +66,14 @@ def check(src: Path) -> list:
     files = {module_of(src, f): f for f in sorted(src.rglob("*.rs"))}
     known = set(files)
     edges = defaultdict(lambda: defaultdict(set))  # parent -> (a -> b) -> where
+    globs = []
     for module, file in files.items():
         code = code_of(file.read_text(errors="replace"))
+        if re.search(r"^\s*use super::\*;", code, re.M) and not file.stem.endswith("tests"):
+            globs.append(
+                f"{file.relative_to(ROOT)}: `use super::*` outside tests hides what the module uses "
+                "(and cycles from this check): import each name by its path"
+            )
         for path in references(module, code):
             target = max((path[:n] for n in range(len(path) + 1) if path[:n] in known), key=len)
             common = 0
@@ -77,7 +84,7 @@ def check(src: Path) -> list:
             parent = module[:common]
             a, b = module[common], target[common]
             edges[parent][a, b].add(f"{file.relative_to(ROOT)} -> {'::'.join(path)}")
-    problems = []
+    problems = globs
     for parent, pairs in sorted(edges.items()):
         graph = defaultdict(set)
         for a, b in pairs:
@@ -132,7 +139,7 @@ def main() -> int:
     for p in problems:
         print(p)
     if problems:
-        print(f"{len(problems)} module cycle(s): move what both sides need into a module of its own")
+        print(f"{len(problems)} problem(s): move what both sides of a cycle need into a module of its own")
         return 1
     print(f"no module cycles in {', '.join(str(d.relative_to(ROOT)) for d in dirs)}")
     return 0
