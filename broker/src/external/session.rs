@@ -45,13 +45,17 @@ impl Session {
         // (rumqttc would drop them on a node where the session is not present).
         let mut unacknowledged: VecDeque<Request> = VecDeque::new();
         let mut resubscribe_at: Option<Instant> = None;
+        // The filters of the SUBSCRIBE in flight (one at a time: the next goes after its
+        // SUBACK), so a refusal is answered for the refused filters alone: on NATS each
+        // filter subscribed again goes through its JetStream consumer again.
+        let mut asked: Vec<String> = Vec::new();
         loop {
             let polled = match resubscribe_at {
                 Some(at) => tokio::select! {
                     polled = self.eventloop.poll() => polled,
                     _ = tokio::time::sleep_until(at) => {
                         resubscribe_at = None;
-                        self.subscribe();
+                        self.subscribe(&asked);
                         continue;
                     }
                 },
@@ -73,22 +77,29 @@ impl Session {
                             self.eventloop.pending.push_back(Request::Publish(publish));
                         }
                     }
-                    self.subscribe();
+                    asked = self.config.filters.clone();
+                    self.subscribe(&asked);
                 }
                 Ok(Event::Incoming(Incoming::SubAck(ack))) => {
-                    let refused = ack
-                        .return_codes
-                        .iter()
-                        .filter(|code| matches!(code, SubscribeReasonCode::Failure))
-                        .count();
-                    if refused == 0 {
+                    let refused: Vec<String> = if ack.return_codes.len() == asked.len() {
+                        asked
+                            .iter()
+                            .zip(&ack.return_codes)
+                            .filter(|(_, code)| matches!(code, SubscribeReasonCode::Failure))
+                            .map(|(filter, _)| filter.clone())
+                            .collect()
+                    } else {
+                        asked.clone()
+                    };
+                    if refused.is_empty() {
                         self.ready.send_replace(true);
                         self.metrics.connected.set(1);
                     } else {
                         warn!(
-                            refused,
+                            ?refused,
                             "the broker refused subscriptions; trying again in {RESUBSCRIBE_AFTER:?}"
                         );
+                        asked = refused;
                         resubscribe_at = Some(Instant::now() + RESUBSCRIBE_AFTER);
                     }
                 }
@@ -121,10 +132,9 @@ impl Session {
     }
 
     /// Queues the subscriptions ahead of anything else waiting to be sent.
-    fn subscribe(&mut self) {
-        let filters = self
-            .config
-            .filters
+    /// Puts a SUBSCRIBE for `filters` first in line.
+    fn subscribe(&mut self, filters: &[String]) {
+        let filters = filters
             .iter()
             .map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
         self.eventloop

@@ -1,7 +1,9 @@
 //! Which filters each SUBSCRIBE carried, so a SUBACK that refuses some of them is answered by
 //! subscribing again to those alone. Subscribing again to a filter the broker already holds
-//! is not free: NATS replaces the JetStream consumer behind a QoS 1 subscription, and what
-//! was queued for the old one is lost (a rotated key among it).
+//! is not free: on NATS it goes through the JetStream consumer behind a QoS 1 subscription
+//! again, which on a cluster missing a node can itself be refused (each after 4 s); an agent
+//! that subscribed again to all its filters on every refusal was seen never to settle, and to
+//! miss its rotated key.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
