@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 use super::attribution::{attribute, Attributed};
 use super::metrics::ReasonLabel;
 use super::{options_for, ExternalConfig, ExternalMetrics};
-use crate::protocol::Decoder;
+use crate::protocol::{refused_filters, Decoder};
 use crate::server::{BrokerEvent, CredentialStore};
 
 /// How long to wait before subscribing again after the broker refused a filter (a NATS node
@@ -81,16 +81,13 @@ impl Session {
                     self.subscribe(&asked);
                 }
                 Ok(Event::Incoming(Incoming::SubAck(ack))) => {
-                    let refused: Vec<String> = if ack.return_codes.len() == asked.len() {
-                        asked
-                            .iter()
-                            .zip(&ack.return_codes)
-                            .filter(|(_, code)| matches!(code, SubscribeReasonCode::Failure))
-                            .map(|(filter, _)| filter.clone())
-                            .collect()
-                    } else {
-                        asked.clone()
-                    };
+                    let refusals: Vec<bool> = ack
+                        .return_codes
+                        .iter()
+                        .map(|code| matches!(code, SubscribeReasonCode::Failure))
+                        .collect();
+                    let refused =
+                        refused_filters(&asked, &refusals).unwrap_or_else(|| asked.clone());
                     if refused.is_empty() {
                         self.ready.send_replace(true);
                         self.metrics.connected.set(1);

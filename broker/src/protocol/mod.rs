@@ -47,8 +47,8 @@ pub use time::{
     parse_duration, parse_setting_duration, whole_seconds, Timestamp, NANOSECOND_INTERVAL_THRESHOLD,
 };
 pub use topics::{
-    classify, unprefixed_fl_update_topic, Channel, ChannelRef, TopicKind, TopicSegment,
-    UNPREFIXED_FL_UPDATE_FILTER,
+    classify, refused_filters, unprefixed_fl_update_topic, Channel, ChannelRef, TopicKind,
+    TopicSegment, UNPREFIXED_FL_UPDATE_FILTER,
 };
 
 use fields::{parse_object, Fields};

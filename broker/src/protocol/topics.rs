@@ -161,6 +161,19 @@ fn fl_update_path(round_id: &TopicSegment, proplet_id: &TopicSegment) -> String 
     format!("fl/rounds/{round_id}/updates/{proplet_id}")
 }
 
+/// The filters of a SUBSCRIBE that its SUBACK refused, given whether each return code (in
+/// the filters' order) is a refusal; `None` when the SUBACK does not have one code per filter.
+pub fn refused_filters(filters: &[String], refusals: &[bool]) -> Option<Vec<String>> {
+    (filters.len() == refusals.len()).then(|| {
+        filters
+            .iter()
+            .zip(refusals)
+            .filter(|(_, refused)| **refused)
+            .map(|(filter, _)| filter.clone())
+            .collect()
+    })
+}
+
 /// The unprefixed `fl/rounds/{round}/updates/{proplet}` topic the upstream agents publish to.
 pub fn unprefixed_fl_update_topic(round_id: &TopicSegment, proplet_id: &TopicSegment) -> String {
     fl_update_path(round_id, proplet_id)

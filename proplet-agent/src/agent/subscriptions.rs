@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
+use propeller_broker::protocol::refused_filters;
 use rumqttc::{AsyncClient, QoS, SubscribeFilter, SubscribeReasonCode};
 
 /// The SUBSCRIBE requests on their way to the broker, paired with their packet ids as the
@@ -66,17 +67,11 @@ impl Subscriptions {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&pkid)?;
-        if filters.len() != codes.len() {
-            return None;
-        }
-        Some(
-            filters
-                .into_iter()
-                .zip(codes)
-                .filter(|(_, code)| matches!(code, SubscribeReasonCode::Failure))
-                .map(|(filter, _)| filter)
-                .collect(),
-        )
+        let refusals: Vec<bool> = codes
+            .iter()
+            .map(|code| matches!(code, SubscribeReasonCode::Failure))
+            .collect();
+        refused_filters(&filters, &refusals)
     }
 
     /// The connection is gone with every request not yet acknowledged (a clean session
