@@ -20,7 +20,11 @@ impl ObjectName {
 
     /// The name of `object`.
     pub fn of(object: &impl kube::Resource) -> Self {
-        let meta = object.meta();
+        Self::from_meta(object.meta())
+    }
+
+    /// The name of the object `meta` describes.
+    pub fn from_meta(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
         Self::new(
             meta.namespace.as_deref().unwrap_or("default"),
             meta.name.as_deref().unwrap_or_default(),

@@ -49,6 +49,7 @@ use crate::state::DriverState;
 
 pub mod finalizer;
 pub mod jobs;
+pub mod kinds;
 pub mod ownership;
 pub mod proplet;
 pub mod routing;
@@ -82,16 +83,7 @@ impl<K> Stored for K where
 
 pub use propeller_core::object_name::ObjectName;
 
-/// A reconcile to run, asked for by another reconcile or by a broker event.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Wake {
-    /// A Proplet's.
-    Proplet(ObjectName),
-    /// A Task's.
-    Task(ObjectName),
-    /// A TrainingRound's.
-    TrainingRound(ObjectName),
-}
+pub use kinds::{Reconciled, Wake};
 
 /// When a reconcile wants to look at its object again without an event (`None`: only when
 /// something changes, or at the driver's slow resync).
@@ -149,15 +141,12 @@ impl Common {
         self.images.get()
     }
 
-    /// The turn to reconcile `object`: `Some` at once when this replica owns every object,
-    /// `None` when another replica owns it now (see [`ownership::Ownership::turn`]).
-    pub async fn turn<K: Stored>(&self, object: &K) -> Option<Option<ownership::Turn<'_>>> {
+    /// The turn to reconcile `object`: at once when this replica owns every object, `None`
+    /// when another replica owns it now (see [`ownership::Ownership::turn`]).
+    pub async fn turn<K: Stored>(&self, object: &K) -> Option<ownership::Turn<'_>> {
         match self.shard.get() {
-            None => Some(None),
-            Some(shard) => shard
-                .turn(&K::kind(&()), &ObjectName::of(object))
-                .await
-                .map(Some),
+            None => Some(ownership::Turn::alone()),
+            Some(shard) => shard.turn(&K::kind(&()), &ObjectName::of(object)).await,
         }
     }
 
@@ -289,13 +278,6 @@ pub trait Cluster: Send + Sync {
 
     /// Every Proplet.
     fn proplets(&self) -> Vec<Arc<Proplet>>;
-
-    /// The Tasks PropellerJobs created in `namespace`, when the driver caches them apart
-    /// from [`Cluster::tasks_in`] (fresher: from the watch that woke the job's reconcile).
-    fn job_children(&self, namespace: &str) -> Vec<Arc<Task>>;
-
-    /// The Tasks TrainingRounds created, from the cache that woke the round's reconcile.
-    fn round_children(&self) -> Vec<Arc<Task>>;
 
     /// Names of the Tasks of `namespace` that depend on `name`.
     fn dependents(&self, name: &ObjectName) -> Vec<String>;

@@ -229,3 +229,62 @@ fn the_books_reference_pages_match_the_types_and_flags() {
         );
     }
 }
+
+/// The verbs `role` (a ClusterRole's YAML) grants on `resource` of our API group.
+fn verbs_on(role: &Value, resource: &str) -> Vec<String> {
+    let group = "propeller.propeller.absmach.eu";
+    let mut verbs = Vec::new();
+    for rule in role["rules"].as_array().into_iter().flatten() {
+        let in_group = rule["apiGroups"]
+            .as_array()
+            .is_some_and(|g| g.iter().any(|g| g == group));
+        let names = rule["resources"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|r| r == resource));
+        if in_group && names {
+            verbs.extend(
+                rule["verbs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(str::to_owned)),
+            );
+        }
+    }
+    verbs
+}
+
+/// A kind added to `all_crds()` is one the operator watches and writes: both roles it is
+/// installed with (the plain RBAC and the Helm chart's) must grant it, or the first watch
+/// fails on a real cluster with a 403.
+#[test]
+fn both_operator_roles_grant_every_kind() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let plain = std::fs::read_to_string(root.join("configs/rbac/cluster_role.yaml")).unwrap();
+    // The chart's template with its Helm directives left out is plain YAML.
+    let chart: String =
+        std::fs::read_to_string(root.join("configs/helm/propeller/templates/clusterrole.yaml"))
+            .unwrap()
+            .lines()
+            .filter(|l| !l.contains("{{"))
+            .collect::<Vec<_>>()
+            .join("\n");
+    for (file, text) in [("cluster_role.yaml", plain), ("the chart's clusterrole.yaml", chart)] {
+        let role: Value = serde_yaml_ng::from_str(&text).unwrap();
+        for crd in all_crds() {
+            let plural = &crd.spec.names.plural;
+            let missing = |resource: &str, wanted: &[&str]| -> Vec<String> {
+                let granted = verbs_on(&role, resource);
+                wanted
+                    .iter()
+                    .filter(|v| !granted.iter().any(|g| g == *v))
+                    .map(|v| format!("{v} on {resource}"))
+                    .collect()
+            };
+            let mut absent = missing(plural, &["get", "list", "watch", "patch", "update"]);
+            absent.extend(missing(&format!("{plural}/status"), &["patch", "update"]));
+            absent.extend(missing(&format!("{plural}/finalizers"), &["update"]));
+            assert!(absent.is_empty(), "{file} does not grant {absent:?}");
+        }
+    }
+}

@@ -9,14 +9,12 @@ use std::sync::Arc;
 use common::{FakeApi, Harness, Sent};
 use http::Method;
 use kube::runtime::watcher;
+use propeller_operator::controller::runner::reconcile;
 use propeller_operator::crd::federated::{FederatedJob, TrainingRound};
 use propeller_operator::crd::job::PropellerJob;
 use propeller_operator::crd::task::Task;
 use propeller_operator::decision::aggregation::{decode_vector, encode_json_f64, UpdateEnvelope};
 use propeller_operator::decision::federated::MODEL_KEY;
-use propeller_operator::k8s::runtime::{
-    reconcile_federated_job, reconcile_propeller_job, reconcile_training_round,
-};
 use serde_json::{json, Value};
 
 const API: &str = "/apis/propeller.propeller.absmach.eu/v1/namespaces/lab";
@@ -62,7 +60,7 @@ async fn a_propeller_job_creates_owned_tasks_then_completes_with_them() {
     let job: PropellerJob = serde_json::from_value(job_json).unwrap_or_else(|e| panic!("{e}"));
     let mut h = Harness::start(client, vec![], vec![]).await;
 
-    reconcile_propeller_job(Arc::new(job.clone()), h.shared.clone())
+    reconcile::<PropellerJob, _>(Arc::new(job.clone()), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();
@@ -97,7 +95,7 @@ async fn a_propeller_job_creates_owned_tasks_then_completes_with_them() {
 
     // A retried reconcile before the cache saw the children creates nothing new for good:
     // the server answers AlreadyExists and the executor treats that as done.
-    reconcile_propeller_job(Arc::new(job.clone()), h.shared.clone())
+    reconcile::<PropellerJob, _>(Arc::new(job.clone()), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let retry = api.take();
@@ -120,7 +118,7 @@ async fn a_propeller_job_creates_owned_tasks_then_completes_with_them() {
             )));
     }
     let current: PropellerJob = api.object(&job_path);
-    reconcile_propeller_job(Arc::new(current), h.shared.clone())
+    reconcile::<PropellerJob, _>(Arc::new(current), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();
@@ -161,7 +159,7 @@ async fn a_federated_job_starts_round_one_and_the_round_aggregates_and_stores_th
     let mut h = Harness::start(client, vec![], vec![]).await;
 
     // The job lists its rounds (none) and creates round 1, owned by the job.
-    reconcile_federated_job(Arc::new(fed), h.shared.clone())
+    reconcile::<FederatedJob, _>(Arc::new(fed), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();
@@ -188,7 +186,7 @@ async fn a_federated_job_starts_round_one_and_the_round_aggregates_and_stores_th
         .to_owned();
     let round_path = format!("{API}/trainingrounds/{round_name}");
     let round: TrainingRound = api.object(&round_path);
-    reconcile_training_round(Arc::new(round.clone()), h.shared.clone())
+    reconcile::<TrainingRound, _>(Arc::new(round.clone()), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();
@@ -225,7 +223,7 @@ async fn a_federated_job_starts_round_one_and_the_round_aggregates_and_stores_th
             )));
     }
     let round: TrainingRound = api.object(&round_path);
-    reconcile_training_round(Arc::new(round), h.shared.clone())
+    reconcile::<TrainingRound, _>(Arc::new(round), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();
@@ -252,7 +250,7 @@ async fn a_federated_job_starts_round_one_and_the_round_aggregates_and_stores_th
 
     // With the model stored, the round completes and names it.
     let round: TrainingRound = api.object(&round_path);
-    reconcile_training_round(Arc::new(round), h.shared.clone())
+    reconcile::<TrainingRound, _>(Arc::new(round), h.shared.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let sent = api.take();

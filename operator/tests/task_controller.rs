@@ -9,15 +9,14 @@ use std::time::Duration;
 
 use common::{FakeApi, Sent};
 use http::Method;
-use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use propeller_broker::server::{BrokerEvent, Credential, EventKind};
+use propeller_operator::controller::runner::reconcile;
 use propeller_operator::controller::Cluster;
+use propeller_operator::controller::ObjectName;
 use propeller_operator::crd::proplet::Proplet;
 use propeller_operator::crd::task::Task;
-use propeller_operator::k8s::runtime::{
-    count_phases, reconcile_proplet, reconcile_task, route_event,
-};
+use propeller_operator::k8s::runtime::{count_phases, route_event};
 use propeller_operator::metrics::PhaseLabels;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
@@ -166,12 +165,12 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     }
     assert_eq!(
         proplet_rx.try_recv().ok(),
-        Some(ObjectRef::new("edge").within("iot"))
+        Some(ObjectName::new("iot", "edge"))
     );
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
 
     // 2. The Proplet reconcile adds its finalizer and writes Running.
-    reconcile_proplet(Arc::new(proplet), shared.clone())
+    reconcile::<Proplet, _>(Arc::new(proplet), shared.clone())
         .await
         .unwrap();
     let sent = api.take();
@@ -185,16 +184,13 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     assert_eq!(patches[1].body["status"]["phase"], "Running");
     assert_eq!(patches[1].body["status"]["alive"], true);
     // The pending task is triggered because a proplet became Running.
-    assert_eq!(
-        task_rx.try_recv().ok(),
-        Some(ObjectRef::new("add").within("iot"))
-    );
+    assert_eq!(task_rx.try_recv().ok(), Some(ObjectName::new("iot", "add")));
     let running: Proplet = api.object(PROPLET_PATH);
     proplet_writer.apply_watcher_event(&watcher::Event::Apply(running));
 
     // 3. The Task reconcile: finalizer, conditional `scheduled` write, one start. `running`
     //    waits for the running-write delay: a quick result makes it unnecessary.
-    reconcile_task(Arc::new(task), shared.clone())
+    reconcile::<Task, _>(Arc::new(task), shared.clone())
         .await
         .unwrap();
     let sent = api.take();
@@ -244,7 +240,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     // 4. Another reconcile of the same run before the delay is over (the watch echoing the
     //    write) publishes nothing and writes nothing.
     let scheduled_task: Task = api.object(TASK_PATH);
-    reconcile_task(Arc::new(scheduled_task), shared.clone())
+    reconcile::<Task, _>(Arc::new(scheduled_task), shared.clone())
         .await
         .unwrap();
     let retried = api.take();
@@ -287,11 +283,11 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
         }
     }
     while let Ok(r) = task_rx.try_recv() {
-        assert_eq!(r, ObjectRef::new("add").within("iot"));
+        assert_eq!(r, ObjectName::new("iot", "add"));
     }
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
     assert_eq!(shared.common.state.inbox.waiting_tasks(), 1);
-    reconcile_task(Arc::new(current), shared.clone())
+    reconcile::<Task, _>(Arc::new(current), shared.clone())
         .await
         .unwrap();
     let sent = api.take();
@@ -335,7 +331,7 @@ async fn deleting_a_running_task_stops_it_on_its_proplet_then_releases_the_final
     let port = h.broker.tcp_addr().unwrap().port();
     let mut device = Device::connect_to(port, "m/d1/c/c1/control/manager/stop").await;
 
-    reconcile_task(Arc::new(task), h.shared.clone())
+    reconcile::<Task, _>(Arc::new(task), h.shared.clone())
         .await
         .unwrap();
     let sent = api.take();
@@ -373,7 +369,7 @@ async fn a_task_for_a_k8s_proplet_creates_its_config_map_and_job_after_the_assig
     let proplet: Proplet = serde_json::from_value(proplet).unwrap();
     let h = common::Harness::start(client, vec![proplet], vec![task.clone()]).await;
 
-    reconcile_task(Arc::new(task), h.shared.clone())
+    reconcile::<Task, _>(Arc::new(task), h.shared.clone())
         .await
         .unwrap();
     let sent = api.take();
@@ -451,7 +447,7 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
     assert_eq!(results[0].value["num_samples"], 3);
     assert_eq!(
         triggers.tasks.try_recv().ok(),
-        Some(ObjectRef::new("add").within("iot"))
+        Some(ObjectName::new("iot", "add"))
     );
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
 }
@@ -501,7 +497,7 @@ async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
     assert_eq!(trigger_overdue(&h.shared, now), 1);
     assert_eq!(
         triggers.proplets.try_recv().ok(),
-        Some(ObjectRef::new("silent").within("iot"))
+        Some(ObjectName::new("iot", "silent"))
     );
     assert!(triggers.proplets.try_recv().is_err());
     // 25 s on, the fresh one is past its deadline too; the beating one is not yet.
@@ -555,7 +551,7 @@ async fn a_task_selecting_a_label_is_placed_on_the_proplet_the_watch_labelled() 
     };
 
     assert_eq!(indexed(&h.shared), Vec::<String>::new());
-    reconcile_task(Arc::new(task.clone()), h.shared.clone())
+    reconcile::<Task, _>(Arc::new(task.clone()), h.shared.clone())
         .await
         .unwrap();
     assert_eq!(assigned(&api.take()), Vec::<String>::new());
@@ -566,7 +562,7 @@ async fn a_task_selecting_a_label_is_placed_on_the_proplet_the_watch_labelled() 
             json!({"role": "worker"}),
         )));
     assert_eq!(indexed(&h.shared), vec!["edge".to_owned()]);
-    reconcile_task(Arc::new(task), h.shared.clone())
+    reconcile::<Task, _>(Arc::new(task), h.shared.clone())
         .await
         .unwrap();
     assert_eq!(assigned(&api.take()), vec!["edge".to_owned()]);

@@ -47,11 +47,10 @@ pub async fn reconcile_propeller_job<C: Cluster>(
     let started = Instant::now();
     let result = async {
         let ns = ObjectName::of(job).namespace;
-        // Referenced Tasks from the Task cache; the children (where cached apart) listed
-        // last, as the fresher.
+        // The Task cache already holds the change that woke this reconcile: a child's
+        // change wakes its owners only once its driver's cache shows it.
         let tasks = cluster.tasks_in(&ns);
-        let children = cluster.job_children(&ns);
-        let observed = JobObservation::of(job, tasks.iter().chain(&children).map(|t| &**t));
+        let observed = JobObservation::of(job, tasks.iter().map(|t| &**t));
         let plan = propeller_job::reconcile(job, &observed, now);
         for child in &plan.create {
             cluster.create_once(child).await?;
@@ -123,7 +122,7 @@ pub async fn reconcile_training_round<C: Cluster>(
     let started = Instant::now();
     let result = async {
         let name = ObjectName::of(round);
-        let tasks = cluster.round_children();
+        let tasks = cluster.tasks_in(&name.namespace);
         let proplets = cluster.proplets();
         let task_refs: Vec<_> = tasks.iter().map(|t| &**t).collect();
         let proplet_refs: Vec<_> = proplets.iter().map(|p| &**p).collect();
@@ -152,7 +151,7 @@ pub async fn reconcile_training_round<C: Cluster>(
                 Ok(config_map) => {
                     cluster.create_once(&config_map).await?;
                     // The next reconcile sees the stored model and completes the round.
-                    cluster.wake(Wake::TrainingRound(name.clone()));
+                    cluster.wake(Wake::of::<TrainingRound>(name.clone()));
                 }
             }
         }

@@ -24,7 +24,15 @@ use super::ObjectName;
 
 /// A reconcile's permission to act on its object, held until it returns.
 pub struct Turn<'a> {
-    _acting: RwLockReadGuard<'a, View>,
+    /// The view the turn was taken under (`None`: this replica owns every object).
+    _acting: Option<RwLockReadGuard<'a, View>>,
+}
+
+impl Turn<'_> {
+    /// The turn of a replica that owns every object (alone, or the leader).
+    pub fn alone() -> Self {
+        Self { _acting: None }
+    }
 }
 
 /// What a replica knows of the others, as last computed by the membership loop.
@@ -223,7 +231,9 @@ impl Ownership {
     pub async fn turn(&self, kind: &str, name: &ObjectName) -> Option<Turn<'_>> {
         let acting = self.acting.read().await;
         if self.owns(kind, name) {
-            return Some(Turn { _acting: acting });
+            return Some(Turn {
+                _acting: Some(acting),
+            });
         }
         self.metrics
             .skipped

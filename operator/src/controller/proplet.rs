@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use tracing::info;
 
 use crate::crd::proplet::{Proplet, PropletPhase};
-use crate::crd::task::TaskPhase;
+use crate::crd::task::{Task, TaskPhase};
 use crate::decision::proplet::{
     approval_granted, phase_change_note, plan, wakes_waiting_tasks, PropletObservations,
 };
@@ -121,7 +121,7 @@ fn wake_waiting_tasks<C: Cluster>(cluster: &C, namespace: &str) {
             .as_ref()
             .is_none_or(|s| s.phase == TaskPhase::Pending);
         if waiting {
-            cluster.wake(Wake::Task(ObjectName::of(task.as_ref())));
+            cluster.wake(Wake::of::<Task>(ObjectName::of(task.as_ref())));
         }
     }
 }

@@ -6,6 +6,7 @@ use propeller_broker::server::BrokerEvent;
 use tracing::debug;
 
 use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
 use crate::state::Concerns;
 
 use super::{Cluster, ObjectName, Wake};
@@ -39,7 +40,7 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
                         .state
                         .heartbeat_waits(event, &proplet, &common.proplet, fleet, now);
                 if !waits {
-                    cluster.wake(Wake::Proplet(ObjectName::of(proplet.as_ref())));
+                    cluster.wake(Wake::of::<Proplet>(ObjectName::of(proplet.as_ref())));
                 }
             }
             None => debug!(client = %client_id, "liveness from a client with no Proplet"),
@@ -52,7 +53,7 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
         }
         Concerns::Rejoined(client_id) => {
             if let Some(proplet) = cluster.proplet_by_client(&client_id) {
-                cluster.wake(Wake::Proplet(ObjectName::of(proplet.as_ref())));
+                cluster.wake(Wake::of::<Proplet>(ObjectName::of(proplet.as_ref())));
                 wake_tasks_on(cluster, &proplet);
             }
         }
@@ -67,7 +68,7 @@ pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
         Some(task) => {
             let name = ObjectName::of(task.as_ref());
             debug!(task = %name, uid, "woken by a report");
-            cluster.wake(Wake::Task(name));
+            cluster.wake(Wake::of::<Task>(name));
         }
         None => debug!(task = %uid, "a task not known yet; it waits"),
     }
@@ -77,6 +78,6 @@ pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
 fn wake_tasks_on<C: Cluster>(cluster: &C, proplet: &Proplet) {
     let namespace = ObjectName::of(proplet).namespace;
     for task in cluster.tasks_on(proplet) {
-        cluster.wake(Wake::Task(ObjectName::new(&namespace, &task)));
+        cluster.wake(Wake::of::<Task>(ObjectName::new(&namespace, &task)));
     }
 }

@@ -9,14 +9,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use kube::runtime::controller::Action;
-use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::debug;
 
-use crate::crd::federated::{FederatedJob, TrainingRound};
-use crate::crd::job::PropellerJob;
-use crate::crd::proplet::Proplet;
-use crate::crd::task::Task;
-
+use super::kinds::Reconciled;
 use super::{retry_policy, wait_until, Cluster, Next, ObjectName, ReconcileError, Retry, Stored};
 
 /// The `Controller`'s answer to a reconcile that wants to look again at `next` (`None`: at
@@ -28,86 +23,20 @@ fn action<C: Cluster>(next: Next, now: DateTime<Utc>) -> Action {
     }
 }
 
-/// Reconciles one Proplet (what a `Controller` calls).
-pub async fn reconcile_proplet<C: Cluster>(
-    proplet: Arc<Proplet>,
+/// Reconciles one object of kind `K` (what a `Controller` calls): when this replica's turn
+/// comes, through the kind's reconcile; when another replica owns it, only what its change
+/// wakes here ([`Reconciled::changed_elsewhere`]).
+pub async fn reconcile<K: Reconciled, C: Cluster>(
+    object: Arc<K>,
     cluster: Arc<C>,
 ) -> Result<Action, ReconcileError> {
-    let common = cluster.common();
-    let Some(_turn) = common.turn(&*proplet).await else {
-        let phase = proplet.status.as_ref().map(|s| s.phase);
-        let before = common.state.phase_seen(&ObjectName::of(&*proplet), phase);
-        super::proplet::wake_after_change_elsewhere(&*cluster, &proplet, before);
-        return Ok(Action::await_change());
-    };
-    let proplet = cluster.newest_proplet((*proplet).clone());
-    let now = Utc::now();
-    let next = super::proplet::reconcile(&*cluster, proplet, now).await?;
-    Ok(action::<C>(next, now))
-}
-
-/// Reconciles one Task.
-pub async fn reconcile_task<C: Cluster>(
-    task: Arc<Task>,
-    cluster: Arc<C>,
-) -> Result<Action, ReconcileError> {
-    let common = cluster.common();
-    let Some(_turn) = common.turn(&*task).await else {
-        debug!(task = %ObjectName::of(&*task), "owned by another replica");
-        super::task::wake_after_change_elsewhere(&*cluster, &task);
-        let finished =
-            task.status.as_ref().is_some_and(|s| s.phase.is_terminal()) && !task.spec.is_recurring;
-        if finished || task.metadata.deletion_timestamp.is_some() {
-            // Its owner finished it: what this replica heard for it is not needed, and kept
-            // it would be reported as late results if this replica takes the task over.
-            common
-                .state
-                .forget_task(task.metadata.uid.as_deref().unwrap_or_default());
-        }
-        return Ok(Action::await_change());
-    };
-    let task = cluster.newest_task(task);
-    let now = Utc::now();
-    let next = super::task::reconcile(&*cluster, &task, now).await?;
-    Ok(action::<C>(next, now))
-}
-
-/// Reconciles one PropellerJob.
-pub async fn reconcile_propeller_job<C: Cluster>(
-    job: Arc<PropellerJob>,
-    cluster: Arc<C>,
-) -> Result<Action, ReconcileError> {
-    let Some(_turn) = cluster.common().turn(&*job).await else {
+    let Some(_turn) = cluster.common().turn(&*object).await else {
+        debug!(kind = %K::kind(&()), object = %ObjectName::of(&*object), "owned by another replica");
+        K::changed_elsewhere(&*cluster, &object);
         return Ok(Action::await_change());
     };
     let now = Utc::now();
-    let next = super::jobs::reconcile_propeller_job(&*cluster, &job, now).await?;
-    Ok(action::<C>(next, now))
-}
-
-/// Reconciles one FederatedJob.
-pub async fn reconcile_federated_job<C: Cluster>(
-    job: Arc<FederatedJob>,
-    cluster: Arc<C>,
-) -> Result<Action, ReconcileError> {
-    let Some(_turn) = cluster.common().turn(&*job).await else {
-        return Ok(Action::await_change());
-    };
-    let now = Utc::now();
-    let next = super::jobs::reconcile_federated_job(&*cluster, &job, now).await?;
-    Ok(action::<C>(next, now))
-}
-
-/// Reconciles one TrainingRound.
-pub async fn reconcile_training_round<C: Cluster>(
-    round: Arc<TrainingRound>,
-    cluster: Arc<C>,
-) -> Result<Action, ReconcileError> {
-    let Some(_turn) = cluster.common().turn(&*round).await else {
-        return Ok(Action::await_change());
-    };
-    let now = Utc::now();
-    let next = super::jobs::reconcile_training_round(&*cluster, &round, now).await?;
+    let next = K::reconcile(&*cluster, object, now).await?;
     Ok(action::<C>(next, now))
 }
 
@@ -130,7 +59,7 @@ pub fn error_policy<K: Stored, C: Cluster>(
 /// meanwhile) is logged at debug.
 pub async fn drive<T, E: std::fmt::Display>(
     stream: impl futures::Stream<Item = Result<T, E>>,
-    controller: &'static str,
+    controller: &str,
 ) {
     stream
         .for_each(|r| async move {
@@ -139,13 +68,4 @@ pub async fn drive<T, E: std::fmt::Display>(
             }
         })
         .await;
-}
-
-/// A channel's receiving end as a stream (for `Controller::reconcile_on`).
-pub fn stream_of<T: Send + 'static>(
-    rx: UnboundedReceiver<T>,
-) -> impl futures::Stream<Item = T> + Send + 'static {
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    })
 }

@@ -216,7 +216,10 @@ fn wake_related<C: Cluster>(cluster: &C, task: &Task, plan: &crate::decision::ta
         .is_some_and(|s| s.phase.is_terminal());
     if finished {
         for dependent in cluster.dependents(&name) {
-            cluster.wake(Wake::Task(ObjectName::new(&name.namespace, &dependent)));
+            cluster.wake(Wake::of::<Task>(ObjectName::new(
+                &name.namespace,
+                &dependent,
+            )));
         }
     }
     if plan.status.is_none() {
@@ -231,7 +234,10 @@ fn wake_related<C: Cluster>(cluster: &C, task: &Task, plan: &crate::decision::ta
     proplets.sort_unstable();
     proplets.dedup();
     for proplet in proplets {
-        cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
+        cluster.wake(Wake::of::<Proplet>(ObjectName::new(
+            &name.namespace,
+            proplet,
+        )));
     }
 }
 
@@ -243,11 +249,17 @@ pub fn wake_after_change_elsewhere<C: Cluster>(cluster: &C, task: &Task) {
     let status = task.status.as_ref();
     if status.is_some_and(|s| s.phase.is_terminal()) {
         for dependent in cluster.dependents(&name) {
-            cluster.wake(Wake::Task(ObjectName::new(&name.namespace, &dependent)));
+            cluster.wake(Wake::of::<Task>(ObjectName::new(
+                &name.namespace,
+                &dependent,
+            )));
         }
     }
     if let Some(proplet) = status.and_then(|s| s.assigned_proplet.as_deref()) {
-        cluster.wake(Wake::Proplet(ObjectName::new(&name.namespace, proplet)));
+        cluster.wake(Wake::of::<Proplet>(ObjectName::new(
+            &name.namespace,
+            proplet,
+        )));
     }
 }
 

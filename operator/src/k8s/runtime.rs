@@ -19,15 +19,12 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Controller;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Client, Resource};
+use kube::Client;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::{info, warn};
 
 use crate::controller::ownership::Ownership;
-use crate::controller::runner::{drive, stream_of as tokio_stream_of};
-use crate::crd::federated::{FederatedJob, TrainingRound};
-use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
@@ -36,6 +33,8 @@ use crate::proplet_index::SharedPropletIndex;
 use crate::task_index::SharedTaskIndex;
 
 use super::sharded_watch::Watches;
+use crate::controller::kinds::{for_each_kind, wake_queues};
+use controllers::{wake_owners, Controllers, Prepared};
 
 use super::deployment::PROPLET_LABEL;
 use super::proplet::PropletSettings;
@@ -44,13 +43,12 @@ use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 
 mod cluster;
+mod controllers;
 mod deletions;
-mod reconcile;
 mod routing;
 mod shared;
 
 pub use super::task_job::KubeJobs;
-pub use reconcile::*;
 pub use routing::*;
 pub use shared::*;
 
@@ -141,19 +139,6 @@ pub struct Runtime {
     pub sharded_watches: Option<Client>,
 }
 
-/// `controller`, also looking at every object again whenever this replica's share may have
-/// grown (a view change, a previous owner letting go).
-fn reshuffled<K>(controller: Controller<K>, shard: Option<&Arc<Ownership>>) -> Controller<K>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default + std::fmt::Debug + Unpin,
-{
-    match shard {
-        Some(shard) => controller.reconcile_all_on(shard.reshuffles()),
-        None => controller,
-    }
-}
-
 /// The Proplet watch through its cache (`writer`, read by `cached`), counting on `gate`
 /// each change that alters the credential table once the cache shows it.
 fn credential_changes(
@@ -193,38 +178,6 @@ fn credential_changes(
             }
         })
         .applied_objects()
-}
-
-/// The Tasks carrying `label`: a cache, and the stream of changes (already applied to that
-/// cache) for the controller that owns them.
-fn labelled_tasks(
-    watches: &Watches,
-    label: &str,
-) -> (
-    Store<Task>,
-    impl futures::Stream<Item = Result<Task, watcher::Error>> + Send + 'static,
-) {
-    let (reader, writer) = reflector::store::<Task>();
-    let events = reflector::reflector(
-        writer,
-        watches.share(watcher::Config::default().labels(label)),
-    )
-    .touched_objects()
-    .default_backoff();
-    (reader, events)
-}
-
-/// A controller of `K` on its share's watch, with its own cache.
-fn controller_of<K>(watches: &Watches) -> Controller<K>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default + std::fmt::Debug + Unpin,
-{
-    let (reader, writer) = reflector::store::<K>();
-    let events = reflector::reflector(writer, watches.share::<K>(watcher::Config::default()))
-        .applied_objects();
-    Controller::for_stream(events, reader).with_config(bounded())
 }
 
 /// Runs the Proplet and Task controllers and the event router until `shutdown` resolves.
@@ -270,12 +223,15 @@ pub async fn run(
     // The Task watch feeds the controller's cache and, right after it, the index of the
     // Tasks by UID, proplet and dependency.
     // Deletions (also those a relist reveals) go on to `deleted` below: a quick task holds
-    // no finalizer, so its run is stopped from here if it was deleted while out.
+    // no finalizer, so its run is stopped from here if it was deleted while out. A Task's
+    // change wakes its owner (a PropellerJob, a TrainingRound) once the cache shows it.
+    let (wakers, mut queues) = wake_queues();
     let task_index = SharedTaskIndex::default();
     let (task_reader, task_writer) = reflector::store::<Task>();
     let (deleted_tx, mut deleted_rx) = tokio::sync::mpsc::unbounded_channel::<Task>();
     let task_events = {
         let index = task_index.clone();
+        let wakers = wakers.clone();
         // A relist after the share changed no longer lists the namespaces that left it:
         // those Tasks were not deleted.
         let shard = rt.shard.clone();
@@ -292,6 +248,7 @@ pub async fn run(
         .inspect(move |event| {
             if let Ok(event) = event {
                 index.apply(event);
+                wake_owners(&wakers, event);
                 for task in deletions.seen(event) {
                     let _ = deleted_tx.send(task);
                 }
@@ -310,27 +267,18 @@ pub async fn run(
                 )
                 .touched_objects(),
         );
-    // A job's or round's reconcile reads its Tasks from the cache of the watch that woke it.
-    // Read from the Task controller's cache instead, a reconcile woken by a Task's completion
-    // could run before that other watch delivered it, plan from the Task still running, and
-    // wait for the next resync (a round stayed at 1 of 2 updates for minutes).
-    let (job_tasks, job_task_events) =
-        labelled_tasks(&watches, crate::decision::propeller_job::JOB_LABEL);
-    let (round_tasks, round_task_events) =
-        labelled_tasks(&watches, crate::decision::federated::ROUND_LABEL);
     let caches = Caches {
+        wakers: wakers.clone(),
         proplets: proplet_controller.store(),
         proplet_index,
         tasks: task_controller.store(),
         task_index,
         credential_gate,
-        job_tasks,
-        round_tasks,
         deployments: deployment_reader,
         secrets: secret_reader,
     };
     let token_namespace = rt.settings.token_namespace.clone();
-    let (shared, triggers) = Shared::new(
+    let shared = Shared::new(
         client.clone(),
         rt.settings,
         rt.publisher,
@@ -422,53 +370,24 @@ pub async fn run(
             }
         })
     };
-    // The whole fleet is reconciled only at the slow resync: a safety net, not the way
-    // liveness is kept.
-    let ticks = futures::stream::unfold(tokio::time::interval(RESYNC), |mut tick| async move {
-        tick.tick().await;
-        Some(((), tick))
-    });
-    let proplets = reshuffled(proplet_controller, shard)
-        .reconcile_on(tokio_stream_of(triggers.proplets))
-        .reconcile_all_on(ticks)
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_proplet, error_policy, shared.clone());
-    let tasks = reshuffled(task_controller, shard)
-        .reconcile_on(tokio_stream_of(triggers.tasks))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_task, error_policy, shared.clone());
-    let jobs = controller_of::<PropellerJob>(&watches);
-    let jobs = reshuffled(jobs, shard)
-        // Only the Tasks a job created (they carry its label): every other Task's writes would
-        // be sent to this watch too, for nothing.
-        .owns_stream(job_task_events)
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_propeller_job, error_policy, shared.clone());
-    let federated = controller_of::<FederatedJob>(&watches);
-    let federated = reshuffled(federated, shard)
-        .owns_stream(
-            watches
-                .share::<PartialObjectMeta<TrainingRound>>(watcher::Config::default())
-                .touched_objects(),
-        )
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_federated_job, error_policy, shared.clone());
-    let rounds = controller_of::<TrainingRound>(&watches);
-    let rounds = reshuffled(rounds, shard)
-        .owns_stream(round_task_events)
-        .reconcile_on(tokio_stream_of(triggers.rounds))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_training_round, error_policy, shared.clone());
-    info!("controllers running");
-    let controllers = async {
-        tokio::join!(
-            drive(proplets, "proplet"),
-            drive(tasks, "task"),
-            drive(jobs, "propellerjob"),
-            drive(federated, "federatedjob"),
-            drive(rounds, "traininground"),
-        )
+    // Proplets and Tasks come with their own watches (the indexes, the credential table,
+    // deletions, and their Deployments and Jobs); every other kind gets a plain one.
+    let mut prepared = Prepared::default();
+    prepared.add(proplet_controller);
+    prepared.add(task_controller);
+    let mut controllers = Controllers {
+        watches: &watches,
+        prepared,
+        queues: &mut queues,
+        wakers: &wakers,
+        shard,
+        shared: shared.clone(),
+        shutdown: shutdown.clone(),
+        running: Vec::new(),
     };
+    for_each_kind(&mut controllers);
+    let controllers = futures::future::join_all(controllers.running);
+    info!("controllers running");
     // A controller whose caches never filled (the API server unreachable since the start)
     // holds its queued work until they do, and its graceful shutdown with it: past the grace
     // period the process stops anyway, well inside a pod's termination grace period.

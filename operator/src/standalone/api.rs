@@ -5,7 +5,7 @@
 //! admission as on a cluster, so standalone accepts and rejects exactly what a cluster would;
 //! a multi-document manifest is checked whole before anything is stored.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -18,25 +18,22 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 
+use crate::controller::kinds::kind_names;
 use crate::validation::Admission;
 
 use super::events::EventLog;
+use super::kinds::{CONFIG_MAP, SECRET};
 use super::store::{Deleted, ObjectStore, StoreError};
 use super::watch::{ChangeLog, Filter, Watch};
 
-/// Kinds standalone serves, with the names users type for them.
-const KINDS: &[(&str, &[&str])] = &[
-    ("Proplet", &["proplet", "proplets"]),
-    ("Task", &["task", "tasks"]),
-    (
-        "PropellerJob",
-        &["propellerjob", "propellerjobs", "pjob", "pjobs"],
-    ),
-    ("FederatedJob", &["federatedjob", "federatedjobs", "fjob"]),
-    ("TrainingRound", &["traininground", "trainingrounds"]),
-    ("Secret", &["secret", "secrets"]),
-    ("ConfigMap", &["configmap", "configmaps", "cm"]),
-];
+/// Kinds standalone serves, with the names users type for them: the reconciled kinds
+/// ([`kind_names`]), then the Secrets and ConfigMaps they use.
+static KINDS: LazyLock<Vec<(String, &'static [&'static str])>> = LazyLock::new(|| {
+    let mut kinds = kind_names();
+    kinds.push((SECRET.to_owned(), &["secret", "secrets"]));
+    kinds.push((CONFIG_MAP.to_owned(), &["configmap", "configmaps", "cm"]));
+    kinds
+});
 
 /// The stored kind for what a user typed (`task`, `pjob`, `Proplets`, …).
 pub fn canonical_kind(typed: &str) -> Option<&'static str> {
@@ -44,7 +41,7 @@ pub fn canonical_kind(typed: &str) -> Option<&'static str> {
     KINDS
         .iter()
         .find(|(kind, names)| kind.eq_ignore_ascii_case(&lower) || names.contains(&lower.as_str()))
-        .map(|(kind, _)| *kind)
+        .map(|(kind, _)| kind.as_str())
 }
 
 /// What the API serves from.
@@ -113,7 +110,11 @@ fn kind_or_404(typed: &str) -> Result<&'static str, ApiError> {
             StatusCode::NOT_FOUND,
             format!(
                 "unknown kind {typed:?}; standalone serves {}",
-                KINDS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+                KINDS
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )
     })

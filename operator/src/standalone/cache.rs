@@ -9,17 +9,19 @@
 //! before a write returns: once a writer has seen its write complete, the cache has it too.
 //! The indexes hold the same `Arc`s as the reflector stores, so each object is kept once.
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::crd::federated::{FederatedJob, TrainingRound};
-use crate::crd::job::PropellerJob;
+use crate::controller::kinds::{for_each_kind, KindVisitor};
+use crate::controller::{ObjectName, Reconciled};
 use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::credentials::{changes_credentials, RefreshGate};
@@ -28,7 +30,7 @@ use crate::decision::scheduler::SelectorView;
 use crate::proplet_index::{Narrowed, PropletIndex};
 use crate::task_index::TaskIndex;
 
-use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
+use super::kinds::{PROPLET, TASK};
 use super::store::{Change, ObjectStore, StoreError};
 
 use crate::watch_index::{name_in, Index, Name};
@@ -74,13 +76,61 @@ pub struct ObjectCache {
     credential_gate: RefreshGate,
 }
 
-#[derive(Default)]
+/// A reflector store of a kind the cache keeps no index of, whatever its type.
+trait Unindexed: Send + Sync {
+    /// Stores the object `value` holds (one that does not decode is left out, logged).
+    fn put(&mut self, value: &Value);
+    /// Drops the object `name`.
+    fn remove(&mut self, name: &Name);
+    /// The object `name`'s metadata, when it is cached.
+    fn meta(&self, name: &Name) -> Option<ObjectMeta>;
+    /// The reader, a `Store<K>`.
+    fn reader(&self) -> &dyn Any;
+}
+
+impl<K: Reconciled> Unindexed for Reflected<K> {
+    fn put(&mut self, value: &Value) {
+        if let Some(object) = decode::<K>(value) {
+            Reflected::put(self, object);
+        }
+    }
+
+    fn remove(&mut self, name: &Name) {
+        Reflected::remove(self, name);
+    }
+
+    fn meta(&self, (namespace, name): &Name) -> Option<ObjectMeta> {
+        let object = self.reader.get(&ObjectRef::new(name).within(namespace))?;
+        Some(object.meta().clone())
+    }
+
+    fn reader(&self) -> &dyn Any {
+        &self.reader
+    }
+}
+
+/// An [`Unindexed`] store for every kind but Proplets and Tasks, which have their own.
+fn unindexed_stores() -> HashMap<String, Box<dyn Unindexed>> {
+    struct Stores(HashMap<String, Box<dyn Unindexed>>);
+    impl KindVisitor for Stores {
+        fn visit<K: Reconciled>(&mut self) {
+            let kind = K::kind(&());
+            if kind != PROPLET && kind != TASK {
+                self.0
+                    .insert(kind.into_owned(), Box::new(Reflected::<K>::default()));
+            }
+        }
+    }
+    let mut stores = Stores(HashMap::new());
+    for_each_kind(&mut stores);
+    stores.0
+}
+
 struct Cached {
     reflected_proplets: Reflected<Proplet>,
     reflected_tasks: Reflected<Task>,
-    propeller_jobs: Reflected<PropellerJob>,
-    federated_jobs: Reflected<FederatedJob>,
-    training_rounds: Reflected<TrainingRound>,
+    /// Every other kind's, by kind.
+    unindexed: HashMap<String, Box<dyn Unindexed>>,
     proplets: BTreeMap<Name, Arc<Proplet>>,
     tasks: BTreeMap<Name, Arc<Task>>,
     proplet_by_client: HashMap<String, Name>,
@@ -93,6 +143,21 @@ fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
         .as_deref()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+impl Default for Cached {
+    fn default() -> Self {
+        Self {
+            reflected_proplets: Reflected::default(),
+            reflected_tasks: Reflected::default(),
+            unindexed: unindexed_stores(),
+            proplets: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            proplet_by_client: HashMap::new(),
+            proplet_index: PropletIndex::default(),
+            task_index: TaskIndex::default(),
+        }
+    }
 }
 
 impl Cached {
@@ -154,22 +219,16 @@ impl Cached {
 }
 
 impl Cached {
-    /// Caches a stored PropellerJob, FederatedJob or TrainingRound (other kinds are not).
+    /// Caches a stored object of a kind without an index (kinds not reconciled are not).
     fn put_other(&mut self, kind: &str, value: &Value) {
-        match kind {
-            PROPELLER_JOB => drop(decode(value).map(|o| self.propeller_jobs.put(o))),
-            FEDERATED_JOB => drop(decode(value).map(|o| self.federated_jobs.put(o))),
-            TRAINING_ROUND => drop(decode(value).map(|o| self.training_rounds.put(o))),
-            _ => {}
+        if let Some(store) = self.unindexed.get_mut(kind) {
+            store.put(value);
         }
     }
 
     fn remove_other(&mut self, kind: &str, key: &Name) {
-        match kind {
-            PROPELLER_JOB => self.propeller_jobs.remove(key),
-            FEDERATED_JOB => self.federated_jobs.remove(key),
-            TRAINING_ROUND => self.training_rounds.remove(key),
-            _ => {}
+        if let Some(store) = self.unindexed.get_mut(kind) {
+            store.remove(key);
         }
     }
 }
@@ -207,9 +266,10 @@ impl ObjectCache {
                 cached.put_task(t, true);
             }
         }
-        for kind in [PROPELLER_JOB, FEDERATED_JOB, TRAINING_ROUND] {
-            for value in store.list(kind, None)? {
-                cached.put_other(kind, &value);
+        let kinds: Vec<String> = cached.unindexed.keys().cloned().collect();
+        for kind in kinds {
+            for value in store.list(&kind, None)? {
+                cached.put_other(&kind, &value);
             }
         }
         drop(cached);
@@ -251,29 +311,35 @@ impl ObjectCache {
         }
     }
 
-    /// The Proplets, as a `Controller` reads them.
-    pub fn proplet_store(&self) -> Store<Proplet> {
-        self.read().reflected_proplets.reader.clone()
+    /// The objects of kind `K`, as a `Controller` reads them (an empty store for a kind
+    /// the cache does not keep).
+    pub fn store<K: Reconciled>(&self) -> Store<K> {
+        let cached = self.read();
+        let indexed: [&dyn Any; 2] = [
+            &cached.reflected_proplets.reader,
+            &cached.reflected_tasks.reader,
+        ];
+        let unindexed = cached
+            .unindexed
+            .get(K::kind(&()).as_ref())
+            .map(|store| store.reader());
+        let found = indexed
+            .into_iter()
+            .chain(unindexed)
+            .find_map(|reader| reader.downcast_ref::<Store<K>>())
+            .cloned();
+        found.unwrap_or_else(|| Reflected::<K>::default().reader)
     }
 
-    /// The Tasks, as a `Controller` reads them.
-    pub fn task_store(&self) -> Store<Task> {
-        self.read().reflected_tasks.reader.clone()
-    }
-
-    /// The PropellerJobs, as a `Controller` reads them.
-    pub fn propeller_job_store(&self) -> Store<PropellerJob> {
-        self.read().propeller_jobs.reader.clone()
-    }
-
-    /// The FederatedJobs, as a `Controller` reads them.
-    pub fn federated_job_store(&self) -> Store<FederatedJob> {
-        self.read().federated_jobs.reader.clone()
-    }
-
-    /// The TrainingRounds, as a `Controller` reads them.
-    pub fn training_round_store(&self) -> Store<TrainingRound> {
-        self.read().training_rounds.reader.clone()
+    /// The metadata of the cached object `name` of kind `kind`.
+    pub fn meta(&self, kind: &str, name: &ObjectName) -> Option<ObjectMeta> {
+        let cached = self.read();
+        let key = (name.namespace.clone(), name.name.clone());
+        match kind {
+            PROPLET => cached.proplets.get(&key).map(|p| p.metadata.clone()),
+            TASK => cached.tasks.get(&key).map(|t| t.metadata.clone()),
+            _ => cached.unindexed.get(kind)?.meta(&key),
+        }
     }
 
     /// Every Proplet, by namespace then name.

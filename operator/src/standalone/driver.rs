@@ -14,17 +14,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::reflector::ObjectRef;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::{info, warn};
 
-use crate::controller::Common;
-use crate::crd::federated::{FederatedJob, TrainingRound};
-use crate::crd::job::PropellerJob;
+use crate::controller::kinds::{for_each_kind, wake_queues, KindVisitor, WakeQueues, Wakers};
+use crate::controller::{Common, ObjectName, Reconciled, Wake};
 use crate::crd::proplet::Proplet;
-use crate::crd::task::Task;
 use crate::decision::proplet::PropletSettings;
 use crate::decision::task::TaskSettings;
 use crate::metrics::ControllerMetrics;
@@ -41,10 +37,6 @@ mod writer;
 
 use routing::LoadWakes;
 use writer::*;
-
-use super::kinds::{FEDERATED_JOB, PROPELLER_JOB, PROPLET, TASK, TRAINING_ROUND};
-/// Kind name of ConfigMaps (aggregated models).
-pub const CONFIG_MAP: &str = "ConfigMap";
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
@@ -69,77 +61,6 @@ pub struct StandaloneSettings {
     pub sweep: Duration,
 }
 
-/// One object to reconcile.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key {
-    /// Kind.
-    pub kind: String,
-    /// Namespace.
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-}
-
-impl Key {
-    fn new(kind: &str, namespace: &str, name: &str) -> Self {
-        Self {
-            kind: kind.to_owned(),
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        }
-    }
-
-    fn of(kind: &str, meta: &ObjectMeta) -> Self {
-        Self::new(
-            kind,
-            meta.namespace.as_deref().unwrap_or("default"),
-            meta.name.as_deref().unwrap_or_default(),
-        )
-    }
-}
-
-/// Where wakes go: one `Controller` per kind.
-struct WakeSenders {
-    proplets: UnboundedSender<ObjectRef<Proplet>>,
-    tasks: UnboundedSender<ObjectRef<Task>>,
-    propeller_jobs: UnboundedSender<ObjectRef<PropellerJob>>,
-    federated_jobs: UnboundedSender<ObjectRef<FederatedJob>>,
-    training_rounds: UnboundedSender<ObjectRef<TrainingRound>>,
-}
-
-/// The receiving ends of the wakes, which [`Driver::run`] hands to the `Controller`s.
-pub struct Wakes {
-    proplets: UnboundedReceiver<ObjectRef<Proplet>>,
-    tasks: UnboundedReceiver<ObjectRef<Task>>,
-    propeller_jobs: UnboundedReceiver<ObjectRef<PropellerJob>>,
-    federated_jobs: UnboundedReceiver<ObjectRef<FederatedJob>>,
-    training_rounds: UnboundedReceiver<ObjectRef<TrainingRound>>,
-}
-
-fn wake_channels() -> (WakeSenders, Wakes) {
-    let (proplets, proplets_rx) = unbounded_channel();
-    let (tasks, tasks_rx) = unbounded_channel();
-    let (propeller_jobs, propeller_jobs_rx) = unbounded_channel();
-    let (federated_jobs, federated_jobs_rx) = unbounded_channel();
-    let (training_rounds, training_rounds_rx) = unbounded_channel();
-    (
-        WakeSenders {
-            proplets,
-            tasks,
-            propeller_jobs,
-            federated_jobs,
-            training_rounds,
-        },
-        Wakes {
-            proplets: proplets_rx,
-            tasks: tasks_rx,
-            propeller_jobs: propeller_jobs_rx,
-            federated_jobs: federated_jobs_rx,
-            training_rounds: training_rounds_rx,
-        },
-    )
-}
-
 /// The standalone reconcilers and their shared state.
 pub struct Driver {
     store: ObjectStore,
@@ -148,7 +69,7 @@ pub struct Driver {
     /// How often every proplet is looked at without events.
     sweep: Duration,
     credentials: Arc<CredentialStore>,
-    wake: WakeSenders,
+    wakers: Wakers,
     events: Arc<EventLog>,
     cache: Arc<ObjectCache>,
     /// The cache's credential epoch and the time of the last rebuild.
@@ -159,7 +80,7 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// A driver over `store`, publishing through `publisher`; the returned [`Wakes`] are for
+    /// A driver over `store`, publishing through `publisher`; the returned queues are for
     /// [`Driver::run`]. Fails if the store cannot be read.
     pub fn new(
         store: ObjectStore,
@@ -168,15 +89,15 @@ impl Driver {
         credentials: Arc<CredentialStore>,
         metrics: Arc<ControllerMetrics>,
         events: Arc<EventLog>,
-    ) -> Result<(Arc<Self>, Wakes), StoreError> {
-        let (wake, wakes) = wake_channels();
+    ) -> Result<(Arc<Self>, WakeQueues), StoreError> {
+        let (wakers, queues) = wake_queues();
         let cache = ObjectCache::attach(&store)?;
         let driver = Arc::new(Self {
             store,
             common: Common::new(publisher, settings.proplet, settings.task, metrics),
             sweep: settings.sweep,
             credentials,
-            wake,
+            wakers,
             events,
             cache,
             secrets_changed: AtomicBool::new(false),
@@ -184,7 +105,7 @@ impl Driver {
             load_wakes: LoadWakes::default(),
         });
         let _ = driver.common.logins.set(driver.credentials.clone());
-        Ok((driver, wakes))
+        Ok((driver, queues))
     }
 
     /// Serves OCI images to devices and resolves Tasks' `imageUrl`s with `images`; a
@@ -211,20 +132,10 @@ impl Driver {
         &self.store
     }
 
-    /// Asks for `key` to be reconciled (once, however often it is asked before it runs).
-    pub fn enqueue(&self, key: Key) {
-        fn at<K: kube::Resource<DynamicType = ()>>(key: &Key) -> ObjectRef<K> {
-            ObjectRef::new(&key.name).within(&key.namespace)
-        }
-        // A closed channel means the controllers stopped: nothing to wake.
-        let _ = match key.kind.as_str() {
-            PROPLET => self.wake.proplets.send(at(&key)).is_ok(),
-            TASK => self.wake.tasks.send(at(&key)).is_ok(),
-            PROPELLER_JOB => self.wake.propeller_jobs.send(at(&key)).is_ok(),
-            FEDERATED_JOB => self.wake.federated_jobs.send(at(&key)).is_ok(),
-            TRAINING_ROUND => self.wake.training_rounds.send(at(&key)).is_ok(),
-            _ => false,
-        };
+    /// Asks for `wake`'s reconcile (once, however often it is asked before it runs).
+    pub fn wake(&self, wake: Wake) {
+        // A closed queue means the controllers stopped: nothing to wake.
+        self.wakers.send(wake);
     }
 
     /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
@@ -240,7 +151,7 @@ impl Driver {
     /// Runs the reconcilers until `shutdown` resolves, then lets the ones in flight finish.
     pub async fn run(
         self: Arc<Self>,
-        wakes: Wakes,
+        queues: WakeQueues,
         mut events: UnboundedReceiver<BrokerEvent>,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
@@ -248,7 +159,7 @@ impl Driver {
         let shutdown = shutdown.shared();
         let controllers = tokio::spawn(reconcile::controllers(
             self.clone(),
-            wakes,
+            queues,
             shutdown.clone(),
         ));
         let mut changes = self.store.subscribe();
@@ -261,21 +172,22 @@ impl Driver {
                 Some(event) = events.recv() => self.route_event(&event),
                 change = changes.recv() => match change {
                     Ok(change) => {
-                        let key = Key::new(&change.kind, &change.namespace, &change.name);
-                        self.related(&key);
-                        if !self.own_writes.is_own(&key, change.resource_version) {
-                            self.enqueue(key);
+                        let name = ObjectName::new(&change.namespace, &change.name);
+                        let wake = Wake::named(&change.kind, name);
+                        self.related(&wake);
+                        if !self.own_writes.is_own(&wake, change.resource_version) {
+                            self.wake(wake);
                         }
                     }
                     // Missed changes: look at everything again.
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                        self.enqueue_everything()
+                        self.wake_everything()
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
                 _ = credential_tick.tick() => {
-                    for key in self.load_wakes.due(Instant::now()) {
-                        self.enqueue(key);
+                    for proplet in self.load_wakes.due(Instant::now()) {
+                        self.wake(Wake::of::<Proplet>(proplet));
                     }
                     let secrets = self
                         .secrets_changed
@@ -290,19 +202,16 @@ impl Driver {
         info!("standalone reconcilers stopped");
     }
 
-    fn enqueue_everything(&self) {
-        fn keys<K: kube::Resource>(kind: &str, objects: Vec<Arc<K>>) -> Vec<Key> {
-            objects.iter().map(|o| Key::of(kind, o.meta())).collect()
+    /// Wakes every cached object of every kind.
+    fn wake_everything(&self) {
+        struct Everything<'a>(&'a Driver);
+        impl KindVisitor for Everything<'_> {
+            fn visit<K: Reconciled>(&mut self) {
+                for object in self.0.cache.store::<K>().state() {
+                    self.0.wake(Wake::of::<K>(ObjectName::of(&*object)));
+                }
+            }
         }
-        let all = [
-            keys(PROPLET, self.cache.proplets()),
-            keys(TASK, self.cache.tasks()),
-            keys(PROPELLER_JOB, self.cache.propeller_job_store().state()),
-            keys(FEDERATED_JOB, self.cache.federated_job_store().state()),
-            keys(TRAINING_ROUND, self.cache.training_round_store().state()),
-        ];
-        for key in all.into_iter().flatten() {
-            self.enqueue(key);
-        }
+        for_each_kind(&mut Everything(self));
     }
 }

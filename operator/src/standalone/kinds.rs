@@ -1,14 +1,11 @@
-//! The kind names objects are stored under in standalone mode.
+//! The kind names the standalone driver itself reads and writes objects under (every
+//! reconciled kind's name is its [`kube::Resource::kind`]; see `crate::controller::kinds`).
 
 /// Kind name of Proplets.
 pub const PROPLET: &str = "Proplet";
 /// Kind name of Tasks.
 pub const TASK: &str = "Task";
-/// Kind name of PropellerJobs.
-pub const PROPELLER_JOB: &str = "PropellerJob";
+/// Kind name of ConfigMaps (aggregated models).
+pub const CONFIG_MAP: &str = "ConfigMap";
 /// Kind name of Secrets (proplet keys, bootstrap tokens).
 pub const SECRET: &str = "Secret";
-/// Kind name of FederatedJobs.
-pub const FEDERATED_JOB: &str = "FederatedJob";
-/// Kind name of TrainingRounds.
-pub const TRAINING_ROUND: &str = "TrainingRound";

@@ -231,11 +231,19 @@ pub type TaskCache = IndexedCache<propeller_operator::task_index::TaskIndex>;
 /// The Proplet cache and its label index.
 pub type PropletCache = IndexedCache<propeller_operator::proplet_index::PropletIndex>;
 
+/// The wake queues of Tasks and Proplets, as a test reads them.
+pub struct Triggers {
+    /// Tasks woken.
+    pub tasks: tokio::sync::mpsc::UnboundedReceiver<propeller_operator::controller::ObjectName>,
+    /// Proplets woken.
+    pub proplets: tokio::sync::mpsc::UnboundedReceiver<propeller_operator::controller::ObjectName>,
+}
+
 /// Shared reconciler state over a fake API, a real loopback broker, and caches holding
 /// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
 pub struct Harness {
     pub shared: std::sync::Arc<propeller_operator::k8s::runtime::Shared>,
-    pub triggers: propeller_operator::k8s::runtime::Triggers,
+    pub triggers: Triggers,
     pub proplets: PropletCache,
     pub tasks: TaskCache,
     pub broker: propeller_broker::server::EmbeddedBroker,
@@ -249,6 +257,8 @@ impl Harness {
         tasks: Vec<propeller_operator::crd::task::Task>,
     ) -> Self {
         use kube::runtime::{reflector, watcher};
+        use propeller_operator::crd::proplet::Proplet;
+        use propeller_operator::crd::task::Task;
         use propeller_operator::k8s::runtime::{Caches, Settings, Shared};
         let logins = Arc::new(propeller_broker::server::CredentialStore::new());
         let broker = propeller_broker::server::EmbeddedBroker::start(
@@ -289,7 +299,12 @@ impl Harness {
                 finalizer: Default::default(),
             },
         };
-        let (shared, triggers) = Shared::new(
+        let (wakers, mut queues) = propeller_operator::controller::kinds::wake_queues();
+        let triggers = Triggers {
+            tasks: queues.receiver::<Task>().unwrap(),
+            proplets: queues.receiver::<Proplet>().unwrap(),
+        };
+        let shared = Shared::new(
             client,
             settings,
             broker.publisher(),
@@ -297,10 +312,9 @@ impl Harness {
             Arc::new(propeller_operator::metrics::ControllerMetrics::default()),
             None,
             Caches {
+                wakers,
                 proplets: proplet_reader,
                 proplet_index: proplet_cache.index.clone(),
-                job_tasks: task_reader.clone(),
-                round_tasks: task_reader.clone(),
                 tasks: task_reader,
                 task_index: task_cache.index.clone(),
                 credential_gate: Default::default(),

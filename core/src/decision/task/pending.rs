@@ -18,7 +18,7 @@ use crate::decision::task_observations::{
 
 use super::{
     finish, later, look_again_by, waiting, Note, TaskPlan, TaskSettings, CAPACITY_RETRY,
-    NO_CANDIDATE_RETRY, SCHEDULED, STARTED,
+    NO_CANDIDATE_RETRY, SCHEDULED,
 };
 
 pub(super) fn plan_pending(
@@ -259,21 +259,4 @@ pub(super) fn dispatch(
     if !plan.starts.is_empty() {
         look_again_by(plan, later(now, settings.running_write_delay));
     }
-}
-
-/// Marks a dispatched run as running since `since`.
-pub(super) fn mark_running(task: &Task, status: &mut TaskStatus, since: DateTime<Utc>) {
-    status.phase = TaskPhase::Running;
-    status.started_at = Some(since);
-    set_condition(
-        &mut status.conditions,
-        &DesiredCondition::new(
-            STARTED,
-            true,
-            "StartSent",
-            "the start was sent to the proplet",
-        ),
-        task.metadata.generation,
-        since,
-    );
 }

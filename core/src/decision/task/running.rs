@@ -9,13 +9,15 @@ use serde_json::{Map, Value};
 use crate::crd::common::find_condition;
 use crate::crd::proplet::PropletType;
 use crate::crd::task::{Task, TaskPhase, TaskStatus};
-use crate::decision::conditions::from_k8s_time;
+use crate::decision::conditions::{from_k8s_time, set_condition, DesiredCondition};
 use crate::decision::recurrence::rerun_at;
 use crate::decision::task::commands::{client_of, start_for, stop_for, targets_of, view};
-use crate::decision::task::pending::{dispatch, mark_running};
+use crate::decision::task::pending::dispatch;
 use crate::decision::task_observations::{JobOutcome, TaskObservations};
 
-use super::{finish, later, look_again_by, runs_as_job, Note, TaskPlan, TaskSettings, SCHEDULED};
+use super::{
+    finish, later, look_again_by, runs_as_job, Note, TaskPlan, TaskSettings, SCHEDULED, STARTED,
+};
 
 /// A scheduled task: dispatch it, or, once this process has dispatched it, treat it as the
 /// running task it is and write `running` only when its result is overdue.
@@ -73,6 +75,23 @@ pub(super) fn plan_scheduled(
     } else {
         look_again_by(plan, overdue);
     }
+}
+
+/// Marks a dispatched run as running since `since`.
+fn mark_running(task: &Task, status: &mut TaskStatus, since: DateTime<Utc>) {
+    status.phase = TaskPhase::Running;
+    status.started_at = Some(since);
+    set_condition(
+        &mut status.conditions,
+        &DesiredCondition::new(
+            STARTED,
+            true,
+            "StartSent",
+            "the start was sent to the proplet",
+        ),
+        task.metadata.generation,
+        since,
+    );
 }
 
 pub(super) fn plan_running(

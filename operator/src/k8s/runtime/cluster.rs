@@ -229,15 +229,6 @@ impl Cluster for Shared {
         self.proplets.state()
     }
 
-    fn job_children(&self, namespace: &str) -> Vec<Arc<Task>> {
-        let tasks = self.job_tasks.state();
-        Self::in_namespace(&tasks, namespace).cloned().collect()
-    }
-
-    fn round_children(&self) -> Vec<Arc<Task>> {
-        self.round_tasks.state()
-    }
-
     fn dependents(&self, name: &ObjectName) -> Vec<String> {
         self.task_index
             .read()
@@ -274,12 +265,8 @@ impl Cluster for Shared {
     }
 
     fn wake(&self, wake: Wake) {
-        // A closed channel means the controllers are stopping: nothing to wake.
-        let _ = match wake {
-            Wake::Proplet(n) => self.proplet_trigger.send(object_ref(&n)).is_ok(),
-            Wake::Task(n) => self.task_trigger.send(object_ref(&n)).is_ok(),
-            Wake::TrainingRound(n) => self.round_trigger.send(object_ref(&n)).is_ok(),
-        };
+        // A closed queue means the controllers are stopping: nothing to wake.
+        self.wakers.send(wake);
     }
 
     async fn note<K: Stored>(&self, object: &K, note: &Note) {

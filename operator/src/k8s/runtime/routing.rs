@@ -9,12 +9,12 @@ use kube::runtime::reflector::ObjectRef;
 use propeller_broker::server::BrokerEvent;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::controller::ObjectName;
-use crate::crd::proplet::PropletPhase;
+use crate::controller::{ObjectName, Wake};
+use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::k8s::runtime::shared::Shared;
 use crate::state::lock;
 
-/// Routes broker events into the stores and triggers until the event stream ends.
+/// Routes broker events into the stores and wake queues until the event stream ends.
 pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<Shared>) {
     while let Some(event) = events.recv().await {
         route_event(&event, &ctx);
@@ -47,7 +47,8 @@ pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
             .and_then(|at| at.checked_add_signed(threshold))
             .is_some_and(|deadline| deadline <= now);
         if overdue {
-            let _ = ctx.proplet_trigger.send(ObjectRef::from_obj(&*proplet));
+            ctx.wakers
+                .send(Wake::of::<Proplet>(ObjectName::of(&*proplet)));
             triggered += 1;
         }
     }

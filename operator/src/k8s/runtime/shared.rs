@@ -1,5 +1,5 @@
 //! What the Kubernetes reconcilers share: the client, the caches of the watches, the
-//! driver state, the triggers, and the memory of this process's own writes.
+//! driver state, the wake queues, and the memory of this process's own writes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,12 +10,11 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::Client;
 use propeller_broker::server::{CredentialStore, Publisher};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, warn};
 
+use crate::controller::kinds::Wakers;
 use crate::controller::Common;
 use crate::controller::ObjectName;
-use crate::crd::federated::TrainingRound;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::credentials::{credential_table, RefreshGate};
@@ -47,11 +46,6 @@ pub struct Shared {
     pub tasks: Store<Task>,
     /// The cached Tasks by UID, by the proplet they occupy and by dependency.
     pub task_index: SharedTaskIndex,
-    /// Cached Tasks that PropellerJobs created: filled by the watch that wakes their
-    /// reconciles, so a reconcile sees the change that woke it.
-    pub job_tasks: Store<Task>,
-    /// Cached Tasks that TrainingRounds created, the same way.
-    pub round_tasks: Store<Task>,
     /// Cached proplet Deployments.
     pub deployments: Store<Deployment>,
     /// Cached Secrets (proplet keys are read from here, never fetched one by one).
@@ -63,12 +57,8 @@ pub struct Shared {
     pub credentials: Arc<CredentialStore>,
     /// Emits Kubernetes Events.
     pub recorder: Recorder,
-    /// Asks the Task controller to reconcile a task.
-    pub task_trigger: UnboundedSender<ObjectRef<Task>>,
-    /// Asks the Proplet controller to reconcile a proplet.
-    pub proplet_trigger: UnboundedSender<ObjectRef<Proplet>>,
-    /// Asks the TrainingRound controller to reconcile a round.
-    pub round_trigger: UnboundedSender<ObjectRef<TrainingRound>>,
+    /// Every kind's wake queue.
+    pub wakers: Wakers,
     /// What each Proplet's last status write returned, until the cache shows it.
     pub(super) proplet_echo: std::sync::Mutex<HashMap<String, WrittenStatus>>,
     /// What the last apply wrote to each Task, until the cache shows it.
@@ -92,8 +82,10 @@ pub(super) struct WrittenStatus {
 /// Events published at once off the reconcile path.
 pub(super) const BACKGROUND_EVENTS: usize = 4;
 
-/// The caches a [`Shared`] reads.
+/// The caches a [`Shared`] reads, and the wake queues their watches feed.
 pub struct Caches {
+    /// Every kind's wake queue.
+    pub wakers: Wakers,
     /// Proplets.
     pub proplets: Store<Proplet>,
     /// The index of `proplets`, fed by the same watch.
@@ -105,28 +97,14 @@ pub struct Caches {
     /// Counts the watched Proplet changes that alter the credential table (the Secret
     /// watch adds its own).
     pub credential_gate: Arc<RefreshGate>,
-    /// Tasks carrying a PropellerJob's label.
-    pub job_tasks: Store<Task>,
-    /// Tasks carrying a TrainingRound's label.
-    pub round_tasks: Store<Task>,
     /// Proplet Deployments.
     pub deployments: Store<Deployment>,
     /// Secrets (proplet keys).
     pub secrets: Store<Secret>,
 }
 
-/// The receiving ends of the reconcile triggers.
-pub struct Triggers {
-    /// Tasks to reconcile.
-    pub tasks: UnboundedReceiver<ObjectRef<Task>>,
-    /// Proplets to reconcile.
-    pub proplets: UnboundedReceiver<ObjectRef<Proplet>>,
-    /// Rounds to reconcile.
-    pub rounds: UnboundedReceiver<ObjectRef<TrainingRound>>,
-}
-
 impl Shared {
-    /// Fresh shared state over `caches`, with empty stores and new trigger channels.
+    /// Fresh shared state over `caches`, waking reconciles through their wake queues.
     pub fn new(
         client: Client,
         settings: Settings,
@@ -135,10 +113,7 @@ impl Shared {
         metrics: Arc<ControllerMetrics>,
         reporter: Option<String>,
         caches: Caches,
-    ) -> (Self, Triggers) {
-        let (task_tx, task_rx) = unbounded_channel();
-        let (proplet_tx, proplet_rx) = unbounded_channel();
-        let (round_tx, round_rx) = unbounded_channel();
+    ) -> Self {
         let shared = Shared {
             recorder: Recorder::new(
                 client.clone(),
@@ -155,26 +130,17 @@ impl Shared {
             proplet_index: caches.proplet_index,
             tasks: caches.tasks,
             task_index: caches.task_index,
-            job_tasks: caches.job_tasks,
-            round_tasks: caches.round_tasks,
             deployments: caches.deployments,
             secrets: caches.secrets,
             clients: std::sync::RwLock::new(HashMap::new()),
             credentials,
-            task_trigger: task_tx,
-            proplet_trigger: proplet_tx,
-            round_trigger: round_tx,
+            wakers: caches.wakers,
             proplet_echo: std::sync::Mutex::new(HashMap::new()),
             task_echo: std::sync::Mutex::new(HashMap::new()),
             background_events: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_EVENTS)),
         };
-        let triggers = Triggers {
-            tasks: task_rx,
-            proplets: proplet_rx,
-            rounds: round_rx,
-        };
         let _ = shared.common.logins.set(shared.credentials.clone());
-        (shared, triggers)
+        shared
     }
 
     pub(super) fn proplet_by_client(&self, client_id: &str) -> Option<Arc<Proplet>> {

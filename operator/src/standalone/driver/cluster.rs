@@ -21,10 +21,10 @@ use serde_json::Value;
 
 use crate::crd::proplet::Proplet;
 use crate::standalone::driver::writer::{version_of, StoreTasks};
-use crate::standalone::kinds::{PROPLET, TASK, TRAINING_ROUND};
+use crate::standalone::kinds::PROPLET;
 use crate::standalone::store::StoreError;
 
-use super::{Driver, Key};
+use super::Driver;
 
 impl Cluster for Driver {
     type Jobs = NoJobs;
@@ -182,15 +182,6 @@ impl Cluster for Driver {
         self.cache.proplets()
     }
 
-    fn job_children(&self, _: &str) -> Vec<Arc<Task>> {
-        // One cache: `tasks_in` has them all, as fresh.
-        Vec::new()
-    }
-
-    fn round_children(&self) -> Vec<Arc<Task>> {
-        self.cache.tasks()
-    }
-
     fn dependents(&self, name: &ObjectName) -> Vec<String> {
         self.cache.dependents(&name.namespace, &name.name)
     }
@@ -216,12 +207,7 @@ impl Cluster for Driver {
     }
 
     fn wake(&self, wake: Wake) {
-        let (kind, name) = match &wake {
-            Wake::Proplet(name) => (PROPLET, name),
-            Wake::Task(name) => (TASK, name),
-            Wake::TrainingRound(name) => (TRAINING_ROUND, name),
-        };
-        self.enqueue(Key::new(kind, &name.namespace, &name.name));
+        Driver::wake(self, wake);
     }
 
     async fn note<K: Stored>(&self, object: &K, note: &Note) {

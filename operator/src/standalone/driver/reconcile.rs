@@ -1,23 +1,20 @@
-//! The `Controller` of each kind over the [`ObjectCache`]'s reflector stores, calling the
-//! shared reconciles and error policy (`crate::controller::runner`).
-
-use kube::runtime::controller::{Config, Controller};
+//! A kube-runtime `Controller` for every kind ([`for_each_kind`]) over the [`ObjectCache`]'s
+//! reflector stores, calling the shared reconcile and error policy
+//! (`crate::controller::runner`).
+//!
+//! [`ObjectCache`]: crate::standalone::cache::ObjectCache
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::{FutureExt as _, StreamExt as _};
+use kube::runtime::controller::{Config, Controller};
 
-use crate::controller::runner::{
-    drive, error_policy, reconcile_federated_job, reconcile_propeller_job, reconcile_proplet,
-    reconcile_task, reconcile_training_round, stream_of,
-};
+use crate::controller::kinds::{for_each_kind, KindVisitor, Reconciled, WakeQueues};
+use crate::controller::runner::{drive, error_policy, reconcile};
 
-use super::{Driver, Wakes, MAX_CONCURRENT_RECONCILES};
-
-fn config() -> Config {
-    Config::default().concurrency(MAX_CONCURRENT_RECONCILES)
-}
+use super::{Driver, MAX_CONCURRENT_RECONCILES};
 
 /// Once at start (everything stored is looked at after a restart), then every `every`.
 fn start_then_every(every: Option<Duration>) -> impl futures::Stream<Item = ()> + Send + 'static {
@@ -29,51 +26,48 @@ fn start_then_every(every: Option<Duration>) -> impl futures::Stream<Item = ()> 
     futures::stream::once(async {}).chain(ticks)
 }
 
-/// Runs the five `Controller`s until `shutdown` resolves and their reconciles in flight end.
+/// Builds and starts each kind's `Controller` (a [`KindVisitor`]).
+struct Controllers<S> {
+    driver: Arc<Driver>,
+    queues: WakeQueues,
+    shutdown: S,
+    running: Vec<BoxFuture<'static, ()>>,
+}
+
+impl<S> KindVisitor for Controllers<S>
+where
+    S: std::future::Future<Output = ()> + Clone + Send + Sync + 'static,
+{
+    fn visit<K: Reconciled>(&mut self) {
+        // Wakes are the only trigger besides the requeues and the sweep: store changes reach
+        // them through the driver's routing (which leaves out its own Proplet writes).
+        let sweep = K::SWEPT.then(|| self.driver.sweep.max(Duration::from_secs(1)));
+        let stream =
+            Controller::for_stream(futures::stream::empty(), self.driver.cache.store::<K>())
+                .with_config(Config::default().concurrency(MAX_CONCURRENT_RECONCILES))
+                .reconcile_on(self.queues.take::<K>())
+                .reconcile_all_on(start_then_every(sweep))
+                .graceful_shutdown_on(self.shutdown.clone())
+                .run(reconcile::<K, Driver>, error_policy, self.driver.clone());
+        let kind = K::kind(&()).into_owned();
+        self.running
+            .push(async move { drive(stream, &kind).await }.boxed());
+    }
+}
+
+/// Runs every kind's `Controller` until `shutdown` resolves and their reconciles in flight
+/// end.
 pub(super) async fn controllers(
     driver: Arc<Driver>,
-    wakes: Wakes,
+    queues: WakeQueues,
     shutdown: impl std::future::Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
-    let cache = driver.cache.clone();
-    let sweep = driver.sweep.max(Duration::from_secs(1));
-    // Wakes are the only trigger besides the requeues: store changes reach them through
-    // the driver's routing (which leaves out its own Proplet writes).
-    let proplets = Controller::for_stream(futures::stream::empty(), cache.proplet_store())
-        .with_config(config())
-        .reconcile_on(stream_of(wakes.proplets))
-        .reconcile_all_on(start_then_every(Some(sweep)))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_proplet, error_policy, driver.clone());
-    let tasks = Controller::for_stream(futures::stream::empty(), cache.task_store())
-        .with_config(config())
-        .reconcile_on(stream_of(wakes.tasks))
-        .reconcile_all_on(start_then_every(None))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_task, error_policy, driver.clone());
-    let jobs = Controller::for_stream(futures::stream::empty(), cache.propeller_job_store())
-        .with_config(config())
-        .reconcile_on(stream_of(wakes.propeller_jobs))
-        .reconcile_all_on(start_then_every(None))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_propeller_job, error_policy, driver.clone());
-    let federated = Controller::for_stream(futures::stream::empty(), cache.federated_job_store())
-        .with_config(config())
-        .reconcile_on(stream_of(wakes.federated_jobs))
-        .reconcile_all_on(start_then_every(None))
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile_federated_job, error_policy, driver.clone());
-    let rounds = Controller::for_stream(futures::stream::empty(), cache.training_round_store())
-        .with_config(config())
-        .reconcile_on(stream_of(wakes.training_rounds))
-        .reconcile_all_on(start_then_every(None))
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile_training_round, error_policy, driver);
-    tokio::join!(
-        drive(proplets, "proplet"),
-        drive(tasks, "task"),
-        drive(jobs, "propellerjob"),
-        drive(federated, "federatedjob"),
-        drive(rounds, "traininground"),
-    );
+    let mut controllers = Controllers {
+        driver,
+        queues,
+        shutdown,
+        running: Vec::new(),
+    };
+    for_each_kind(&mut controllers);
+    futures::future::join_all(controllers.running).await;
 }

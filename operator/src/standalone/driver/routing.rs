@@ -10,12 +10,14 @@ use std::time::{Duration, Instant};
 use propeller_broker::server::BrokerEvent;
 use tracing::warn;
 
-use crate::crd::federated::TrainingRound;
+use crate::controller::{ObjectName, Wake};
+use crate::crd::proplet::Proplet;
+use crate::crd::task::Task;
 use crate::credentials::credential_table;
-use crate::standalone::kinds::{PROPLET, SECRET, TASK, TRAINING_ROUND};
+use crate::standalone::kinds::{SECRET, TASK};
 use crate::state::lock;
 
-use super::{Driver, Key, CREDENTIAL_MAX_AGE};
+use super::{Driver, CREDENTIAL_MAX_AGE};
 
 impl Driver {
     /// Rebuilds the broker's credential table from the stored Proplets and Secrets when the
@@ -71,45 +73,39 @@ impl Driver {
     /// change hundreds of times a second, its `taskCount` is written at most once per flush
     /// interval anyway, and a reconcile per change cost the burst about a tenth of its speed.
     /// Heartbeats and other device events still wake it at once.
-    pub(super) fn wake_for_load(&self, key: Key) {
-        if self.load_wakes.now_or_later(&key, Instant::now()) {
-            self.enqueue(key);
+    pub(super) fn wake_for_load(&self, proplet: ObjectName) {
+        if self.load_wakes.now_or_later(&proplet, Instant::now()) {
+            self.wake(Wake::of::<Proplet>(proplet));
         }
     }
 
-    /// Queues what a stored change affects besides the object itself.
-    pub(super) fn related(&self, key: &Key) {
-        match key.kind.as_str() {
+    /// Wakes what a stored change of `changed` affects besides the object itself: its
+    /// owners, and for a Task its proplet and dependents.
+    pub(super) fn related(&self, changed: &Wake) {
+        let name = &changed.name;
+        if let Some(meta) = self.cache.meta(&changed.kind, name) {
+            self.wakers.wake_owners(&meta);
+        }
+        match changed.kind.as_ref() {
             TASK => {
-                if let Some(task) = self.cache.task(&key.namespace, &key.name) {
-                    for owner in task.metadata.owner_references.iter().flatten() {
-                        self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
-                    }
-                    if let Some(proplet) = task
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.assigned_proplet.clone())
-                    {
-                        self.wake_for_load(Key::new(PROPLET, &key.namespace, &proplet));
-                    }
+                let assigned = self
+                    .cache
+                    .task(&name.namespace, &name.name)
+                    .and_then(|task| {
+                        task.status
+                            .as_ref()
+                            .and_then(|s| s.assigned_proplet.clone())
+                    });
+                if let Some(proplet) = assigned {
+                    self.wake_for_load(ObjectName::new(&name.namespace, &proplet));
                 }
-                for other in self.cache.dependents(&key.namespace, &key.name) {
-                    self.enqueue(Key::new(TASK, &key.namespace, &other));
+                for other in self.cache.dependents(&name.namespace, &name.name) {
+                    self.wake(Wake::of::<Task>(ObjectName::new(&name.namespace, &other)));
                 }
             }
             // Rebuilt on the next credential tick: a burst of new Proplets costs one rebuild,
             // not one per Proplet.
             SECRET => self.secrets_changed.store(true, AtomicOrdering::Relaxed),
-            TRAINING_ROUND => {
-                if let Ok(Some(round)) =
-                    self.store
-                        .get_typed::<TrainingRound>(TRAINING_ROUND, &key.namespace, &key.name)
-                {
-                    for owner in round.metadata.owner_references.iter().flatten() {
-                        self.enqueue(Key::new(&owner.kind, &key.namespace, &owner.name));
-                    }
-                }
-            }
             _ => {}
         }
     }
@@ -121,11 +117,12 @@ pub(super) const LOAD_WAKE_INTERVAL: Duration = Duration::from_millis(100);
 /// When each Proplet was last woken because one of its tasks changed, and the Proplets whose
 /// next such wake-up waits for the tick (see [`Driver::wake_for_load`]).
 #[derive(Default)]
-pub(super) struct LoadWakes(Mutex<(HashMap<Key, Instant>, HashSet<Key>)>);
+pub(super) struct LoadWakes(Mutex<(HashMap<ObjectName, Instant>, HashSet<ObjectName>)>);
 
 impl LoadWakes {
-    /// Whether `key` may be woken now; if not, it is woken by [`LoadWakes::due`] later.
-    pub(super) fn now_or_later(&self, key: &Key, now: Instant) -> bool {
+    /// Whether the Proplet `key` may be woken now; if not, it is woken by [`LoadWakes::due`]
+    /// later.
+    pub(super) fn now_or_later(&self, key: &ObjectName, now: Instant) -> bool {
         let mut wakes = lock(&self.0);
         let (last, held) = &mut *wakes;
         if held.contains(key) {
@@ -144,10 +141,10 @@ impl LoadWakes {
     }
 
     /// The held wake-ups, to send now.
-    pub(super) fn due(&self, now: Instant) -> Vec<Key> {
+    pub(super) fn due(&self, now: Instant) -> Vec<ObjectName> {
         let mut wakes = lock(&self.0);
         let (last, held) = &mut *wakes;
-        let due: Vec<Key> = held.drain().collect();
+        let due: Vec<ObjectName> = held.drain().collect();
         for key in &due {
             last.insert(key.clone(), now);
         }
@@ -164,8 +161,8 @@ mod tests {
     #[test]
     fn load_wakes_of_one_proplet_are_merged_within_the_interval_and_none_is_lost() {
         let wakes = LoadWakes::default();
-        let p = Key::new(PROPLET, "default", "p");
-        let q = Key::new(PROPLET, "default", "q");
+        let p = ObjectName::new("default", "p");
+        let q = ObjectName::new("default", "q");
         let t0 = Instant::now();
         assert!(wakes.now_or_later(&p, t0), "the first wake goes at once");
         assert!(

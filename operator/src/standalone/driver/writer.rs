@@ -12,7 +12,7 @@ use crate::standalone::kinds::TASK;
 use crate::standalone::store::ObjectStore;
 use crate::state::lock;
 
-use super::Key;
+use crate::controller::{ObjectName, Wake};
 
 /// Writes Tasks into the embedded store.
 pub(super) struct StoreTasks<'a> {
@@ -25,21 +25,21 @@ pub(super) struct StoreTasks<'a> {
 /// rely on seeing their own writes (the time limit is planned from the written start), so
 /// Tasks are not recorded here.
 #[derive(Default)]
-pub(super) struct OwnWrites(Mutex<HashMap<Key, u64>>);
+pub(super) struct OwnWrites(Mutex<HashMap<Wake, u64>>);
 
 impl OwnWrites {
     pub(super) fn record(&self, kind: &str, meta: &ObjectMeta, written: &Value) {
         if let Some(version) = version_of(written).and_then(|v| v.parse().ok()) {
-            lock(&self.0).insert(Key::of(kind, meta), version);
+            lock(&self.0).insert(Wake::named(kind, ObjectName::from_meta(meta)), version);
         }
     }
 
-    /// Whether `version` is the last write the key's own reconcile made (forgotten once
-    /// asked).
-    pub(super) fn is_own(&self, key: &Key, version: u64) -> bool {
+    /// Whether `version` is the last write the reconcile `wake` would run made itself
+    /// (forgotten once asked).
+    pub(super) fn is_own(&self, wake: &Wake, version: u64) -> bool {
         let mut own = lock(&self.0);
-        if own.get(key) == Some(&version) {
-            own.remove(key);
+        if own.get(wake) == Some(&version) {
+            own.remove(wake);
             return true;
         }
         false
@@ -53,7 +53,7 @@ impl ObjectWriter for StoreTasks<'_> {
         finalizers: &[String],
         version: Option<&str>,
     ) -> Result<Option<String>, BackendError> {
-        let key = Key::of(TASK, meta);
+        let key = ObjectName::from_meta(meta);
         let updated = self
             .store
             .set_finalizers_async(
@@ -74,7 +74,7 @@ impl ObjectWriter for StoreTasks<'_> {
         new: &Value,
         version: Option<&str>,
     ) -> Result<Option<String>, BackendError> {
-        let key = Key::of(TASK, meta);
+        let key = ObjectName::from_meta(meta);
         let updated = self
             .store
             .write_status_async(TASK, &key.namespace, &key.name, new.clone(), version)
@@ -90,7 +90,7 @@ impl ObjectWriter for StoreTasks<'_> {
         new: &Value,
         version: Option<&str>,
     ) -> Result<Option<String>, BackendError> {
-        let key = Key::of(TASK, meta);
+        let key = ObjectName::from_meta(meta);
         let updated = self
             .store
             .set_finalizers_and_status_async(
