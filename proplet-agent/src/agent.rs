@@ -381,7 +381,7 @@ impl Agent {
 
     /// Every filter the agent listens on, with its QoS: its channel's and its key topic.
     fn filters(&self) -> Vec<(String, QoS)> {
-        let qos = qos(self.config.qos);
+        let qos = self.config.qos.to_mqtt();
         let mut filters: Vec<(String, QoS)> = self
             .channel
             .agent_filters()
@@ -558,14 +558,6 @@ impl Agent {
 
     fn lock_fetches(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fetch>> {
         self.fetches.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-fn qos(level: u8) -> QoS {
-    match level {
-        0 => QoS::AtMostOnce,
-        1 => QoS::AtLeastOnce,
-        _ => QoS::ExactlyOnce,
     }
 }
 

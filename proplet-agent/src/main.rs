@@ -8,10 +8,17 @@ use propeller_broker::protocol::Channel;
 use proplet_agent::agent::{mqtt_options, Agent};
 use proplet_agent::config::{AgentCommand, Config, Flags, JoinArgs, Readiness};
 use proplet_agent::{credentials, enrol};
+use tracing::level_filters::LevelFilter;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let env: HashMap<String, String> = std::env::vars().collect();
+    let env = match environment() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("proplet: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let mut flags = match Flags::from_command_line() {
         Ok(flags) => flags,
         Err(e) => {
@@ -21,7 +28,7 @@ fn main() -> ExitCode {
     };
     match flags.command.take() {
         Some(AgentCommand::Configured) => return configured(&flags, &env),
-        Some(AgentCommand::Join(args)) => match enrol_first(&mut flags, args) {
+        Some(AgentCommand::Join(args)) => match enrol_first(&mut flags, &env, args) {
             Ok(Next::Run) => {}
             Ok(Next::Done) => return ExitCode::SUCCESS,
             Err(e) => {
@@ -43,8 +50,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new(config.log_level.to_ascii_lowercase()));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::default().add_directive(LevelFilter::from(config.log_level).into())
+    });
     // Colours only on a terminal: logs piped to a file or a journal stay plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -81,6 +89,24 @@ fn run(config: Config) -> anyhow::Result<()> {
     })
 }
 
+/// The process's environment. A variable of the agent's that is not UTF-8 is an error; any
+/// other such variable is left out.
+fn environment() -> Result<HashMap<String, String>, String> {
+    let mut env = HashMap::new();
+    for (name, value) in std::env::vars_os() {
+        match (name.into_string(), value.into_string()) {
+            (Ok(name), Ok(value)) => {
+                env.insert(name, value);
+            }
+            (Ok(name), Err(_)) if name.starts_with("PROPLET_") => {
+                return Err(format!("{name}: not valid UTF-8"))
+            }
+            _ => {}
+        }
+    }
+    Ok(env)
+}
+
 /// Where the packaged service keeps its state, and so where `join` writes by default.
 const PACKAGED_STATE_DIR: &str = "/var/lib/proplet";
 /// The packaged unit.
@@ -111,14 +137,18 @@ fn configured(flags: &Flags, env: &HashMap<String, String>) -> ExitCode {
 
 /// `proplet join`: enrols unless this device has credentials already, writes them, then
 /// says whether to run here.
-fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
+fn enrol_first(
+    flags: &mut Flags,
+    env: &HashMap<String, String>,
+    args: JoinArgs,
+) -> anyhow::Result<Next> {
     let state_dir = match args.state_dir.clone() {
         Some(dir) => dir,
         None => flags
-            .chosen_state_dir()?
+            .chosen_state_dir(env)?
             .unwrap_or_else(|| PACKAGED_STATE_DIR.into()),
     };
-    flags.state_dir = Some(state_dir.clone());
+    flags.settings.state_dir = Some(state_dir.clone());
     match credentials::load(&state_dir)? {
         Some(existing) => eprintln!(
             "proplet: this device is already enrolled as {} (credentials in {}); the token is not used. Remove that file to enrol again.",
@@ -129,7 +159,10 @@ fn enrol_first(flags: &mut Flags, args: JoinArgs) -> anyhow::Result<Next> {
             let request = enrol::JoinRequest {
                 server: args.server.clone(),
                 token: args.token.clone(),
-                tls_ca_cert: args.tls_ca_cert.clone().or(flags.tls_ca_cert.clone()),
+                tls_ca_cert: args
+                    .tls_ca_cert
+                    .clone()
+                    .or(flags.settings.tls_ca_cert.clone()),
                 insecure_enrol: args.insecure_enrol,
                 machine_id: args.machine_id.clone(),
                 timeout: std::time::Duration::from_secs(60),
@@ -185,7 +218,7 @@ fn first_boot(flags: &mut Flags, env: &HashMap<String, String>) -> anyhow::Resul
         let args = JoinArgs {
             server,
             token,
-            tls_ca_cert: flags.tls_ca_cert.clone(),
+            tls_ca_cert: flags.given(env)?.tls_ca_cert,
             insecure_enrol: env
                 .get("PROPLET_BOOTSTRAP_INSECURE")
                 .is_some_and(|v| v == "true"),
@@ -194,7 +227,7 @@ fn first_boot(flags: &mut Flags, env: &HashMap<String, String>) -> anyhow::Resul
             foreground: true,
             no_run: false,
         };
-        enrol_first(flags, args)?;
+        enrol_first(flags, env, args)?;
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use propeller_broker::server::{
     BrokerConfig, BrokerEvent, Credential, CredentialStore, EmbeddedBroker, EventKind,
 };
 use proplet_agent::agent::{mqtt_options, Agent};
-use proplet_agent::config::{Config, Flags, Interval};
+use proplet_agent::config::{AddressSetting, Config, Flags, Interval, Settings};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -158,14 +158,17 @@ fn agent_config(addr: SocketAddr, id: &str, key: &str, state: &Path) -> Config {
 /// The agent's configuration with `PROPLET_MQTT_ADDRESS` set to `addresses`.
 fn agent_config_for(addresses: &str, id: &str, key: &str, state: &Path) -> Config {
     let flags = Flags {
-        mqtt_address: Some(addresses.into()),
-        domain_id: Some("dom".into()),
-        channel_id: Some("chan".into()),
-        client_id: Some(id.into()),
-        client_key: Some(key.into()),
-        liveliness_interval: Some(Interval(Duration::from_secs(1))),
-        state_dir: Some(state.to_owned()),
-        chunk_timeout: Some(Interval(Duration::from_secs(10))),
+        settings: Settings {
+            mqtt_address: Some(AddressSetting::Text(addresses.into())),
+            domain_id: Some("dom".into()),
+            channel_id: Some("chan".into()),
+            client_id: Some(id.into()),
+            client_key: Some(key.into()),
+            liveliness_interval: Some(Interval(Duration::from_secs(1))),
+            state_dir: Some(state.to_owned()),
+            chunk_timeout: Some(Interval(Duration::from_secs(10))),
+            ..Settings::default()
+        },
         ..Flags::default()
     };
     Config::resolve(flags, &Default::default()).unwrap_or_else(|e| panic!("{e}"))

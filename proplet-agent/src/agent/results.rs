@@ -9,8 +9,9 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::agent::tasks::split;
+use crate::config::Qos;
 
-use super::{qos, AckSignal, Agent, ACK_TIMEOUT};
+use super::{AckSignal, Agent, ACK_TIMEOUT};
 
 impl Agent {
     /// Sends spooled results oldest first, one at a time, deleting each on its PUBACK.
@@ -42,7 +43,7 @@ impl Agent {
                 }
                 self.client.try_publish(
                     entry.topic.clone(),
-                    qos(self.config.qos.max(1)),
+                    self.config.qos.max(Qos::AtLeastOnce).to_mqtt(),
                     false,
                     entry.payload.clone().into_bytes(),
                 )

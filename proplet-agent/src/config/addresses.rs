@@ -1,6 +1,9 @@
 //! The list of brokers the agent may dial, as flags, variables and the file give it.
 
+use std::str::FromStr;
+
 use propeller_broker::protocol::{AddressError, BrokerAddress};
+use serde::Deserialize;
 
 use super::ConfigError;
 
@@ -99,5 +102,52 @@ impl std::fmt::Display for BrokerAddresses {
             write!(f, "{address}")?;
         }
         Ok(())
+    }
+}
+
+/// `mqtt_address` as a setting gives it: comma-separated text (a flag, a variable, the file
+/// or the enrolled credentials), or a list in the file, checked entry by entry.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum AddressSetting {
+    /// `tcp://a:1883,tcp://b:1883`.
+    Text(String),
+    /// A TOML array of addresses.
+    List(Vec<toml::Value>),
+}
+
+impl FromStr for AddressSetting {
+    type Err = std::convert::Infallible;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Ok(AddressSetting::Text(text.to_owned()))
+    }
+}
+
+impl AddressSetting {
+    /// False for empty text, which counts as unset.
+    pub fn is_given(&self) -> bool {
+        !matches!(self, AddressSetting::Text(text) if text.is_empty())
+    }
+
+    /// The brokers; an error names `origin` and the bad entry.
+    pub fn brokers(&self, origin: &str) -> Result<BrokerAddresses, ConfigError> {
+        match self {
+            AddressSetting::Text(text) => BrokerAddresses::parse_list(text, origin),
+            AddressSetting::List(items) => {
+                let count = items.len();
+                let mut entries = Vec::with_capacity(count);
+                for (i, item) in items.iter().enumerate() {
+                    let text = item.as_str().ok_or_else(|| ConfigError::Address {
+                        origin: origin.to_owned(),
+                        entry: i + 1,
+                        count,
+                        value: item.to_string(),
+                        problem: AddressError::NotText,
+                    })?;
+                    entries.push(text);
+                }
+                BrokerAddresses::parse(&entries, origin)
+            }
+        }
     }
 }

@@ -160,16 +160,34 @@ impl FromStr for Switch {
 from_text!(Switch, "true or false");
 
 /// An MQTT QoS: 0, 1 or 2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Qos(pub u8);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Qos {
+    /// 0: at most once.
+    AtMostOnce,
+    /// 1: at least once.
+    AtLeastOnce,
+    /// 2: exactly once.
+    ExactlyOnce,
+}
+
+impl Qos {
+    /// The level as rumqttc takes it.
+    pub fn to_mqtt(self) -> rumqttc::QoS {
+        match self {
+            Qos::AtMostOnce => rumqttc::QoS::AtMostOnce,
+            Qos::AtLeastOnce => rumqttc::QoS::AtLeastOnce,
+            Qos::ExactlyOnce => rumqttc::QoS::ExactlyOnce,
+        }
+    }
+}
 
 impl FromStr for Qos {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
         match text.trim() {
-            "0" => Ok(Qos(0)),
-            "1" => Ok(Qos(1)),
-            "2" => Ok(Qos(2)),
+            "0" => Ok(Qos::AtMostOnce),
+            "1" => Ok(Qos::AtLeastOnce),
+            "2" => Ok(Qos::ExactlyOnce),
             other => Err(format!("{other:?} is not 0, 1 or 2")),
         }
     }
@@ -177,17 +195,43 @@ impl FromStr for Qos {
 from_text!(Qos, "0, 1 or 2");
 
 /// A log level: trace, debug, info, warn or error.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LogLevel(pub String);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// `trace`.
+    Trace,
+    /// `debug`.
+    Debug,
+    /// `info`.
+    Info,
+    /// `warn`.
+    Warn,
+    /// `error`.
+    Error,
+}
+
+impl From<LogLevel> for tracing::level_filters::LevelFilter {
+    /// The level as a tracing filter: this level and the more severe ones.
+    fn from(level: LogLevel) -> Self {
+        match level {
+            LogLevel::Trace => Self::TRACE,
+            LogLevel::Debug => Self::DEBUG,
+            LogLevel::Info => Self::INFO,
+            LogLevel::Warn => Self::WARN,
+            LogLevel::Error => Self::ERROR,
+        }
+    }
+}
 
 impl FromStr for LogLevel {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
-        let level = text.trim().to_ascii_lowercase();
-        if ["trace", "debug", "info", "warn", "error"].contains(&level.as_str()) {
-            Ok(LogLevel(level))
-        } else {
-            Err(format!("{text:?} is not trace, debug, info, warn or error"))
+        match text.trim().to_ascii_lowercase().as_str() {
+            "trace" => Ok(LogLevel::Trace),
+            "debug" => Ok(LogLevel::Debug),
+            "info" => Ok(LogLevel::Info),
+            "warn" => Ok(LogLevel::Warn),
+            "error" => Ok(LogLevel::Error),
+            _ => Err(format!("{text:?} is not trace, debug, info, warn or error")),
         }
     }
 }
