@@ -8,7 +8,7 @@
 //!     │ BrokerEvent
 //!     ▼
 //!  routing::route_event ── records the report in DriverState, never writes
-//!     │ Cluster::wake(Wake)
+//!     │ Signals::wake(Wake)
 //!     ▼
 //!  a kube-runtime Controller per kind (on the API server's watches, or on the store's
 //!     │ reflector caches): one queue, never two reconciles of one object at once
@@ -25,11 +25,10 @@
 //! [`retry_policy`].
 
 use std::future::Future;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use propeller_broker::server::Publisher;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -38,15 +37,15 @@ use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
-use crate::decision::proplet::{PropletPlan, PropletSettings};
+use crate::decision::proplet::PropletPlan;
 use crate::decision::scheduler::SelectorView;
-use crate::decision::task::{Note, TaskPlan, TaskSettings};
-use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError, TaskEffects};
-use crate::metrics::ControllerMetrics;
-use crate::oci::Images;
+use crate::decision::task::{Note, TaskPlan};
+use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError};
 use crate::proplet_index::Narrowed;
-use crate::state::DriverState;
 
+mod common;
+#[cfg(test)]
+mod fake;
 pub mod finalizer;
 pub mod jobs;
 pub mod kinds;
@@ -55,6 +54,9 @@ pub mod proplet;
 pub mod routing;
 pub mod runner;
 pub mod task;
+
+#[cfg(test)]
+mod reconcile_tests;
 
 /// A namespaced resource either backend stores: the five custom resources and ConfigMaps.
 pub trait Stored:
@@ -83,88 +85,20 @@ impl<K> Stored for K where
 
 pub use propeller_core::object_name::ObjectName;
 
+pub use common::{Common, CREDENTIAL_TICK};
 pub use kinds::{Reconciled, Wake};
 
 /// When a reconcile wants to look at its object again without an event (`None`: only when
 /// something changes, or at the driver's slow resync).
 pub type Next = Option<DateTime<Utc>>;
 
-/// The parts both drivers hold the same way: the in-memory state the MQTT side records
-/// into, the publisher of commands, the plans' settings and the counters.
-pub struct Common {
-    /// Device reports not yet written, starts sent, scheduler rotation.
-    pub state: DriverState,
-    /// Sends commands to devices.
-    pub publisher: Publisher,
-    /// Proplet plan settings.
-    pub proplet: PropletSettings,
-    /// Task plan settings.
-    pub task: TaskSettings,
-    /// Reconcile counters.
-    pub metrics: Arc<ControllerMetrics>,
-    /// Registry resolution and chunk serving, once attached (`None`: images are not served).
-    pub images: OnceLock<Arc<Images>>,
-    /// This replica's share of the objects, once attached (`None`: it owns every object).
-    pub shard: OnceLock<Arc<ownership::Ownership>>,
-    /// The enrolment queue, once attached (`None`: devices cannot enrol).
-    pub enrolments: OnceLock<Arc<crate::enrolment_queue::Enrolments>>,
-    /// Rotated keys on their way to the devices.
-    pub keys: crate::key_delivery::KeyDelivery,
-    /// The devices' broker logins as the driver derives them, once attached.
-    pub logins: OnceLock<Arc<propeller_broker::server::CredentialStore>>,
-}
-
-impl Common {
-    /// Fresh state with these settings.
-    pub fn new(
-        publisher: Publisher,
-        proplet: PropletSettings,
-        task: TaskSettings,
-        metrics: Arc<ControllerMetrics>,
-    ) -> Self {
-        Self {
-            state: DriverState::new(),
-            publisher,
-            proplet,
-            task,
-            metrics,
-            images: OnceLock::new(),
-            shard: OnceLock::new(),
-            enrolments: OnceLock::new(),
-            keys: Default::default(),
-            logins: OnceLock::new(),
-        }
-    }
-
-    /// The image service, when one is attached.
-    pub fn images(&self) -> Option<&Arc<Images>> {
-        self.images.get()
-    }
-
-    /// The turn to reconcile `object`: at once when this replica owns every object, `None`
-    /// when another replica owns it now (see [`ownership::Ownership::turn`]).
-    pub async fn turn<K: Stored>(&self, object: &K) -> Option<ownership::Turn<'_>> {
-        match self.shard.get() {
-            None => Some(ownership::Turn::alone()),
-            Some(shard) => shard.turn(&K::kind(&()), &ObjectName::of(object)).await,
-        }
-    }
-
-    /// What the Task executor uses besides the backend.
-    pub fn effects(&self) -> TaskEffects<'_> {
-        self.state.effects(&self.publisher)
-    }
-}
-
-/// What a driver offers the controllers: its object backend, its caches and its queue.
-pub trait Cluster: Send + Sync {
+/// What a driver offers the controllers: its object backend, its caches, its queue and the
+/// application of plans. Callers that need less ask for less: [`Backend`] (reads from and
+/// conditional writes to the backend), [`CacheReads`] (what the shells observe), [`Signals`]
+/// (wakes and notes).
+pub trait Cluster: Backend + CacheReads + Signals {
     /// Runs `k8s` proplets' tasks as Jobs, for a backend that can.
     type Jobs: JobRunner;
-
-    /// Whether the driver itself wakes a changed Task's related objects (its owner, its
-    /// proplet, its dependents) from its change stream, as the embedded store's does for
-    /// every write. When `false`, the Task controller wakes them after its own writes.
-    const WAKES_RELATED_ON_CHANGE: bool;
 
     /// How long a reconcile that asks for no next look waits anyway (the slow resync of a
     /// driver whose watches can miss nothing else); `None`: until a change.
@@ -177,22 +111,30 @@ pub trait Cluster: Send + Sync {
     /// The parts both drivers hold alike.
     fn common(&self) -> &Common;
 
+    /// Applies a Proplet plan's writes: its Deployment (`k8s` proplets) and its status.
+    fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &PropletPlan,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Applies a Task plan through the shared executor (see [`crate::executor::apply_task`]).
+    fn apply_task(
+        &self,
+        task: &Task,
+        plan: &TaskPlan,
+    ) -> impl Future<Output = Result<Dispatch, TaskApplyError>> + Send;
+
+    /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
+    fn jobs(&self) -> Option<&Self::Jobs>;
+}
+
+/// The object backend (the API server, or the embedded store): reads that bypass the caches
+/// and writes conditional on the version an object was read at.
+pub trait Backend: Send + Sync {
     /// What `error`, one of this backend's, says to the retry policy (`None`: a failure to
     /// retry later).
     fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal>;
-
-    /// The newest `proplet` this process knows: the cached one, or what its last write left
-    /// when the cache has not caught up yet.
-    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
-        proplet
-    }
-
-    /// The newest `task` this process knows (see [`Cluster::newest_proplet`]).
-    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        task
-    }
-
-    // --- the object backend
 
     /// The object `name` of kind `K`, read from the backend (not a cache).
     fn get<K: Stored>(
@@ -235,25 +177,20 @@ pub trait Cluster: Send + Sync {
         object: &K,
         finalizers: &[String],
     ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
+}
 
-    /// Applies a Proplet plan's writes: its Deployment (`k8s` proplets) and its status.
-    fn apply_proplet(
-        &self,
-        proplet: &Proplet,
-        plan: &PropletPlan,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+/// What the shells read from the driver's caches and indexes (never the backend).
+pub trait CacheReads: Send + Sync {
+    /// The newest `proplet` this process knows: the cached one, or what its last write left
+    /// when the cache has not caught up yet.
+    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
+        proplet
+    }
 
-    /// Applies a Task plan through the shared executor (see [`crate::executor::apply_task`]).
-    fn apply_task(
-        &self,
-        task: &Task,
-        plan: &TaskPlan,
-    ) -> impl Future<Output = Result<Dispatch, TaskApplyError>> + Send;
-
-    /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
-    fn jobs(&self) -> Option<&Self::Jobs>;
-
-    // --- the caches
+    /// The newest `task` this process knows (see [`CacheReads::newest_proplet`]).
+    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        task
+    }
 
     /// The readiness of a `k8s` proplet's Deployment, if the backend has Deployments.
     fn deployment_of(&self, proplet: &Proplet) -> Option<DeploymentObservation>;
@@ -291,7 +228,7 @@ pub trait Cluster: Send + Sync {
     fn narrow_proplets(&self, namespace: &str, selector: &SelectorView) -> Narrowed;
 
     /// The Proplets of `namespace` that `selector` can match by the label index (see
-    /// [`Cluster::narrow_proplets`]).
+    /// [`CacheReads::narrow_proplets`]).
     fn proplets_for(&self, namespace: &str, selector: &SelectorView) -> Vec<Arc<Proplet>> {
         match self.narrow_proplets(namespace, selector) {
             Narrowed::Whole => self.proplets_in(namespace),
@@ -310,9 +247,10 @@ pub trait Cluster: Send + Sync {
 
     /// The dependency graph of the Tasks of `namespace`.
     fn dependency_graph(&self, namespace: &str) -> Graph;
+}
 
-    // --- the queue and the record
-
+/// Asking for reconciles, and recording what happened for people.
+pub trait Signals: Send + Sync {
     /// Asks for a reconcile.
     fn wake(&self, wake: Wake);
 
@@ -351,14 +289,14 @@ impl ReconcileError {
         }
     }
 
-    /// How `C`'s backend refused, when it did (see [`Cluster::refusal`]).
+    /// How `C`'s backend refused, when it did (see [`Backend::refusal`]).
     pub fn refusal<C: Cluster>(&self) -> Option<Refusal> {
         self.backend().and_then(C::refusal)
     }
 }
 
 /// A backend's refusal the retry policy acts on; each driver recognises its own errors
-/// ([`Cluster::refusal`]).
+/// ([`Backend::refusal`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     /// A conditional write lost to a newer version of the object (the API server's 409

@@ -8,9 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use propeller_broker::server::{ChannelScope, Credential};
+use k8s_openapi::api::core::v1::Secret;
+use propeller_broker::server::{ChannelScope, Credential, TokenCredential};
+use tracing::warn;
 
 use crate::crd::proplet::{ClientKeySource, Proplet};
+use crate::decision::enrolment::{TokenRecord, TOKEN_SECRET_TYPE};
 
 /// Decides when the credential table must be rebuilt: after a change of its inputs (a
 /// Proplet added, removed, being deleted or given a new spec generation, see
@@ -156,6 +159,32 @@ pub const PREVIOUS_KEY: &str = "previous-key";
 pub const PREVIOUS_KEY_UNTIL: &str = "previous-key-until";
 
 pub use crate::crd::common::secret_entry;
+
+/// The broker's token table from the Secrets of `namespace`: each stored token's digest and
+/// whether it may be used over plain TCP. A Secret that does not read as a token is logged
+/// and left out.
+pub fn token_table<'a>(
+    secrets: impl IntoIterator<Item = &'a Secret>,
+    namespace: &str,
+) -> HashMap<String, TokenCredential> {
+    secrets
+        .into_iter()
+        .filter(|s| s.type_.as_deref() == Some(TOKEN_SECRET_TYPE))
+        .filter(|s| s.metadata.namespace.as_deref().unwrap_or("default") == namespace)
+        .filter(|s| s.metadata.deletion_timestamp.is_none())
+        .filter_map(|s| match TokenRecord::from_secret(s) {
+            Ok(token) => Some((
+                token.id.clone(),
+                TokenCredential::new(token.secret_digest, !token.insecure)
+                    .with_bcrypt(token.secret_bcrypt),
+            )),
+            Err(e) => {
+                warn!("{e}");
+                None
+            }
+        })
+        .collect()
+}
 
 #[cfg(test)]
 mod tests {

@@ -18,15 +18,15 @@ use propeller_broker::protocol::enrolment::{
     enrol_client_token_id, reply_topic, EnrolRefusal, EnrolReply, RefusalReason, SealedReply,
 };
 use propeller_broker::protocol::sealed_grant::seal_grant;
-use propeller_broker::server::{CredentialSource, TokenCredential};
+use propeller_broker::server::CredentialSource;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::{info, instrument, warn};
 
-use crate::controller::{Cluster, ObjectName, Refusal};
+use crate::controller::{CacheReads, Cluster, ObjectName, Refusal, Signals};
 use crate::crd::proplet::Proplet;
 use crate::decision::enrolment::{
     machine_label, plan_enrolment, token_secret_name, EnrolPlan, Enrolled, TokenRecord,
-    MACHINE_LABEL, TOKEN_SECRET_TYPE,
+    MACHINE_LABEL,
 };
 use crate::decision::scheduler::SelectorView;
 use crate::decision::task::Note;
@@ -48,32 +48,6 @@ pub fn start<C: Cluster + 'static>(cluster: &Arc<C>, token_namespace: String) ->
     let cluster = Arc::downgrade(cluster);
     tokio::spawn(async move { answer_requests(cluster, namespace, requests).await });
     Arc::new(Enrolments::new(queue, token_namespace))
-}
-
-/// The broker's token table from the Secrets of `namespace`: each stored token's digest and
-/// whether it may be used over plain TCP. A Secret that does not read as a token is logged
-/// and left out.
-pub fn token_table<'a>(
-    secrets: impl IntoIterator<Item = &'a Secret>,
-    namespace: &str,
-) -> HashMap<String, TokenCredential> {
-    secrets
-        .into_iter()
-        .filter(|s| s.type_.as_deref() == Some(TOKEN_SECRET_TYPE))
-        .filter(|s| s.metadata.namespace.as_deref().unwrap_or("default") == namespace)
-        .filter(|s| s.metadata.deletion_timestamp.is_none())
-        .filter_map(|s| match TokenRecord::from_secret(s) {
-            Ok(token) => Some((
-                token.id.clone(),
-                TokenCredential::new(token.secret_digest, !token.insecure)
-                    .with_bcrypt(token.secret_bcrypt),
-            )),
-            Err(e) => {
-                warn!("{e}");
-                None
-            }
-        })
-        .collect()
 }
 
 async fn answer_requests<C: Cluster>(
@@ -268,7 +242,11 @@ async fn plan_batch<C: Cluster>(
 
 /// The Proplet of `namespace` labelled with this machine, from the driver's cache (through
 /// its label index).
-fn machine_proplet<C: Cluster>(cluster: &C, namespace: &str, machine: &str) -> Option<Proplet> {
+fn machine_proplet<C: CacheReads + Signals>(
+    cluster: &C,
+    namespace: &str,
+    machine: &str,
+) -> Option<Proplet> {
     let selector = SelectorView {
         match_labels: BTreeMap::from([(MACHINE_LABEL.to_owned(), machine.to_owned())]),
         ..SelectorView::default()
@@ -359,7 +337,12 @@ async fn apply<C: Cluster>(cluster: &C, token_id: &str, plan: EnrolPlan) -> Enro
     }
 }
 
-fn note<C: Cluster>(cluster: &C, proplet: &Proplet, reason: &'static str, message: String) {
+fn note<C: CacheReads + Signals>(
+    cluster: &C,
+    proplet: &Proplet,
+    reason: &'static str,
+    message: String,
+) {
     cluster.note_later(
         proplet,
         Note {

@@ -37,10 +37,12 @@ impl fmt::Display for FieldError {
 #[derive(Debug, thiserror::Error)]
 pub enum AdmissionError {
     /// The kind is not one of ours.
-    #[error("unknown kind {kind:?} (expected one of Proplet, Task, PropellerJob, FederatedJob, TrainingRound)")]
+    #[error("unknown kind {kind:?} (expected one of {expected})")]
     UnknownKind {
         /// The kind that was given.
         kind: String,
+        /// The kinds admission knows, comma-separated.
+        expected: String,
     },
     /// The object violates its schema or its CEL rules.
     #[error("{kind} {name:?} is invalid: {}", join_errors(.errors))]
@@ -131,7 +133,12 @@ impl Admission {
             .unwrap_or_default()
             .to_string();
         let Some(entry) = self.kinds.get(&kind) else {
-            return Err(AdmissionError::UnknownKind { kind });
+            let mut known: Vec<&str> = self.kinds.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            return Err(AdmissionError::UnknownKind {
+                kind,
+                expected: known.join(", "),
+            });
         };
         let mut errors = Vec::new();
         let expected_api_version = format!("{GROUP}/{VERSION}");

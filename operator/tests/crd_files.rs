@@ -269,7 +269,10 @@ fn both_operator_roles_grant_every_kind() {
             .filter(|l| !l.contains("{{"))
             .collect::<Vec<_>>()
             .join("\n");
-    for (file, text) in [("cluster_role.yaml", plain), ("the chart's clusterrole.yaml", chart)] {
+    for (file, text) in [
+        ("cluster_role.yaml", plain),
+        ("the chart's clusterrole.yaml", chart),
+    ] {
         let role: Value = serde_yaml_ng::from_str(&text).unwrap();
         for crd in all_crds() {
             let plural = &crd.spec.names.plural;

@@ -12,7 +12,7 @@ use http::Method;
 use kube::runtime::watcher;
 use propeller_broker::server::{BrokerEvent, Credential, EventKind};
 use propeller_operator::controller::runner::reconcile;
-use propeller_operator::controller::Cluster;
+use propeller_operator::controller::CacheReads;
 use propeller_operator::controller::ObjectName;
 use propeller_operator::crd::proplet::Proplet;
 use propeller_operator::crd::task::Task;
@@ -544,7 +544,7 @@ async fn a_task_selecting_a_label_is_placed_on_the_proplet_the_watch_labelled() 
 
     let selector = propeller_operator::decision::task::selector_of(&task);
     let indexed = |shared: &propeller_operator::k8s::runtime::Shared| -> Vec<String> {
-        Cluster::proplets_for(shared, "iot", &selector)
+        CacheReads::proplets_for(shared, "iot", &selector)
             .iter()
             .filter_map(|p| p.metadata.name.clone())
             .collect()

@@ -17,8 +17,8 @@ use propeller_broker::private_file::write_private;
 use propeller_broker::server::{load_credentials_file, Credential, CredentialStore};
 use propeller_operator::crd::proplet::{ClientKeySource, Proplet};
 use propeller_operator::credentials::credential_table;
+use propeller_operator::credentials::token_table;
 use propeller_operator::decision::enrolment::TOKEN_LABEL;
-use propeller_operator::enrolment::token_table;
 use tracing::{info, warn};
 
 /// How often the rendered file is compared with the credential table.

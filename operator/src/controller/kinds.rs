@@ -109,7 +109,6 @@ impl Reconciled for Task {
     }
 
     fn changed_elsewhere<C: Cluster>(cluster: &C, object: &Self) {
-        task::wake_after_change_elsewhere(cluster, object);
         let finished = object
             .status
             .as_ref()

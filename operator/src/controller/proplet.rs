@@ -15,7 +15,7 @@ use crate::decision::proplet::{
 use crate::decision::task::Note;
 
 use super::finalizer::{self, Step};
-use super::{count, Cluster, Next, ObjectName, ReconcileError, Wake};
+use super::{count, CacheReads, Cluster, Next, ObjectName, ReconcileError, Signals, Wake};
 
 /// Finalizer that lets the operator revoke a deleted Proplet's broker login.
 pub const PROPLET_FINALIZER: &str = "propeller.propeller.absmach.eu/proplet-cleanup";
@@ -114,7 +114,7 @@ async fn reconcile_once<C: Cluster>(
 }
 
 /// Wakes the pending tasks of `namespace` (a proplet they may run on became Running).
-fn wake_waiting_tasks<C: Cluster>(cluster: &C, namespace: &str) {
+fn wake_waiting_tasks<C: CacheReads + Signals>(cluster: &C, namespace: &str) {
     for task in cluster.tasks_in(namespace) {
         let waiting = task
             .status
@@ -128,7 +128,7 @@ fn wake_waiting_tasks<C: Cluster>(cluster: &C, namespace: &str) {
 
 /// What a change of `proplet` written by another replica wakes here: the pending tasks,
 /// when it is newly Running (the replica that wrote it wakes only the tasks it owns).
-pub fn wake_after_change_elsewhere<C: Cluster>(
+pub fn wake_after_change_elsewhere<C: CacheReads + Signals>(
     cluster: &C,
     proplet: &Proplet,
     before: Option<PropletPhase>,

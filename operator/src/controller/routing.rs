@@ -9,7 +9,7 @@ use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::state::Concerns;
 
-use super::{Cluster, ObjectName, Wake};
+use super::{CacheReads, Cluster, ObjectName, Signals, Wake};
 
 /// Handles one broker event: an image chunk request is answered, an enrolment request queued
 /// for the enrolment worker; anything else is recorded,
@@ -63,7 +63,7 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
 
 /// Wakes the Task with this UID (a report for it, its image resolved); one not known yet is
 /// reconciled when its own watch event comes, and finds what waits for it then.
-pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
+pub fn wake_task_by_uid<C: CacheReads + Signals>(cluster: &C, uid: &str) {
     match cluster.task_by_uid(uid) {
         Some(task) => {
             let name = ObjectName::of(task.as_ref());
@@ -75,7 +75,7 @@ pub fn wake_task_by_uid<C: Cluster>(cluster: &C, uid: &str) {
 }
 
 /// Wakes the tasks occupying `proplet`.
-fn wake_tasks_on<C: Cluster>(cluster: &C, proplet: &Proplet) {
+fn wake_tasks_on<C: CacheReads + Signals>(cluster: &C, proplet: &Proplet) {
     let namespace = ObjectName::of(proplet).namespace;
     for task in cluster.tasks_on(proplet) {
         cluster.wake(Wake::of::<Task>(ObjectName::new(&namespace, &task)));

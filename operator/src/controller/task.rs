@@ -18,7 +18,7 @@ use crate::decision::task::{
 };
 use crate::executor::{Dispatch, JobRunner};
 
-use super::{count, Cluster, Next, ObjectName, ReconcileError, Refusal, Wake};
+use super::{count, CacheReads, Cluster, Next, ObjectName, ReconcileError, Refusal, Signals, Wake};
 
 /// How often a task whose start waits for its device looks again.
 pub const DEVICE_WAIT: TimeDelta = TimeDelta::seconds(1);
@@ -96,9 +96,6 @@ async fn reconcile_once<C: Cluster>(
         }
         cluster.note(task, note).await;
     }
-    if !C::WAKES_RELATED_ON_CHANGE {
-        wake_related(cluster, task, &plan);
-    }
     if let Dispatch::WaitingFor(client) = dispatch {
         debug!(task = %name, %client, "start held until the device is heard from");
         return Ok(Some(now + DEVICE_WAIT));
@@ -155,7 +152,7 @@ async fn reserve_slots<C: Cluster>(
 }
 
 /// What the caches say of the task `uid` holding a slot of proplet `proplet`.
-fn slot_holder<C: Cluster>(cluster: &C, uid: &str, proplet: &str) -> Holder {
+fn slot_holder<C: CacheReads + Signals>(cluster: &C, uid: &str, proplet: &str) -> Holder {
     let Some(task) = cluster.task_by_uid(uid) else {
         return Holder::Unknown;
     };
@@ -203,48 +200,13 @@ fn proplet_views<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> 
         .collect()
 }
 
-/// Wakes what this reconcile's change affects: the dependents of a finished task, and the
-/// proplets whose load changed.
-fn wake_related<C: Cluster>(cluster: &C, task: &Task, plan: &crate::decision::task::TaskPlan) {
-    let name = ObjectName::of(task);
-    // Also when the cached object is already terminal (its own watch event): a dependent
-    // woken right after the write may have read the cache before it had the new phase.
-    let finished = plan
-        .status
-        .as_ref()
-        .or(task.status.as_ref())
-        .is_some_and(|s| s.phase.is_terminal());
-    if finished {
-        for dependent in cluster.dependents(&name) {
-            cluster.wake(Wake::of::<Task>(ObjectName::new(
-                &name.namespace,
-                &dependent,
-            )));
-        }
-    }
-    if plan.status.is_none() {
-        return;
-    }
-    let assigned = task
-        .status
-        .as_ref()
-        .and_then(|s| s.assigned_proplet.as_deref());
-    let mut proplets: Vec<&str> = plan.starts.iter().map(|s| s.proplet.as_str()).collect();
-    proplets.extend(assigned);
-    proplets.sort_unstable();
-    proplets.dedup();
-    for proplet in proplets {
-        cluster.wake(Wake::of::<Proplet>(ObjectName::new(
-            &name.namespace,
-            proplet,
-        )));
-    }
-}
-
-/// What a change of `task` written by another replica wakes here: the dependents of a
-/// finished task and the proplet it occupies (the replica that wrote it wakes only what it
-/// owns itself; each replica acts on its own share of what is woken).
-pub fn wake_after_change_elsewhere<C: Cluster>(cluster: &C, task: &Task) {
+/// What a change of `task`, once its driver's cache shows it, wakes besides the task and
+/// its owners: its dependents once it has finished, and the proplet it occupies (its load
+/// changed; see [`Common::wake_for_load`]). Both drivers call it for every change they see,
+/// their own writes and other replicas' alike.
+///
+/// [`Common::wake_for_load`]: super::Common::wake_for_load
+pub fn wake_related<C: Cluster>(cluster: &C, task: &Task) {
     let name = ObjectName::of(task);
     let status = task.status.as_ref();
     if status.is_some_and(|s| s.phase.is_terminal()) {
@@ -256,10 +218,9 @@ pub fn wake_after_change_elsewhere<C: Cluster>(cluster: &C, task: &Task) {
         }
     }
     if let Some(proplet) = status.and_then(|s| s.assigned_proplet.as_deref()) {
-        cluster.wake(Wake::of::<Proplet>(ObjectName::new(
-            &name.namespace,
-            proplet,
-        )));
+        cluster
+            .common()
+            .wake_for_load(cluster, ObjectName::new(&name.namespace, proplet));
     }
 }
 

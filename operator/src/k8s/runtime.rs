@@ -34,6 +34,7 @@ use crate::task_index::SharedTaskIndex;
 
 use super::sharded_watch::Watches;
 use crate::controller::kinds::{for_each_kind, wake_queues};
+use crate::controller::{ObjectName, CREDENTIAL_TICK};
 use controllers::{wake_owners, Controllers, Prepared};
 
 use super::deployment::PROPLET_LABEL;
@@ -96,11 +97,6 @@ pub fn observe_deployment(d: &Deployment) -> DeploymentObservation {
         stalled: condition("Progressing") == Some(false),
     }
 }
-
-/// How often the credential table is rebuilt when Proplets or Secrets changed: a new
-/// device can log in this long after its Proplet is stored, and a burst of new Proplets
-/// costs one rebuild per tick, not one per Proplet.
-const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
 /// Reconciles of one kind that run at once. kube's client speaks HTTP/1.1, so every
 /// concurrent API call is a TLS connection of its own: unbounded, a resync of 10,000
@@ -189,7 +185,7 @@ pub async fn run(
     let client = rt.client.clone();
     // Proplets and Secrets are watched whole even with sharded watches: every replica
     // authenticates and routes every device. What only a namespace's owner reads (its Tasks,
-    // their Jobs, PropellerJobs, FederatedJobs, TrainingRounds) comes from its share.
+    // their Jobs, and every other listed kind) comes from its share.
     let share = rt.sharded_watches.clone().zip(rt.shard.clone());
     let watches = Watches::new(client.clone(), ns.clone(), share);
     let (deployment_reader, deployment_writer) = reflector::store::<Deployment>();
@@ -224,11 +220,12 @@ pub async fn run(
     // Tasks by UID, proplet and dependency.
     // Deletions (also those a relist reveals) go on to `deleted` below: a quick task holds
     // no finalizer, so its run is stopped from here if it was deleted while out. A Task's
-    // change wakes its owner (a PropellerJob, a TrainingRound) once the cache shows it.
+    // change wakes its owners (a PropellerJob, a TrainingRound) once the cache shows it.
     let (wakers, mut queues) = wake_queues();
     let task_index = SharedTaskIndex::default();
     let (task_reader, task_writer) = reflector::store::<Task>();
     let (deleted_tx, mut deleted_rx) = tokio::sync::mpsc::unbounded_channel::<Task>();
+    let (changed_tx, mut changed_rx) = tokio::sync::mpsc::unbounded_channel::<ObjectName>();
     let task_events = {
         let index = task_index.clone();
         let wakers = wakers.clone();
@@ -249,6 +246,9 @@ pub async fn run(
             if let Ok(event) = event {
                 index.apply(event);
                 wake_owners(&wakers, event);
+                if let watcher::Event::Apply(task) | watcher::Event::InitApply(task) = event {
+                    let _ = changed_tx.send(ObjectName::of(task));
+                }
                 for task in deletions.seen(event) {
                     let _ = deleted_tx.send(task);
                 }
@@ -315,6 +315,20 @@ pub async fn run(
             }
         })
     };
+    // What a Task's change wakes besides itself and its owners, once the cache shows it.
+    let related = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            while let Some(name) = changed_rx.recv().await {
+                let cached = shared
+                    .tasks
+                    .get(&ObjectRef::new(&name.name).within(&name.namespace));
+                if let Some(task) = cached {
+                    crate::controller::task::wake_related(&*shared, &task);
+                }
+            }
+        })
+    };
     let secrets = {
         let shared = shared.clone();
         tokio::spawn(async move {
@@ -335,6 +349,7 @@ pub async fn run(
             loop {
                 tick.tick().await;
                 shared.refresh_credentials();
+                shared.common.wake_held(&*shared);
             }
         })
     };
@@ -404,6 +419,7 @@ pub async fn run(
     }
     router.abort();
     deletions.abort();
+    related.abort();
     secrets.abort();
     credential_tick.abort();
     liveness_tick.abort();

@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::FutureExt;
 use propeller_broker::server::{BrokerEvent, CredentialStore, Publisher};
@@ -19,8 +19,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::{info, warn};
 
 use crate::controller::kinds::{for_each_kind, wake_queues, KindVisitor, WakeQueues, Wakers};
-use crate::controller::{Common, ObjectName, Reconciled, Wake};
-use crate::crd::proplet::Proplet;
+use crate::controller::{Common, ObjectName, Reconciled, Wake, CREDENTIAL_TICK};
 use crate::decision::proplet::PropletSettings;
 use crate::decision::task::TaskSettings;
 use crate::metrics::ControllerMetrics;
@@ -35,16 +34,10 @@ mod reconcile;
 mod routing;
 mod writer;
 
-use routing::LoadWakes;
 use writer::*;
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
-
-/// How often Proplet and Secret changes are folded into the broker's credential table. A
-/// new Proplet's device can log in at most this long after the Proplet is stored. Proplet
-/// wake-ups held back by [`LoadWakes`] are sent on the same tick.
-const CREDENTIAL_TICK: Duration = Duration::from_millis(100);
 
 /// Reconciles of one kind in flight at once. They mostly wait for the store's group commit,
 /// so several share each `fsync`.
@@ -76,7 +69,6 @@ pub struct Driver {
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
     own_writes: OwnWrites,
-    load_wakes: LoadWakes,
 }
 
 impl Driver {
@@ -102,7 +94,6 @@ impl Driver {
             cache,
             secrets_changed: AtomicBool::new(false),
             own_writes: OwnWrites::default(),
-            load_wakes: LoadWakes::default(),
         });
         let _ = driver.common.logins.set(driver.credentials.clone());
         Ok((driver, queues))
@@ -140,12 +131,8 @@ impl Driver {
 
     /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
     pub fn count_phases(&self) {
-        let proplets = self.cache.proplets();
-        let tasks = self.cache.tasks();
-        self.common.metrics.count_phases(
-            proplets.iter().map(Arc::as_ref),
-            tasks.iter().map(Arc::as_ref),
-        );
+        self.common
+            .count_phases(&self.cache.proplets(), &self.cache.tasks());
     }
 
     /// Runs the reconcilers until `shutdown` resolves, then lets the ones in flight finish.
@@ -186,9 +173,7 @@ impl Driver {
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 },
                 _ = credential_tick.tick() => {
-                    for proplet in self.load_wakes.due(Instant::now()) {
-                        self.wake(Wake::of::<Proplet>(proplet));
-                    }
+                    self.common.wake_held(&*self);
                     let secrets = self
                         .secrets_changed
                         .swap(false, AtomicOrdering::Relaxed);

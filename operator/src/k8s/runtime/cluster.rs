@@ -13,7 +13,9 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
 
-use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
+use crate::controller::{
+    Backend, CacheReads, Cluster, Common, ObjectName, Refusal, Signals, Stored, Wake,
+};
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::crd::task::TaskPhase;
@@ -59,8 +61,6 @@ impl Shared {
 impl Cluster for Shared {
     type Jobs = KubeJobs;
 
-    const WAKES_RELATED_ON_CHANGE: bool = false;
-
     const RESYNC: Option<Duration> = Some(RESYNC);
 
     /// The watch shows the newer version within a few milliseconds.
@@ -70,16 +70,42 @@ impl Cluster for Shared {
         &self.common
     }
 
+    async fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &crate::decision::proplet::PropletPlan,
+    ) -> Result<(), BackendError> {
+        let written = apply_proplet(&self.client, proplet, plan).await?;
+        if let Some(written) = written {
+            lock(&self.proplet_echo).insert(
+                ObjectName::of(proplet).to_string(),
+                WrittenStatus {
+                    based_on: proplet.metadata.resource_version.clone(),
+                    version: written.metadata.resource_version,
+                    status: written.status,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
+        let (dispatch, writes) =
+            apply_task(&self.client, &self.jobs, task, plan, &self.common.effects()).await?;
+        if let Some(writes) = writes {
+            self.remember_task_writes(task, writes);
+        }
+        Ok(dispatch)
+    }
+
+    fn jobs(&self) -> Option<&KubeJobs> {
+        Some(&self.jobs)
+    }
+}
+
+impl Backend for Shared {
     fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
         api_refusal(error)
-    }
-
-    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
-        self.newest(&ObjectName::of(&proplet).to_string(), proplet)
-    }
-
-    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        Shared::newest_task(self, task)
     }
 
     async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
@@ -154,37 +180,15 @@ impl Cluster for Shared {
             .await?;
         Ok(updated.meta().resource_version.clone())
     }
+}
 
-    async fn apply_proplet(
-        &self,
-        proplet: &Proplet,
-        plan: &crate::decision::proplet::PropletPlan,
-    ) -> Result<(), BackendError> {
-        let written = apply_proplet(&self.client, proplet, plan).await?;
-        if let Some(written) = written {
-            lock(&self.proplet_echo).insert(
-                ObjectName::of(proplet).to_string(),
-                WrittenStatus {
-                    based_on: proplet.metadata.resource_version.clone(),
-                    version: written.metadata.resource_version,
-                    status: written.status,
-                },
-            );
-        }
-        Ok(())
+impl CacheReads for Shared {
+    fn newest_proplet(&self, proplet: Proplet) -> Proplet {
+        self.newest(&ObjectName::of(&proplet).to_string(), proplet)
     }
 
-    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
-        let (dispatch, writes) =
-            apply_task(&self.client, &self.jobs, task, plan, &self.common.effects()).await?;
-        if let Some(writes) = writes {
-            self.remember_task_writes(task, writes);
-        }
-        Ok(dispatch)
-    }
-
-    fn jobs(&self) -> Option<&KubeJobs> {
-        Some(&self.jobs)
+    fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
+        Shared::newest_task(self, task)
     }
 
     fn deployment_of(&self, proplet: &Proplet) -> Option<DeploymentObservation> {
@@ -263,7 +267,9 @@ impl Cluster for Shared {
             .map(|t| (t.name_any(), t.spec.depends_on.clone()))
             .collect()
     }
+}
 
+impl Signals for Shared {
     fn wake(&self, wake: Wake) {
         // A closed queue means the controllers are stopping: nothing to wake.
         self.wakers.send(wake);

@@ -84,13 +84,6 @@ pub fn prune_echoes(ctx: &Shared) {
 
 /// Sets the per-phase gauges from the caches.
 pub fn count_phases(ctx: &Shared) {
-    let proplets = ctx.proplets.state();
-    let tasks = ctx.tasks.state();
     ctx.common
-        .metrics
-        .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
-    if let Some(shard) = ctx.common.shard.get() {
-        shard.count_owned("Proplet", proplets.iter().map(|p| ObjectName::of(&**p)));
-        shard.count_owned("Task", tasks.iter().map(|t| ObjectName::of(&**t)));
-    }
+        .count_phases(&ctx.proplets.state(), &ctx.tasks.state());
 }

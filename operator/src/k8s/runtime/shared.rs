@@ -10,14 +10,14 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::Client;
 use propeller_broker::server::{CredentialStore, Publisher};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::controller::kinds::Wakers;
 use crate::controller::Common;
 use crate::controller::ObjectName;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
-use crate::credentials::{credential_table, RefreshGate};
+use crate::credentials::RefreshGate;
 use crate::decision::task::Note;
 use crate::k8s::task::TaskWrites;
 use crate::k8s::task_job::KubeJobs;
@@ -234,35 +234,19 @@ impl Shared {
         if !self.credential_gate.due(RESYNC) {
             return;
         }
-        let cached = self.proplets.state();
-        let proplets: Vec<&Proplet> = cached
-            .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .map(|p| &**p)
-            .collect();
+        let proplets = self.proplets.state();
         let read = |ns: &str, name: &str, key: &str| {
             let secret = self.secrets.get(&ObjectRef::new(name).within(ns))?;
             crate::credentials::secret_entry(&secret, key)
         };
-        let (table, problems) = credential_table(proplets.iter().copied(), read);
-        for problem in problems {
-            warn!(proplet = %problem.proplet, "{}", problem.message);
-        }
-        self.credentials.replace_all(table);
-        for rotation in self.common.keys.new_rotations(&self.credentials) {
-            crate::key_delivery::KeyDelivery::send(&self.common.publisher, rotation);
-        }
-        if let Some(enrolments) = self.common.enrolments.get() {
-            let secrets = self.secrets.state();
-            let tokens = crate::enrolment::token_table(
-                secrets.iter().map(|s| &**s),
-                &enrolments.token_namespace,
-            );
-            self.credentials.replace_tokens(tokens);
-        }
+        // Every cached Secret: the token table keeps those of the token namespace.
+        let secrets = |_: &str| self.secrets.state();
+        self.common
+            .refresh_logins(proplets.iter().map(|p| &**p), read, secrets);
         let index = proplets
             .iter()
-            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(*p)))
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| (p.client_id().to_owned(), ObjectRef::from_obj(&**p)))
             .collect();
         *self.clients.write().unwrap_or_else(|e| e.into_inner()) = index;
     }

@@ -2,7 +2,9 @@
 //! wait for the group commit off the runtime's threads), reads from the [`ObjectCache`],
 //! wakes into the work queue, notes into the event log.
 
-use crate::controller::{Cluster, Common, ObjectName, Refusal, Stored, Wake};
+use crate::controller::{
+    Backend, CacheReads, Cluster, Common, ObjectName, Refusal, Signals, Stored, Wake,
+};
 use crate::crd::task::Task;
 use crate::crd::task::TaskPhase;
 use crate::decision::dag::Graph;
@@ -29,9 +31,6 @@ use super::Driver;
 impl Cluster for Driver {
     type Jobs = NoJobs;
 
-    /// Every stored change wakes its related objects (see [`Driver::related`]).
-    const WAKES_RELATED_ON_CHANGE: bool = true;
-
     /// The sweep covers proplets; every other change reaches the cache and wakes its object.
     const RESYNC: Option<Duration> = None;
 
@@ -42,6 +41,41 @@ impl Cluster for Driver {
         &self.common
     }
 
+    async fn apply_proplet(
+        &self,
+        proplet: &Proplet,
+        plan: &PropletPlan,
+    ) -> Result<(), BackendError> {
+        let Some(status) = &plan.status else {
+            return Ok(());
+        };
+        let name = ObjectName::of(proplet);
+        // Batched: thousands of heartbeating proplets each write every flush interval.
+        let updated = self
+            .store
+            .write_status_batched(
+                PROPLET,
+                &name.namespace,
+                &name.name,
+                serde_json::to_value(status)?,
+                proplet.metadata.resource_version.as_deref(),
+            )
+            .await?;
+        self.own_writes.record(PROPLET, &proplet.metadata, &updated);
+        Ok(())
+    }
+
+    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
+        let writer = StoreTasks { store: &self.store };
+        apply_task(&writer, task, plan, &self.common.effects()).await
+    }
+
+    fn jobs(&self) -> Option<&NoJobs> {
+        None
+    }
+}
+
+impl Backend for Driver {
     fn refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Refusal> {
         store_refusal(error)
     }
@@ -114,40 +148,9 @@ impl Cluster for Driver {
             .await?;
         Ok(version_of(&updated))
     }
+}
 
-    async fn apply_proplet(
-        &self,
-        proplet: &Proplet,
-        plan: &PropletPlan,
-    ) -> Result<(), BackendError> {
-        let Some(status) = &plan.status else {
-            return Ok(());
-        };
-        let name = ObjectName::of(proplet);
-        // Batched: thousands of heartbeating proplets each write every flush interval.
-        let updated = self
-            .store
-            .write_status_batched(
-                PROPLET,
-                &name.namespace,
-                &name.name,
-                serde_json::to_value(status)?,
-                proplet.metadata.resource_version.as_deref(),
-            )
-            .await?;
-        self.own_writes.record(PROPLET, &proplet.metadata, &updated);
-        Ok(())
-    }
-
-    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
-        let writer = StoreTasks { store: &self.store };
-        apply_task(&writer, task, plan, &self.common.effects()).await
-    }
-
-    fn jobs(&self) -> Option<&NoJobs> {
-        None
-    }
-
+impl CacheReads for Driver {
     fn deployment_of(&self, _: &Proplet) -> Option<DeploymentObservation> {
         None
     }
@@ -205,7 +208,9 @@ impl Cluster for Driver {
     fn dependency_graph(&self, namespace: &str) -> Graph {
         self.cache.dependency_graph(namespace)
     }
+}
 
+impl Signals for Driver {
     fn wake(&self, wake: Wake) {
         Driver::wake(self, wake);
     }
