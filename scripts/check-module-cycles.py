@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Fails when the modules of a crate depend on each other in a cycle, at any depth, or when a
-non-test module imports its parent's whole namespace (`use super::*`), which hides its edges.
+non-test module imports or re-exports a whole module of its crate (`use super::*`,
+`pub use child::*`), which hides where names come from and the edges between modules.
 
 Each `crate::`, `super::` and `self::` path in a non-test source file (comments and
 `#[cfg(test)]` sections left out) is resolved to the module it names. A reference from module
@@ -69,10 +70,14 @@ def check(src: Path) -> list:
     globs = []
     for module, file in files.items():
         code = code_of(file.read_text(errors="replace"))
-        if re.search(r"^\s*use super::\*;", code, re.M) and not file.stem.endswith("tests"):
+        children = set(re.findall(rf"^\s*(?:pub(?:\([^)]*\))?\s+)?mod ({IDENT});", code, re.M))
+        for glob in re.findall(rf"^\s*(?:pub(?:\([^)]*\))?\s+)?use ((?:{IDENT}::)+)\*;", code, re.M):
+            first = glob.split("::")[0]
+            if file.stem.endswith("tests") or (first not in ("crate", "super", "self") and first not in children):
+                continue
             globs.append(
-                f"{file.relative_to(ROOT)}: `use super::*` outside tests hides what the module uses "
-                "(and cycles from this check): import each name by its path"
+                f"{file.relative_to(ROOT)}: `use {glob}*` outside tests hides where its names come "
+                "from (and cycles from this check): import or re-export each name by its path"
             )
         for path in references(module, code):
             target = max((path[:n] for n in range(len(path) + 1) if path[:n] in known), key=len)
@@ -139,7 +144,7 @@ def main() -> int:
     for p in problems:
         print(p)
     if problems:
-        print(f"{len(problems)} problem(s): move what both sides of a cycle need into a module of its own")
+        print(f"{len(problems)} problem(s): a cycle wants what both sides need moved into a module of its own; a glob wants its names listed")
         return 1
     print(f"no module cycles in {', '.join(str(d.relative_to(ROOT)) for d in dirs)}")
     return 0

@@ -8,7 +8,8 @@ use http::{Method, Request, Response};
 use kube::client::Body;
 use propeller_operator::crd::proplet::{Proplet, PropletPhase};
 use propeller_operator::decision::liveness::{DeploymentObservation, ExternalObservation};
-use propeller_operator::k8s::proplet::{apply, plan, PropletObservations, PropletSettings};
+use propeller_operator::decision::proplet::{plan, PropletObservations, PropletSettings};
+use propeller_operator::k8s::proplet::apply;
 use serde_json::{json, Value};
 
 const SETTINGS: PropletSettings = PropletSettings {

@@ -136,7 +136,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     let task: Task = serde_json::from_value(task_json()).unwrap();
     let common::Harness {
         shared,
-        triggers,
+        wakes,
         proplets: mut proplet_writer,
         tasks: mut task_writer,
         mut broker,
@@ -145,7 +145,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     logins.insert("edge", Credential::proplet("edge-key"));
     let mut events = broker.take_events().unwrap();
     let port = broker.tcp_addr().unwrap().port();
-    let (mut task_rx, mut proplet_rx) = (triggers.tasks, triggers.proplets);
+    let (mut task_rx, mut proplet_rx) = (wakes.tasks, wakes.proplets);
 
     // 1. The device heartbeats; the event names its Proplet, and nothing was written yet.
     let mut device = Device::connect(port).await;
@@ -250,7 +250,7 @@ async fn heartbeat_start_and_result_drive_proplet_and_task_through_the_api() {
     );
     assert!(device.starts(Duration::from_millis(500)).await.is_empty());
 
-    // 5. The device's result is queued, triggers the task, and completes it.
+    // 5. The device's result is queued, wakes the task, and completes it.
     let current: Task = api.object(TASK_PATH);
     task_writer.apply_watcher_event(&watcher::Event::Apply(current.clone()));
     count_phases(&shared);
@@ -421,7 +421,7 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
     let (client, api) = FakeApi::start(vec![]);
     let task: Task = serde_json::from_value(task_json()).unwrap();
     let h = common::Harness::start(client, vec![], vec![task]).await;
-    let mut triggers = h.triggers;
+    let mut wakes = h.wakes;
     let update = FlUpdateMessage {
         round_id: TopicSegment::new("round-1", "round").unwrap(),
         proplet_id: TopicSegment::new("edge", "proplet").unwrap(),
@@ -446,19 +446,19 @@ async fn an_fl_update_naming_its_task_waits_in_the_inbox_as_that_tasks_result() 
     assert_eq!(results[0].value["job_id"], "mnist");
     assert_eq!(results[0].value["num_samples"], 3);
     assert_eq!(
-        triggers.tasks.try_recv().ok(),
+        wakes.tasks.try_recv().ok(),
         Some(ObjectName::new("iot", "add"))
     );
     assert!(api.take().is_empty(), "the MQTT path must not call the API");
 }
 
-/// The liveness tick triggers only the Running proplets past their heartbeat deadline:
+/// The liveness tick wakes only the Running proplets past their heartbeat deadline:
 /// reconciling the whole fleet on every tick queued each proplet's own deadline requeue
 /// behind thousands of reconciles.
 #[tokio::test]
-async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
+async fn liveness_tick_wakes_only_running_proplets_past_their_deadline() {
     use propeller_broker::protocol::Heartbeat;
-    use propeller_operator::k8s::runtime::trigger_overdue;
+    use propeller_operator::k8s::runtime::wake_overdue;
     let now = chrono::Utc::now();
     let seconds_ago = |s: i64| (now - chrono::Duration::seconds(s)).to_rfc3339();
     let proplet = |name: &str, phase: &str, last_seen: String| -> Proplet {
@@ -478,7 +478,7 @@ async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
         proplet("beating", "Running", seconds_ago(40)),
     ];
     let h = common::Harness::start(client, proplets, vec![]).await;
-    let mut triggers = h.triggers;
+    let mut wakes = h.wakes;
     h.shared.common.state.liveness.record(
         &BrokerEvent {
             client_id: "beating".into(),
@@ -494,15 +494,15 @@ async fn liveness_tick_triggers_only_running_proplets_past_their_deadline() {
         now - chrono::Duration::seconds(2),
     );
 
-    assert_eq!(trigger_overdue(&h.shared, now), 1);
+    assert_eq!(wake_overdue(&h.shared, now), 1);
     assert_eq!(
-        triggers.proplets.try_recv().ok(),
+        wakes.proplets.try_recv().ok(),
         Some(ObjectName::new("iot", "silent"))
     );
-    assert!(triggers.proplets.try_recv().is_err());
+    assert!(wakes.proplets.try_recv().is_err());
     // 25 s on, the fresh one is past its deadline too; the beating one is not yet.
     assert_eq!(
-        trigger_overdue(&h.shared, now + chrono::Duration::seconds(26)),
+        wake_overdue(&h.shared, now + chrono::Duration::seconds(26)),
         2
     );
     assert!(api.take().is_empty(), "the tick must not call the API");

@@ -44,8 +44,8 @@ mod rotation;
 mod subscriptions;
 mod tasks;
 
-pub use options::*;
-use rotation::*;
+pub use options::{broker_options, mqtt_options, tls_config};
+use rotation::{Backoff, Rotation};
 
 /// Whole-request limit for HTTP(S) fetches.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);

@@ -16,10 +16,15 @@ mod resolve;
 mod settings;
 mod values;
 
-pub use addresses::*;
+use crate::config::addresses::describe_entry;
+use crate::config::values::invalid;
+pub use addresses::{AddressSetting, BrokerAddresses};
 pub use resolve::{Config, TlsFiles, DEFAULT_MAX_MODULE_SIZE};
 pub use settings::{BootstrapSection, Settings, ALIASES};
-pub use values::*;
+pub use values::{
+    parse_address, parse_duration, parse_size, Dirs, Interval, LogLevel, Overrides, PortRange, Qos,
+    Size, Switch, Words,
+};
 
 /// A configuration problem, naming the setting at fault.
 #[derive(Debug, thiserror::Error, PartialEq)]

@@ -25,12 +25,16 @@ use wasmtime_wasi::I32Exit;
 
 mod cache;
 
-pub use crate::sandbox::limits::*;
+use cache::ModuleCache;
+
+use crate::sandbox::limits::Limiter;
+pub use crate::sandbox::limits::{Limits, RunError, StopFlag, TaskGauge, WASM_STACK_BYTES};
 pub use crate::sandbox::values::is_component;
-use crate::sandbox::values::*;
 pub(crate) use crate::sandbox::values::{command_output, root_cause};
+use crate::sandbox::values::{
+    convert_inputs, create_private_dir, format_value, memory_size, resolve_export,
+};
 pub use crate::sandbox::{Invocation, Outcome, Sandbox};
-use cache::*;
 
 /// How often running tasks are checked for stop requests and deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);

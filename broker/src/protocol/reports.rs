@@ -142,7 +142,9 @@ macro_rules! optional_figures {
 
 mod metrics;
 
-pub use metrics::*;
+pub use metrics::{
+    AggregatedMetrics, CpuMetrics, MemoryMetrics, ProcessMetrics, PropletMetrics, TaskMetrics,
+};
 
 /// Resource use carried in our heartbeats (`metrics`); upstream ignores the key.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -31,8 +31,10 @@ use serde_json::{Map, Value};
 mod extraction;
 mod vector;
 
-pub use extraction::*;
-pub use vector::*;
+use crate::decision::aggregation::extraction::snippet;
+use crate::decision::aggregation::vector::{decode_bytes, VectorFormat};
+pub use extraction::extract_update;
+pub use vector::{decode_vector, encode_f32_le, encode_json_f64};
 
 /// Vector format: base64 of a JSON array of numbers (upstream's default format).
 pub const FORMAT_JSON_F64: &str = "json-f64";

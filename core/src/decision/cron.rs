@@ -78,10 +78,13 @@ mod field;
 mod field_name;
 mod zone;
 
-pub use error::*;
-use field::*;
+use crate::decision::cron::field::{crate_field, parse_field};
+use crate::decision::cron::zone::{
+    first_instant_after_gap, offset_seconds, split_timezone_prefix, truncate_to_minute,
+};
+pub use error::CronError;
 pub use field_name::CronField;
-pub use zone::*;
+pub use zone::parse_timezone;
 
 /// How many years of local calendar time `next_after` examines before concluding that a
 /// schedule never fires. Eight years covers the longest gap between two February 29ths

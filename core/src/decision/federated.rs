@@ -24,7 +24,11 @@ use crate::crd::job::JobPhase;
 
 mod round;
 
-pub use round::*;
+pub use round::{
+    fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
+    owned_rounds, participant_task, reconcile_round, ParticipantObservation, RoundObservation,
+    RoundPlan, GLOBAL_MODEL_ANNOTATION, MAX_MODEL_BYTES, MODEL_KEY,
+};
 
 /// Label on round Tasks naming their round.
 pub const ROUND_LABEL: &str = "propeller.propeller.absmach.eu/training-round";

@@ -25,15 +25,16 @@ mod pending;
 mod running;
 pub use running::RESULT_OVERDUE;
 
-pub use commands::*;
-use pending::*;
-use running::*;
+pub use commands::{selector_of, start_request, start_request_pinned};
 
 pub use super::task_observations::{
     could_take, needs_image_resolution, observe_indexed, occupied, occupies, proplet_scope,
     proplet_view, runs_on, ImageObservation, JobOutcome, PropletScope, PropletView, ReportedResult,
     TaskObservations,
 };
+use crate::decision::task::commands::{stop_for, targets_of, view};
+use crate::decision::task::pending::plan_pending;
+use crate::decision::task::running::{plan_running, plan_scheduled};
 
 /// Condition: a proplet has been assigned.
 pub const SCHEDULED: &str = "Scheduled";

@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use clap::Args;
 use propeller_broker::protocol::parse_setting_duration;
+use propeller_operator::decision::proplet::PropletSettings;
 use propeller_operator::decision::scheduler::Strategy;
 use propeller_operator::decision::task::{FinalizerTiming, TaskSettings};
-use propeller_operator::k8s::proplet::PropletSettings;
 
 /// Liveness, status-write and scheduling flags; each also reads a `PROPELLER_*` variable.
 #[derive(Args, Debug, Clone)]

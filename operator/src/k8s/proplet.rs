@@ -1,12 +1,12 @@
-//! The Kubernetes executor of the Proplet plan (`propeller_core::decision::proplet`, re-exported
-//! here): server-side apply of the Deployment, then the status patch.
+//! The Kubernetes executor of the Proplet plan (`propeller_core::decision::proplet`):
+//! server-side apply of the Deployment, then the status patch.
 
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
 use crate::crd::proplet::Proplet;
-pub use crate::decision::proplet::*;
+use crate::decision::proplet::PropletPlan;
 
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "propeller";

@@ -1,5 +1,5 @@
 //! The Kubernetes driver at run time: a kube-rs `Controller` per kind, the broker's events
-//! turned into reconcile triggers, and the state the reconcilers share.
+//! turned into wakes, and the state the reconcilers share.
 //!
 //! The MQTT side never calls the API server. The event router records what a device said
 //! (liveness, results, metrics) in in-memory stores and names the object whose reconcile
@@ -38,8 +38,8 @@ use crate::controller::{ObjectName, CREDENTIAL_TICK};
 use controllers::{wake_owners, Controllers, Prepared};
 
 use super::deployment::PROPLET_LABEL;
-use super::proplet::PropletSettings;
 use crate::credentials::{changes_credentials, RefreshGate};
+use crate::decision::proplet::PropletSettings;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 
@@ -50,8 +50,8 @@ mod routing;
 mod shared;
 
 pub use super::task_job::KubeJobs;
-pub use routing::*;
-pub use shared::*;
+pub use routing::{count_phases, prune_echoes, route_event, route_events, wake_overdue};
+pub use shared::{Caches, Shared};
 
 pub use crate::controller::proplet::PROPLET_FINALIZER;
 pub use crate::controller::ReconcileError;
@@ -381,7 +381,7 @@ pub async fn run(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                trigger_overdue(&shared, Utc::now());
+                wake_overdue(&shared, Utc::now());
             }
         })
     };

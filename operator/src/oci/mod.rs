@@ -5,7 +5,7 @@
 //! chunks under the digest-pinned name their start message carried.
 //!
 //! Resolution runs beside the reconcilers, never inside one: the Task plan asks for it, the
-//! reconcile returns, and the outcome triggers the Task's next reconcile, which reads it as
+//! reconcile returns, and the outcome wakes the Task's next reconcile, which reads it as
 //! an observation (a failure ends the task with the registry's reason, within seconds).
 
 pub mod artifact;
@@ -61,7 +61,7 @@ struct RunImage {
     at: Instant,
 }
 
-type Trigger = Box<dyn Fn(&str) + Send + Sync>;
+type WakeTask = Box<dyn Fn(&str) + Send + Sync>;
 
 /// Registry resolution for Task runs and the serving of the results to devices.
 pub struct Images {
@@ -71,7 +71,7 @@ pub struct Images {
     secrets: Arc<dyn PullSecrets>,
     /// Resolutions by (task UID, run count before the run).
     runs: Mutex<HashMap<(String, i64), RunImage>>,
-    trigger: OnceLock<Trigger>,
+    wake_task: OnceLock<WakeTask>,
     metrics: ImageMetrics,
 }
 
@@ -101,14 +101,14 @@ impl Images {
             logins: config.logins,
             secrets,
             runs: Mutex::default(),
-            trigger: OnceLock::new(),
+            wake_task: OnceLock::new(),
             metrics,
         }))
     }
 
     /// Sets what is called with a Task's UID when its resolution finished (once).
-    pub fn on_resolved(&self, trigger: impl Fn(&str) + Send + Sync + 'static) {
-        let _ = self.trigger.set(Box::new(trigger));
+    pub fn on_resolved(&self, wake_task: impl Fn(&str) + Send + Sync + 'static) {
+        let _ = self.wake_task.set(Box::new(wake_task));
     }
 
     /// The service's counters.
@@ -188,8 +188,8 @@ impl Images {
                     at: Instant::now(),
                 },
             );
-            if let Some(trigger) = this.trigger.get() {
-                trigger(&key.0);
+            if let Some(wake_task) = this.wake_task.get() {
+                wake_task(&key.0);
             }
         });
     }

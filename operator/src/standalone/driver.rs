@@ -34,7 +34,7 @@ mod reconcile;
 mod routing;
 mod writer;
 
-use writer::*;
+use writer::OwnWrites;
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);

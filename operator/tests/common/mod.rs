@@ -232,7 +232,7 @@ pub type TaskCache = IndexedCache<propeller_operator::task_index::TaskIndex>;
 pub type PropletCache = IndexedCache<propeller_operator::proplet_index::PropletIndex>;
 
 /// The wake queues of Tasks and Proplets, as a test reads them.
-pub struct Triggers {
+pub struct Wakes {
     /// Tasks woken.
     pub tasks: tokio::sync::mpsc::UnboundedReceiver<propeller_operator::controller::ObjectName>,
     /// Proplets woken.
@@ -243,7 +243,7 @@ pub struct Triggers {
 /// `proplets` and `tasks`; the writers let a test update the caches as a watch would.
 pub struct Harness {
     pub shared: std::sync::Arc<propeller_operator::k8s::runtime::Shared>,
-    pub triggers: Triggers,
+    pub wakes: Wakes,
     pub proplets: PropletCache,
     pub tasks: TaskCache,
     pub broker: propeller_broker::server::EmbeddedBroker,
@@ -287,7 +287,7 @@ impl Harness {
         let settings = Settings {
             watch_namespace: None,
             token_namespace: "default".into(),
-            proplet: propeller_operator::k8s::proplet::PropletSettings {
+            proplet: propeller_operator::decision::proplet::PropletSettings {
                 last_seen_threshold: std::time::Duration::from_secs(30),
                 status_flush_interval: std::time::Duration::from_secs(5),
                 routine_writes_per_second: 20,
@@ -300,7 +300,7 @@ impl Harness {
             },
         };
         let (wakers, mut queues) = propeller_operator::controller::kinds::wake_queues();
-        let triggers = Triggers {
+        let wakes = Wakes {
             tasks: queues.receiver::<Task>().unwrap(),
             proplets: queues.receiver::<Proplet>().unwrap(),
         };
@@ -324,7 +324,7 @@ impl Harness {
         );
         Self {
             shared: Arc::new(shared),
-            triggers,
+            wakes,
             proplets: proplet_cache,
             tasks: task_cache,
             broker,

@@ -21,15 +21,15 @@ pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<S
     }
 }
 
-/// The liveness tick: triggers the proplets shown Running whose latest heartbeat (pending
+/// The liveness tick: wakes the proplets shown Running whose latest heartbeat (pending
 /// or written) is older than the threshold. Each proplet's reconcile already requeues at its
 /// own deadline, so this only catches a missed one; reconciling the whole fleet every tick
 /// instead queued those deadlines behind 10,000 reconciles (Offline seen 4.5 s late at the
-/// median). Returns how many were triggered.
-pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
+/// median). Returns how many were woken.
+pub fn wake_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
     let threshold = chrono::Duration::from_std(ctx.common.proplet.last_seen_threshold)
         .unwrap_or(chrono::Duration::MAX);
-    let mut triggered = 0;
+    let mut woken = 0;
     for proplet in ctx.proplets.state() {
         let Some(status) = proplet.status.as_ref() else {
             continue;
@@ -49,10 +49,10 @@ pub fn trigger_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
         if overdue {
             ctx.wakers
                 .send(Wake::of::<Proplet>(ObjectName::of(&*proplet)));
-            triggered += 1;
+            woken += 1;
         }
     }
-    triggered
+    woken
 }
 
 /// Handles one broker event: record it, then trigger the object it concerns.

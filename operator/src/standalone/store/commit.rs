@@ -45,12 +45,6 @@ pub(super) struct Inner {
 /// See [`Inner::commit_threads`].
 pub(super) const COMMIT_THREADS: usize = 16;
 
-/// redb's page cache (its default is 1 GiB). Reads are served by the typed cache in front of
-/// the store, so redb's cache mostly keeps pages of objects that are about to be rewritten;
-/// the OS page cache holds the rest of the file. At 10,000 Proplets with their Secrets a
-/// 32 MiB cache filled up and was a tenth of the process's memory.
-pub(super) const REDB_CACHE_BYTES: usize = 8 * 1024 * 1024;
-
 /// Where the group commit stands. Sequence numbers count committed write transactions.
 #[derive(Default)]
 pub(super) struct GroupCommit {
