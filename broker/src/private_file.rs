@@ -2,7 +2,7 @@
 //! written so that a reader sees the old file or the new one, never a part.
 
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// A private file that could not be written: the step and the file it failed on.
@@ -53,6 +53,38 @@ pub fn write_private(path: &Path, contents: &[u8]) -> Result<(), PrivateFileErro
     std::fs::rename(&temporary, path).map_err(fail("replacing", path))?;
     if let Ok(dir) = std::fs::File::open(&directory) {
         let _ = dir.sync_all();
+    }
+    Ok(())
+}
+
+/// Makes `path` a directory only its owner may enter (mode 0700), creating it and its
+/// missing parents; an existing one is narrowed to 0700 when it is wider. What it holds
+/// (a store of every device key) is then out of other local users' reach whatever the modes
+/// of the files inside.
+pub fn create_private_dir(path: &Path) -> Result<(), PrivateFileError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|source| PrivateFileError {
+            step: "creating",
+            path: path.to_owned(),
+            source,
+        })?;
+    restrict(path, 0o700)
+}
+
+/// Narrows `path`'s mode to `mode` when it grants more (never widens it).
+pub fn restrict(path: &Path, mode: u32) -> Result<(), PrivateFileError> {
+    let fail = |step: &'static str| {
+        let path = path.to_owned();
+        move |source| PrivateFileError { step, path, source }
+    };
+    let current = std::fs::metadata(path).map_err(fail("reading the mode of"))?;
+    let bits = current.permissions().mode() & 0o777;
+    if bits & !mode != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits & mode))
+            .map_err(fail("narrowing the mode of"))?;
     }
     Ok(())
 }

@@ -188,8 +188,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Standalone(cmd) => {
             if cmd.demo && !cmd.verbose {
-                std::fs::create_dir_all(&cmd.data_dir)
-                    .with_context(|| format!("creating {}", cmd.data_dir.display()))?;
+                propeller_broker::private_file::create_private_dir(&cmd.data_dir)?;
                 commands::logging::init_to_file(&cmd.data_dir.join(commands::demo::LOG_FILE))?;
             } else {
                 commands::logging::init();

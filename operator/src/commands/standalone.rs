@@ -135,8 +135,7 @@ fn token(dir: &Path) -> anyhow::Result<String> {
 
 /// Runs standalone mode until Ctrl-C.
 pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&cmd.data_dir)
-        .with_context(|| format!("creating {}", cmd.data_dir.display()))?;
+    propeller_broker::private_file::create_private_dir(&cmd.data_dir)?;
     let store = ObjectStore::open(&cmd.data_dir)
         .with_context(|| format!("opening the store in {}", cmd.data_dir.display()))?;
     let token = token(&cmd.data_dir)?;

@@ -49,6 +49,7 @@ pub use change::{Applied, Change, ChangeKind, ChangeLabels, Deleted, Observer, S
 use commit::{GroupCommit, Inner, QueuedStatus, StatusBatch, BATCH_WINDOW, COMMIT_THREADS};
 pub use error::{DocumentError, StoreError};
 use key::{check_segment, Key};
+use propeller_broker::private_file::{create_private_dir, restrict};
 use recovery::open_database;
 use tx::Tx;
 
@@ -110,14 +111,17 @@ impl fmt::Debug for ObjectStore {
 }
 
 impl ObjectStore {
-    /// Opens the store kept in `dir` (file [`DB_FILE`]), creating the directory and the
-    /// database if needed. Everything committed before survives, the resourceVersion counter
+    /// Opens the store kept in `dir` (file [`DB_FILE`]), creating the directory (mode 0700)
+    /// and the database (0600) if needed; an existing directory or file wider than that is
+    /// narrowed. Everything committed before survives, the resourceVersion counter
     /// included.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError::Database(format!("cannot create {}: {e}", dir.display())))?;
+        // The store holds every Secret, so every device key: its directory is the owner's
+        // alone, and so is the file.
+        create_private_dir(dir).map_err(|e| StoreError::Database(e.to_string()))?;
         let path = dir.join(DB_FILE);
         let db = open_database(&path)?;
+        restrict(&path, 0o600).map_err(|e| StoreError::Database(e.to_string()))?;
         let (events, _) = broadcast::channel(WATCH_CAPACITY);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -526,6 +530,34 @@ mod tests {
                 Err(e) => panic!("watch failed: {e}"),
             }
         }
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// The store holds every device key: no other local user may reach it, whether the store
+    /// is new or was left readable by an earlier version.
+    #[test]
+    fn the_store_is_its_owners_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let fresh = root.path().join("data/nested");
+        drop(ObjectStore::open(&fresh).unwrap());
+        assert_eq!(mode(&fresh), 0o700);
+        assert_eq!(mode(&fresh.join(DB_FILE)), 0o600);
+
+        let old = root.path().join("old");
+        drop(ObjectStore::open(&old).unwrap());
+        let wide = |path: &Path, bits| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits)).unwrap()
+        };
+        wide(&old, 0o755);
+        wide(&old.join(DB_FILE), 0o644);
+        drop(ObjectStore::open(&old).unwrap());
+        assert_eq!(mode(&old), 0o700);
+        assert_eq!(mode(&old.join(DB_FILE)), 0o600);
     }
 
     #[test]
