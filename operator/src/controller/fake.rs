@@ -224,11 +224,6 @@ impl FakeCluster {
         self.objects.typed::<Task>()
     }
 
-    /// The stored Tasks of `namespace`.
-    pub fn tasks_in_namespace(&self, namespace: &str) -> Vec<Arc<Task>> {
-        self.tasks_in(namespace)
-    }
-
     fn occupants(&self, proplet: &Proplet) -> Vec<String> {
         let name = ObjectName::of(proplet);
         self.tasks_in(&name.namespace)

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -227,7 +227,15 @@ impl Wakers {
     /// plans read their children, so a child's change is theirs to act on.
     pub fn wake_owners(&self, meta: &ObjectMeta) {
         let namespace = meta.namespace.as_deref().unwrap_or("default");
-        for owner in meta.owner_references.iter().flatten() {
+        self.wake_owners_in(
+            namespace,
+            meta.owner_references.as_deref().unwrap_or_default(),
+        );
+    }
+
+    /// Wakes `owners`, of objects in `namespace`, that are of a kind propeller reconciles.
+    pub fn wake_owners_in(&self, namespace: &str, owners: &[OwnerReference]) {
+        for owner in owners {
             self.send(Wake::named(
                 &owner.kind,
                 ObjectName::new(namespace, &owner.name),

@@ -14,7 +14,7 @@ use crate::crd::task::{Task, TaskPhase};
 
 use super::fake::FakeCluster;
 use super::kinds::Reconciled;
-use super::{retry_policy, ObjectName, ReconcileError, Refusal, Retry, Wake};
+use super::{retry_policy, CacheReads, ObjectName, ReconcileError, Refusal, Retry, Wake};
 
 const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 
@@ -153,7 +153,7 @@ async fn a_propeller_job_creates_its_tasks_once_and_counts_them_in_its_status() 
         .await
         .unwrap();
     let tasks: Vec<String> = cluster
-        .tasks_in_namespace("iot")
+        .tasks_in("iot")
         .iter()
         .map(|t| ObjectName::of(&**t).name)
         .collect();
@@ -163,7 +163,7 @@ async fn a_propeller_job_creates_its_tasks_once_and_counts_them_in_its_status() 
     PropellerJob::reconcile(&cluster, Arc::new(job), Utc::now())
         .await
         .unwrap();
-    assert_eq!(cluster.tasks_in_namespace("iot").len(), 2);
+    assert_eq!(cluster.tasks_in("iot").len(), 2);
     let job: PropellerJob = cluster.stored(&ObjectName::new("iot", "sum")).unwrap();
     assert!(job.status.is_some(), "the job's status is written");
 }

@@ -13,7 +13,7 @@ use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -82,8 +82,8 @@ trait Unindexed: Send + Sync {
     fn put(&mut self, value: &Value);
     /// Drops the object `name`.
     fn remove(&mut self, name: &Name);
-    /// The object `name`'s metadata, when it is cached.
-    fn meta(&self, name: &Name) -> Option<ObjectMeta>;
+    /// The object `name`'s owner references, when it is cached.
+    fn owners(&self, name: &Name) -> Vec<OwnerReference>;
     /// The reader, a `Store<K>`.
     fn reader(&self) -> &dyn Any;
 }
@@ -99,9 +99,11 @@ impl<K: Reconciled> Unindexed for Reflected<K> {
         Reflected::remove(self, name);
     }
 
-    fn meta(&self, (namespace, name): &Name) -> Option<ObjectMeta> {
-        let object = self.reader.get(&ObjectRef::new(name).within(namespace))?;
-        Some(object.meta().clone())
+    fn owners(&self, (namespace, name): &Name) -> Vec<OwnerReference> {
+        self.reader
+            .get(&ObjectRef::new(name).within(namespace))
+            .and_then(|object| object.meta().owner_references.clone())
+            .unwrap_or_default()
     }
 
     fn reader(&self) -> &dyn Any {
@@ -331,15 +333,18 @@ impl ObjectCache {
         found.unwrap_or_else(|| Reflected::<K>::default().reader)
     }
 
-    /// The metadata of the cached object `name` of kind `kind`.
-    pub fn meta(&self, kind: &str, name: &ObjectName) -> Option<ObjectMeta> {
+    /// The owner references of the cached object `name` of kind `kind` (copied, not its whole
+    /// metadata: this runs for every stored change).
+    pub fn owners(&self, kind: &str, name: &ObjectName) -> Vec<OwnerReference> {
         let cached = self.read();
         let key = (name.namespace.clone(), name.name.clone());
+        let owners = |meta: &ObjectMeta| meta.owner_references.clone().unwrap_or_default();
         match kind {
-            PROPLET => cached.proplets.get(&key).map(|p| p.metadata.clone()),
-            TASK => cached.tasks.get(&key).map(|t| t.metadata.clone()),
-            _ => cached.unindexed.get(kind)?.meta(&key),
+            PROPLET => cached.proplets.get(&key).map(|p| owners(&p.metadata)),
+            TASK => cached.tasks.get(&key).map(|t| owners(&t.metadata)),
+            _ => cached.unindexed.get(kind).map(|store| store.owners(&key)),
         }
+        .unwrap_or_default()
     }
 
     /// Every Proplet, by namespace then name.

@@ -53,9 +53,8 @@ impl Driver {
     /// owners, and for a Task its proplet and dependents.
     pub(super) fn related(&self, changed: &Wake) {
         let name = &changed.name;
-        if let Some(meta) = self.cache.meta(&changed.kind, name) {
-            self.wakers.wake_owners(&meta);
-        }
+        let owners = self.cache.owners(&changed.kind, name);
+        self.wakers.wake_owners_in(&name.namespace, &owners);
         match changed.kind.as_ref() {
             TASK => {
                 if let Some(task) = self.cache.task(&name.namespace, &name.name) {
