@@ -16,7 +16,7 @@ use support::cluster_cases::{
     a_node_killed_under_a_running_task, probe_logins, propeller_killed_in_a_burst,
     tasks_dags_broadcasts_and_jobs, Fleet, PROBE,
 };
-use support::envtest::free_port;
+use support::envtest::reserve_port;
 use support::external::{
     add_task, expect_results, start_propeller, Probe, Secrets, DOMAIN, PROPELLER_USER,
 };
@@ -28,10 +28,10 @@ use support::WAIT;
 fn rabbitmq_cluster_carries_the_fleet_with_propeller_as_its_auth_backend() {
     let dir = tempfile::tempdir().expect("temp dir");
     let secrets = Secrets::write(dir.path());
-    let callback_port = free_port();
+    let reserved = reserve_port();
     let auth_base = format!(
-        "http://127.0.0.1:{callback_port}/rabbitmq/{}",
-        secrets.callback
+        "http://127.0.0.1:{}/rabbitmq/{}",
+        reserved.port, secrets.callback
     );
     let started = Instant::now();
     let Some(mut cluster) = RabbitCluster::start(&auth_base) else {
@@ -43,6 +43,7 @@ fn rabbitmq_cluster_carries_the_fleet_with_propeller_as_its_auth_backend() {
         .iter()
         .map(|a| format!("mqtt://{a}"))
         .collect();
+    let callback_port = reserved.release();
     let propeller_args = vec![
         "--auth-callback-listen".into(),
         format!("127.0.0.1:{callback_port}"),

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use support::envtest::{free_port, ControlPlane, Options};
+use support::envtest::{free_port, reserve_port, ControlPlane, Options, ReservedPort};
 use support::external::{device_agent, device_manifest, AgentLog, Secrets, PROPELLER_USER};
 use support::kube::{
     apply, cluster, http_body, http_status, task_manifest, wait_phase, wait_phase_explained,
@@ -39,7 +39,7 @@ enum Broker {
     /// Service spreads the calls, here `r0`, which runs throughout, answers them all).
     Rabbit {
         cluster: RabbitCluster,
-        callback_port: u16,
+        callback_port: ReservedPort,
         callback_secret_file: PathBuf,
     },
 }
@@ -83,10 +83,10 @@ impl Fleet {
                 )?)
             }
             _ => {
-                let callback_port = free_port();
+                let callback_port = reserve_port();
                 let auth_base = format!(
-                    "http://127.0.0.1:{callback_port}/rabbitmq/{}",
-                    secrets.callback
+                    "http://127.0.0.1:{}/rabbitmq/{}",
+                    callback_port.port, secrets.callback
                 );
                 Broker::Rabbit {
                     cluster: RabbitCluster::start(&auth_base)?,
@@ -121,21 +121,15 @@ impl Fleet {
 
     /// [`Fleet::replica`] with `extra` arguments.
     fn replica_with(&self, name: &str, renders: bool, extra: &[&str]) -> Replica {
-        let (process, metrics) = self.spawn_replica(name, renders, extra);
+        let (mut process, metrics) = self.spawn_replica(name, renders, extra);
         let started = Instant::now();
         while http_status(metrics, "/readyz") != Some(200) {
+            let exited = process.child.try_wait().ok().flatten();
             assert!(
-                started.elapsed() < STATUS_WAIT,
-                "replica {name} never became ready; its log ends:\n{}",
-                process
-                    .stderr_so_far()
-                    .iter()
-                    .rev()
-                    .take(15)
-                    .rev()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                exited.is_none() && started.elapsed() < STATUS_WAIT,
+                "replica {name} never became ready (exit: {exited:?}); its log without \
+                 backtrace frames ends:\n{}",
+                log_without_backtraces(&process.stderr_so_far())
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -180,7 +174,7 @@ impl Fleet {
                 ..
             } => {
                 let port = if name == "r0" {
-                    *callback_port
+                    callback_port.release()
                 } else {
                     free_port()
                 };
@@ -925,4 +919,22 @@ fn two_replicas_racing_for_a_proplet_of_capacity_one_never_overcommit_it() {
     );
     drop(r1);
     drop(r0);
+}
+
+/// The last 30 lines of `log` that are not backtrace frames, so a replica's error or panic
+/// message stays visible above its backtrace.
+fn log_without_backtraces(log: &[String]) -> String {
+    let kept = log
+        .iter()
+        .filter(|line| {
+            let trimmed = line.trim_start();
+            let frame = trimmed.starts_with("at ")
+                || trimmed
+                    .split_once(": ")
+                    .is_some_and(|(n, _)| n.chars().all(|c| c.is_ascii_digit()));
+            !frame
+        })
+        .cloned()
+        .collect::<Vec<_>>();
+    kept[kept.len().saturating_sub(30)..].join("\n")
 }

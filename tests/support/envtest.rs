@@ -485,6 +485,14 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 /// `bind(0)` may be taken by any outgoing connection before the server binds it (etcd failed
 /// that way in CI), while ports below the range are only ever taken by an explicit bind.
 pub fn free_port() -> u16 {
+    reserve_port().port
+}
+
+/// A port from [`free_port`]'s range, kept bound until [`ReservedPort::release`]: for a port
+/// a server is told about long before the process that listens on it starts (RabbitMQ's auth
+/// backend URL names a callback port half a minute before propeller binds it), so no other
+/// test can pick it in between.
+pub fn reserve_port() -> ReservedPort {
     use std::hash::{BuildHasher, Hasher};
     let (low, _) = ephemeral_port_range();
     let floor: u16 = 10_000;
@@ -495,14 +503,35 @@ pub fn free_port() -> u16 {
             .build_hasher()
             .finish();
         let port = floor + (random % u64::from(span)) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+            return ReservedPort {
+                port,
+                holder: std::sync::Mutex::new(Some(listener)),
+            };
         }
     }
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("ephemeral port")
+    let listener = TcpListener::bind("127.0.0.1:0").expect("ephemeral port");
+    ReservedPort {
+        port: listener.local_addr().expect("bound address").port(),
+        holder: std::sync::Mutex::new(Some(listener)),
+    }
+}
+
+/// A loopback port held by a listener of this test until released.
+pub struct ReservedPort {
+    pub port: u16,
+    holder: std::sync::Mutex<Option<TcpListener>>,
+}
+
+impl ReservedPort {
+    /// Closes the holding listener (once; later calls do nothing) so the server about to
+    /// start can bind the port; the port.
+    pub fn release(&self) -> u16 {
+        if let Ok(mut holder) = self.holder.lock() {
+            holder.take();
+        }
+        self.port
+    }
 }
 
 /// The kernel's range for automatically chosen local ports (Linux's default when unreadable).
