@@ -220,6 +220,7 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
         "configs/crd",
         "configs/rbac",
         "configs/deploy",
+        "configs/kueue",
         "configs/samples",
     ];
     for dir in kustomizations {
@@ -228,6 +229,15 @@ fn every_sample_and_install_file_passes_a_server_side_dry_run() {
             [&apply[..], &["-k".into(), dir.into()]].concat(),
         );
         judged.extend(kustomized_files(&repo_root().join(dir)));
+    }
+    // Kueue's configuration entry is no manifest, and the examples are Kueue's kinds: the
+    // Kueue test starts the real Kueue with the one and applies the others.
+    for file in [
+        "kueue-integration.yaml",
+        "examples/queues.yaml",
+        "examples/job.yaml",
+    ] {
+        judged.push(repo_root().join("configs/kueue").join(file));
     }
     // Nothing under configs/ escapes: every manifest was judged directly or through a
     // kustomization, except the Helm chart (the chart test renders it for the server).
@@ -441,8 +451,9 @@ fn leader_election_fails_over_and_a_task_applied_meanwhile_runs_once() {
     };
     let (mut leader, mqtt_a, metrics_a) = start_operator(&kubeconfig, "operator-a");
     let (standby, metrics_b) = spawn_operator(&kubeconfig, "operator-b");
-    // Only the leader is ready; the standby answers /healthz but not /readyz.
-    assert_eq!(http_status(metrics_a, "/readyz"), Some(200));
+    // Only the leader is ready (once its caches are filled; its MQTT listener comes
+    // first); the standby answers /healthz but not /readyz.
+    wait_http(metrics_a, "/readyz", 200);
     wait_http(metrics_b, "/healthz", 200);
     assert_eq!(http_status(metrics_b, "/readyz"), Some(503));
     let lease = get(&cp, "propeller-system", "lease", "propeller-leader").expect("lease");
@@ -1082,7 +1093,7 @@ images: {cacheSize: 400MiB, volumeSize: 512Mi, registryLoginSecret: registry-log
     ("cluster-wide-images", "images: {registryLoginSecret: registry-login}\n"),
     (
         "sharded",
-        "replicas: 3\nbroker: {external: {addresses: [mqtt://nats-0.nats:1883, mqtt://nats-1.nats:1883], deviceAuth: none}}\nsharding: {leaseDuration: 10s}\n",
+        "replicas: 3\nbroker: {external: {addresses: [mqtt://nats-0.nats:1883, mqtt://nats-1.nats:1883], deviceAuth: none}}\nsharding: {leaseDuration: 10s}\nkueue: {enabled: true}\n",
     ),
 ];
 
@@ -1153,6 +1164,16 @@ fn check_rendered_chart(name: &str, rendered: &str) {
             pod["affinity"]
         );
     }
+    // Kueue admission (on in the sharded set): the flag and the rights on Workloads together.
+    let kueue = args.contains("--kueue");
+    let grants_workloads = of("ClusterRole")
+        .iter()
+        .any(|r| r.to_string().contains("workloads/status"));
+    assert_eq!(kueue, name == "sharded", "{name}: {args}");
+    assert_eq!(
+        grants_workloads, kueue,
+        "{name}: Workload rights without --kueue or the reverse"
+    );
     let account = pod["serviceAccountName"].as_str().unwrap_or_default();
     let roles: Vec<&str> = of("ClusterRole")
         .into_iter()

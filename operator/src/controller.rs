@@ -49,6 +49,7 @@ mod fake;
 pub mod finalizer;
 pub mod jobs;
 pub mod kinds;
+pub mod kueue;
 pub mod ownership;
 pub mod proplet;
 pub mod routing;
@@ -75,6 +76,29 @@ impl<K> Stored for K where
     K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
         + Serialize
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// A cluster-scoped kind propeller only reads (Kueue's ResourceFlavor, WorkloadPriorityClass).
+pub trait ClusterScoped:
+    kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
+    + Clone
+    + DeserializeOwned
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> ClusterScoped for K where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
         + DeserializeOwned
         + std::fmt::Debug
         + Send
@@ -140,6 +164,13 @@ pub trait Backend: Send + Sync {
     fn get<K: Stored>(
         &self,
         name: &ObjectName,
+    ) -> impl Future<Output = Result<Option<K>, BackendError>> + Send;
+
+    /// The cluster-scoped object `name` of kind `K` (Kueue's ResourceFlavors and priority
+    /// classes), read from the backend; `None` where the backend has no such kind.
+    fn get_cluster_scoped<K: ClusterScoped>(
+        &self,
+        name: &str,
     ) -> impl Future<Output = Result<Option<K>, BackendError>> + Send;
 
     /// Every object of kind `K` in `namespace`, read from the backend.

@@ -84,7 +84,17 @@ fn crds_have_the_upstream_names_and_subresources() {
     );
     assert_eq!(
         columns(2).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
-        ["Phase", "Mode", "Tasks", "Completed", "Failed", "Age"]
+        // Upstream's, with the Suspended and (wide) Quota conditions of Kueue admission.
+        [
+            "Phase",
+            "Mode",
+            "Tasks",
+            "Completed",
+            "Failed",
+            "Suspended",
+            "Quota",
+            "Age"
+        ]
     );
     assert_eq!(
         columns(3).iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
@@ -290,4 +300,24 @@ fn both_operator_roles_grant_every_kind() {
             assert!(absent.is_empty(), "{file} does not grant {absent:?}");
         }
     }
+}
+
+/// The chart's Kueue rules (under `kueue.enabled`) are `configs/kueue`'s, rule for rule.
+#[test]
+fn the_charts_kueue_rules_are_the_plain_ones() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let plain: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(root.join("configs/kueue/cluster_role.yaml")).unwrap(),
+    )
+    .unwrap();
+    let template =
+        std::fs::read_to_string(root.join("configs/helm/propeller/templates/clusterrole.yaml"))
+            .unwrap();
+    let section = template
+        .split_once("{{- if .Values.kueue.enabled }}")
+        .and_then(|(_, rest)| rest.split_once("{{- end }}"))
+        .map(|(section, _)| section)
+        .expect("a kueue.enabled section in the chart's ClusterRole");
+    let chart: Value = serde_yaml_ng::from_str(section).unwrap();
+    assert_eq!(chart, plain["rules"]);
 }

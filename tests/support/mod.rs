@@ -15,6 +15,7 @@ pub mod httpbin;
 pub mod image;
 pub mod knode;
 pub mod kube;
+pub mod kueue;
 pub mod mqtt_cluster;
 pub mod registry;
 pub mod standalone;

@@ -23,6 +23,8 @@ use super::task::TaskSpec;
     printcolumn = r#"{"name":"Tasks","type":"integer","jsonPath":".status.taskCount"}"#,
     printcolumn = r#"{"name":"Completed","type":"integer","jsonPath":".status.completedCount"}"#,
     printcolumn = r#"{"name":"Failed","type":"integer","jsonPath":".status.failedCount"}"#,
+    printcolumn = r#"{"name":"Suspended","type":"string","jsonPath":".status.conditions[?(@.type==\"Suspended\")].status"}"#,
+    printcolumn = r#"{"name":"Quota","type":"string","jsonPath":".status.conditions[?(@.type==\"QuotaReserved\")].status","priority":1}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -41,6 +43,11 @@ pub struct PropellerJobSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 100), inner(length(min = 1, max = 253)))]
     pub task_refs: Vec<String>,
+    /// Held: no task is created or dispatched and runs that are out are stopped; they start
+    /// again when this is false. With the `kueue.x-k8s.io/queue-name` label the job is also
+    /// held until Kueue admits its Workload.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspend: bool,
 }
 
 /// How a job's inline tasks run.

@@ -4,6 +4,7 @@
 pub mod common;
 pub mod federated;
 pub mod job;
+pub mod kueue;
 pub mod proplet;
 pub mod reference;
 pub mod task;

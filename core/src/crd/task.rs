@@ -91,6 +91,11 @@ pub struct TaskSpec {
     /// Runs until stopped; exempt from the time limit.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub daemon: bool,
+    /// Held: nothing is dispatched, and a run that is out is stopped (the task goes back to
+    /// Pending and runs again once this is false). A PropellerJob sets it on its children
+    /// while it is suspended or waiting for Kueue.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspend: bool,
     /// Pod restart policy for tasks run as Kubernetes Jobs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
@@ -170,6 +175,7 @@ impl Default for TaskSpec {
             preferred_proplet_type: Default::default(),
             resource_requirements: Default::default(),
             daemon: Default::default(),
+            suspend: false,
             restart_policy: Default::default(),
             encrypted: Default::default(),
             image_pull_secrets: Default::default(),

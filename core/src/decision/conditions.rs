@@ -26,8 +26,8 @@ pub struct DesiredCondition {
     pub type_: &'static str,
     /// True or False.
     pub status: bool,
-    /// CamelCase machine-readable reason.
-    pub reason: &'static str,
+    /// CamelCase machine-readable reason (some are another controller's, e.g. Kueue's).
+    pub reason: std::borrow::Cow<'static, str>,
     /// Human explanation.
     pub message: String,
 }
@@ -37,13 +37,13 @@ impl DesiredCondition {
     pub fn new(
         type_: &'static str,
         status: bool,
-        reason: &'static str,
+        reason: impl Into<std::borrow::Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
         Self {
             type_,
             status,
-            reason,
+            reason: reason.into(),
             message: message.into(),
         }
     }

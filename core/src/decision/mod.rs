@@ -10,6 +10,7 @@ pub mod dag;
 pub mod deployment;
 pub mod enrolment;
 pub mod federated;
+pub mod kueue;
 pub mod liveness;
 pub mod names;
 pub mod propeller_job;

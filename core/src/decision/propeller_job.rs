@@ -23,6 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use super::conditions::{set_condition, DesiredCondition};
 use super::dag;
 use super::names;
+use super::task::Note;
 use crate::crd::job::{ExecutionMode, JobPhase, PropellerJob, PropellerJobStatus};
 use crate::crd::task::{RunIf, Task, TaskPhase, TaskSpec};
 use crate::crd::PREFIX;
@@ -41,6 +42,39 @@ pub struct JobObservation {
     pub children: BTreeMap<String, TaskPhase>,
     /// Phases of the `taskRefs` Tasks; `None` when a referenced Task does not exist.
     pub refs: BTreeMap<String, Option<TaskPhase>>,
+    /// Owned Tasks whose `spec.suspend` is set.
+    pub suspended: BTreeSet<String>,
+    /// Whether the job may run now (Kueue's admission; see [`super::kueue`]).
+    pub gate: Gate,
+}
+
+/// Whether a job may run, besides its own `spec.suspend`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Gate {
+    /// It may: its tasks are restricted to the proplets carrying `node_labels` (the labels
+    /// of the ResourceFlavor Kueue admitted it to; empty when not Kueue-managed).
+    Open {
+        node_labels: BTreeMap<String, String>,
+    },
+    /// It may not, for this reason (Kueue's words, e.g. `Pending` or `Preempted`).
+    Held { reason: String, message: String },
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate::Open {
+            node_labels: BTreeMap::new(),
+        }
+    }
+}
+
+impl JobObservation {
+    /// Whether a child's run is out on a device (scheduled or running).
+    pub fn runs_out(&self) -> bool {
+        self.children
+            .values()
+            .any(|p| matches!(p, TaskPhase::Scheduled | TaskPhase::Running))
+    }
 }
 
 impl JobObservation {
@@ -58,6 +92,7 @@ impl JobObservation {
                 .iter()
                 .map(|r| (r.clone(), None))
                 .collect(),
+            ..JobObservation::default()
         };
         for task in tasks {
             let name = task.metadata.name.clone().unwrap_or_default();
@@ -70,6 +105,9 @@ impl JobObservation {
                 .any(|o| o.uid == uid);
             if owned {
                 observed.children.insert(name.clone(), phase);
+                if task.spec.suspend {
+                    observed.suspended.insert(name.clone());
+                }
             }
             if wanted.contains(name.as_str()) {
                 observed.refs.insert(name, Some(phase));
@@ -95,6 +133,39 @@ pub struct JobPlan {
     pub create: Vec<Task>,
     /// The status to write.
     pub status: PropellerJobStatus,
+    /// Owned Tasks to hold (`spec.suspend` set): the job is suspended.
+    pub suspend: Vec<String>,
+    /// Owned Tasks to release (`spec.suspend` cleared, the gate's node labels added to
+    /// their selector): the job runs again.
+    pub resume: Vec<String>,
+    /// Events for users.
+    pub notes: Vec<Note>,
+}
+
+impl JobPlan {
+    fn only(status: PropellerJobStatus) -> Self {
+        JobPlan {
+            create: Vec::new(),
+            status,
+            suspend: Vec::new(),
+            resume: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+}
+
+/// Condition type on a job: it is held (by `spec.suspend` or by Kueue).
+pub const SUSPENDED: &str = "Suspended";
+
+/// `spec` restricted to proplets carrying `node_labels` (added to its selector's labels).
+pub fn restrict(spec: &mut TaskSpec, node_labels: &BTreeMap<String, String>) {
+    if node_labels.is_empty() {
+        return;
+    }
+    let selector = spec.proplet_selector.get_or_insert_with(Default::default);
+    for (key, value) in node_labels {
+        selector.match_labels.insert(key.clone(), value.clone());
+    }
 }
 
 /// Why a job's spec cannot run.
@@ -204,10 +275,7 @@ pub fn reconcile(job: &PropellerJob, observed: &JobObservation, now: DateTime<Ut
         i32::try_from(job.spec.tasks.len() + job.spec.task_refs.len()).unwrap_or(i32::MAX);
 
     if matches!(status.phase, JobPhase::Completed | JobPhase::Failed) {
-        return JobPlan {
-            create: Vec::new(),
-            status,
-        };
+        return JobPlan::only(status);
     }
 
     let children = match desired_children(job) {
@@ -222,21 +290,71 @@ pub fn reconcile(job: &PropellerJob, observed: &JobObservation, now: DateTime<Ut
                 generation,
                 now,
             );
-            return JobPlan {
-                create: Vec::new(),
-                status,
-            };
+            return JobPlan::only(status);
         }
     };
-    let create: Vec<Task> = children
-        .into_iter()
-        .filter(|c| {
-            c.metadata
-                .name
-                .as_ref()
-                .is_some_and(|n| !observed.children.contains_key(n))
-        })
-        .collect();
+    let held = if job.spec.suspend {
+        Some((
+            "Suspended".to_owned(),
+            "spec.suspend is true: no task runs until it is false".to_owned(),
+        ))
+    } else {
+        match &observed.gate {
+            Gate::Held { reason, message } => Some((reason.clone(), message.clone())),
+            Gate::Open { .. } => None,
+        }
+    };
+    let mut plan = JobPlan::only(PropellerJobStatus::default());
+    let was_held = super::conditions::is_true(&status.conditions, SUSPENDED);
+    match (&held, &observed.gate) {
+        (Some((reason, message)), _) => {
+            plan.suspend = observed
+                .children
+                .iter()
+                .filter(|(n, p)| !p.is_terminal() && !observed.suspended.contains(*n))
+                .map(|(n, _)| n.clone())
+                .collect();
+            let change = set_condition(
+                &mut status.conditions,
+                &DesiredCondition::new(SUSPENDED, true, reason.clone(), message.clone()),
+                generation,
+                now,
+            );
+            if change == super::conditions::ConditionChange::Transition {
+                plan.notes.push(Note::normal("Suspended", message.clone()));
+            }
+        }
+        (None, gate) => {
+            let node_labels = match gate {
+                Gate::Open { node_labels } => node_labels.clone(),
+                Gate::Held { .. } => BTreeMap::new(),
+            };
+            plan.create = children
+                .into_iter()
+                .filter(|c| {
+                    c.metadata
+                        .name
+                        .as_ref()
+                        .is_some_and(|n| !observed.children.contains_key(n))
+                })
+                .map(|mut c| {
+                    restrict(&mut c.spec, &node_labels);
+                    c
+                })
+                .collect();
+            plan.resume = observed.suspended.iter().cloned().collect();
+            if was_held {
+                let message = "the job runs".to_owned();
+                set_condition(
+                    &mut status.conditions,
+                    &DesiredCondition::new(SUSPENDED, false, "Resumed", message.clone()),
+                    generation,
+                    now,
+                );
+                plan.notes.push(Note::normal("Resumed", message));
+            }
+        }
+    }
 
     let mut phases: Vec<(String, Option<TaskPhase>)> = Vec::new();
     for t in &job.spec.tasks {
@@ -266,7 +384,7 @@ pub fn reconcile(job: &PropellerJob, observed: &JobObservation, now: DateTime<Ut
         .map(String::as_str)
         .collect();
 
-    if status.phase == JobPhase::Pending {
+    if status.phase == JobPhase::Pending && held.is_none() {
         status.phase = JobPhase::Running;
         status.start_time = Some(now);
     }
@@ -315,7 +433,8 @@ pub fn reconcile(job: &PropellerJob, observed: &JobObservation, now: DateTime<Ut
         )
     };
     set_condition(&mut status.conditions, &condition, generation, now);
-    JobPlan { create, status }
+    plan.status = status;
+    plan
 }
 
 fn summarize(names: &[&str]) -> String {
@@ -346,6 +465,7 @@ pub fn child_names(job: &PropellerJob) -> BTreeSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crd::common::find_condition;
     use crate::crd::job::PropellerJobSpec;
     use crate::decision::dag::{evaluate, Readiness};
     use chrono::TimeZone;
@@ -371,6 +491,7 @@ mod tests {
                 execution_mode: mode,
                 tasks,
                 task_refs: refs.iter().map(|r| r.to_string()).collect(),
+                suspend: false,
             },
         );
         j.metadata.namespace = Some("edge".into());
@@ -583,6 +704,7 @@ mod tests {
         let observed = JobObservation {
             children: BTreeMap::from([("etl-a".into(), TaskPhase::Completed)]),
             refs: BTreeMap::from([("wasm-addition".into(), None)]),
+            ..JobObservation::default()
         };
         let plan = reconcile(&j, &observed, now());
         assert_eq!(plan.status.phase, JobPhase::Running);
@@ -590,6 +712,7 @@ mod tests {
         let observed = JobObservation {
             children: BTreeMap::from([("etl-a".into(), TaskPhase::Completed)]),
             refs: BTreeMap::from([("wasm-addition".into(), Some(TaskPhase::Interrupted))]),
+            ..JobObservation::default()
         };
         let plan = reconcile(&j, &observed, now());
         assert_eq!(plan.status.phase, JobPhase::Failed);
@@ -705,6 +828,101 @@ mod tests {
         assert_eq!(
             status_to_write(&PropellerJobStatus::default(), &plan).created_at,
             plan.status.created_at
+        );
+    }
+
+    #[test]
+    fn a_held_job_creates_nothing_and_holds_the_children_still_out() {
+        let j = job(
+            ExecutionMode::Parallel,
+            vec![spec("a", &[]), spec("b", &[]), spec("c", &[])],
+            &[],
+        );
+        let fresh = JobObservation {
+            gate: Gate::Held {
+                reason: "Pending".into(),
+                message: "insufficient quota".into(),
+            },
+            ..JobObservation::default()
+        };
+        let plan = reconcile(&j, &fresh, now());
+        assert!(plan.create.is_empty());
+        assert_eq!(plan.status.phase, JobPhase::Pending, "not started");
+        let held = find_condition(&plan.status.conditions, SUSPENDED);
+        assert_eq!(
+            held.map(|c| (c.status.as_str(), c.reason.as_str(), c.message.as_str())),
+            Some(("True", "Pending", "insufficient quota"))
+        );
+        assert_eq!(plan.notes.len(), 1);
+
+        // Evicted while running: the children still out are held, the finished one kept.
+        let evicted = JobObservation {
+            children: BTreeMap::from([
+                ("etl-a".into(), TaskPhase::Completed),
+                ("etl-b".into(), TaskPhase::Running),
+                ("etl-c".into(), TaskPhase::Pending),
+            ]),
+            suspended: BTreeSet::from(["etl-c".to_owned()]),
+            gate: Gate::Held {
+                reason: "Preempted".into(),
+                message: "preempted".into(),
+            },
+            ..JobObservation::default()
+        };
+        let plan = reconcile(&j, &evicted, now());
+        assert_eq!(plan.suspend, vec!["etl-b".to_owned()]);
+        assert!(plan.create.is_empty() && plan.resume.is_empty());
+    }
+
+    #[test]
+    fn an_open_job_resumes_its_held_children_on_the_flavors_proplets() {
+        let mut j = job(
+            ExecutionMode::Parallel,
+            vec![spec("a", &[]), spec("b", &[])],
+            &[],
+        );
+        let mut was = PropellerJobStatus::default();
+        set_condition(
+            &mut was.conditions,
+            &DesiredCondition::new(SUSPENDED, true, "Pending", "waiting"),
+            Some(1),
+            now(),
+        );
+        j.status = Some(was);
+        let labels = BTreeMap::from([("arch".to_owned(), "arm64".to_owned())]);
+        let observed = JobObservation {
+            children: BTreeMap::from([("etl-a".into(), TaskPhase::Pending)]),
+            suspended: BTreeSet::from(["etl-a".to_owned()]),
+            gate: Gate::Open {
+                node_labels: labels.clone(),
+            },
+            ..JobObservation::default()
+        };
+        let plan = reconcile(&j, &observed, now());
+        assert_eq!(plan.resume, vec!["etl-a".to_owned()]);
+        assert_eq!(plan.create.len(), 1);
+        let selector = plan.create[0]
+            .spec
+            .proplet_selector
+            .clone()
+            .unwrap_or_default();
+        assert_eq!(selector.match_labels, labels);
+        assert_eq!(plan.status.phase, JobPhase::Running);
+        assert_eq!(
+            find_condition(&plan.status.conditions, SUSPENDED).map(|c| c.status.as_str()),
+            Some("False")
+        );
+    }
+
+    #[test]
+    fn spec_suspend_holds_a_job_whatever_its_gate() {
+        let mut j = job(ExecutionMode::Parallel, vec![spec("a", &[])], &[]);
+        j.spec.suspend = true;
+        let plan = reconcile(&j, &JobObservation::default(), now());
+        assert!(plan.create.is_empty());
+        assert_eq!(
+            find_condition(&plan.status.conditions, SUSPENDED).map(|c| c.reason.as_str()),
+            Some("Suspended")
         );
     }
 }

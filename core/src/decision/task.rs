@@ -42,6 +42,8 @@ pub const SCHEDULED: &str = "Scheduled";
 pub const STARTED: &str = "Started";
 /// Condition: the task finished successfully.
 pub const COMPLETED: &str = "Completed";
+/// Condition type: the task is held by `spec.suspend` (its own or its job's).
+pub const SUSPENDED: &str = "Suspended";
 
 /// How often a task that waits for a proplet looks again even without an event.
 pub const NO_CANDIDATE_RETRY: Duration = Duration::from_secs(30);
@@ -142,7 +144,8 @@ pub struct Note {
 }
 
 impl Note {
-    fn normal(reason: &'static str, message: impl Into<String>) -> Self {
+    /// A Normal Event.
+    pub fn normal(reason: &'static str, message: impl Into<String>) -> Self {
         Self {
             warning: false,
             reason,
@@ -150,7 +153,8 @@ impl Note {
         }
     }
 
-    fn warning(reason: &'static str, message: impl Into<String>) -> Self {
+    /// A Warning Event.
+    pub fn warning(reason: &'static str, message: impl Into<String>) -> Self {
         Self {
             warning: true,
             reason,
@@ -172,7 +176,8 @@ pub struct TaskPlan {
     /// The starts repeat a run this process already started (its result is overdue), so
     /// they go out although the run is in the dispatch ledger.
     pub repeat_start: bool,
-    /// Create the task's ConfigMap and Job (a `k8s` proplet) once `status` is persisted.
+    /// Create the task's ConfigMap and Job (a `k8s` proplet) once `status` is persisted,
+    /// or bring an existing Job's `suspend` in line with the task's.
     pub create_job: bool,
     /// Stops to publish.
     pub stops: Vec<StopCommand>,
@@ -407,7 +412,13 @@ pub fn plan(
             ),
         ));
     }
+    if task.spec.suspend {
+        hold(task, observed, gen, now, &mut desired, &mut plan);
+    } else {
+        resume(gen, now, &mut desired, &mut plan);
+    }
     match desired.phase {
+        _ if task.spec.suspend => {}
         TaskPhase::Pending => plan_pending(task, observed, settings, now, &mut desired, &mut plan),
         TaskPhase::Scheduled => {
             plan_scheduled(task, observed, settings, now, &mut desired, &mut plan)
@@ -429,6 +440,71 @@ pub fn plan(
         plan.status = Some(desired);
     }
     plan
+}
+
+/// A suspended task: a run that is out is stopped on its devices (the path deletion takes)
+/// and the task goes back to Pending, to run again when resumed; nothing is dispatched.
+fn hold(
+    task: &Task,
+    observed: &TaskObservations,
+    gen: Option<i64>,
+    now: DateTime<Utc>,
+    desired: &mut TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    let out = matches!(desired.phase, TaskPhase::Scheduled | TaskPhase::Running);
+    if out {
+        // A run on a `k8s` proplet is its Job: suspended with the task (its pod goes), and
+        // resumed when the task is dispatched again.
+        plan.create_job = runs_as_job(observed, desired);
+        for name in targets_of(desired) {
+            if let Some(target) = view(observed, &name) {
+                plan.stops.push(stop_for(task, target));
+            }
+        }
+        reset_for_rerun(desired);
+    }
+    if desired.phase.is_terminal() {
+        return;
+    }
+    let already = desired
+        .conditions
+        .iter()
+        .any(|c| c.type_ == SUSPENDED && c.status == "True");
+    let message = "suspended: nothing is dispatched until spec.suspend is false";
+    if out {
+        plan.notes.push(Note::normal(
+            "Suspended",
+            "suspended while it ran: the run was stopped and starts again when resumed",
+        ));
+    } else if !already {
+        plan.notes.push(Note::normal("Suspended", message));
+    }
+    set_condition(
+        &mut desired.conditions,
+        &DesiredCondition::new(SUSPENDED, true, "Suspended", message),
+        gen,
+        now,
+    );
+}
+
+/// A task no longer suspended says so once; it then runs as any pending task.
+fn resume(gen: Option<i64>, now: DateTime<Utc>, desired: &mut TaskStatus, plan: &mut TaskPlan) {
+    let was = desired
+        .conditions
+        .iter()
+        .any(|c| c.type_ == SUSPENDED && c.status == "True");
+    if !was {
+        return;
+    }
+    let message = "resumed: the task is dispatched again";
+    plan.notes.push(Note::normal("Resumed", message));
+    set_condition(
+        &mut desired.conditions,
+        &DesiredCondition::new(SUSPENDED, false, "Resumed", message),
+        gen,
+        now,
+    );
 }
 
 fn later(at: DateTime<Utc>, by: Duration) -> DateTime<Utc> {
@@ -2240,5 +2316,84 @@ mod tests {
         assert_eq!(status.run_count, Some(1));
         assert!(plan.starts.is_empty());
         assert_eq!(reasons(&plan), vec![(false, "ResultIgnored")]);
+    }
+
+    // 11. Suspension.
+
+    fn suspended(mut v: Value) -> Task {
+        v["spec"]["suspend"] = json!(true);
+        task_from(v)
+    }
+
+    #[test]
+    fn a_suspended_task_stops_its_run_and_goes_back_to_pending() {
+        let task = suspended(finalized(
+            task_value(),
+            running_status("edge", at(9, 50, 0)),
+        ));
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let plan = plan(&task, &observed, &settings(), now());
+        assert_eq!(plan.stops.len(), 1, "{:?}", plan.stops);
+        assert_eq!(
+            plan.stops[0].request.proplet_id.as_deref(),
+            Some("edge-client")
+        );
+        assert!(plan.starts.is_empty());
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(status.assigned_proplet, None);
+        assert_eq!(status.run_count, Some(1), "the stopped run stays counted");
+        assert_eq!(condition(status, SUSPENDED).0, "True");
+        assert_eq!(reasons(&plan), vec![(false, "Suspended")]);
+
+        // Held: the next reconcile dispatches nothing and writes nothing.
+        let mut held = task.clone();
+        held.status = Some(status.clone());
+        let again = plan_of(&held, &observed);
+        assert_eq!(again.status, None, "{:?}", again.status);
+        assert!(again.starts.is_empty() && again.stops.is_empty());
+        assert!(again.notes.is_empty());
+    }
+
+    fn plan_of(task: &Task, observed: &TaskObservations) -> TaskPlan {
+        plan(task, observed, &settings(), now())
+    }
+
+    #[test]
+    fn a_resumed_task_is_dispatched_again_and_says_so() {
+        let observed = observing(vec![proplet("edge", "edge-client")]);
+        let first = plan_of(&suspended(task_value()), &observed);
+        assert!(first.starts.is_empty() && first.chosen.is_none());
+        let mut resumed = new_task();
+        resumed.metadata.finalizers = Some(vec![TASK_FINALIZER.to_owned()]);
+        resumed.status = first.status.clone();
+        let plan = plan_of(&resumed, &observed);
+        let status = written(&plan);
+        assert_eq!(condition(status, SUSPENDED).0, "False");
+        assert_eq!(status.assigned_proplet.as_deref(), Some("edge"));
+        assert!(reasons(&plan).contains(&(false, "Resumed")));
+    }
+
+    #[test]
+    fn suspending_a_finished_task_changes_nothing() {
+        let task = suspended(finalized(
+            task_value(),
+            json!({
+                "phase": "completed", "assignedProplet": "edge", "createdAt": at(9, 0, 0),
+                "finishedAt": at(9, 30, 0), "results": "42", "observedGeneration": 1
+            }),
+        ));
+        let plan = plan_of(&task, &observing(vec![proplet("edge", "edge-client")]));
+        assert_eq!(plan, TaskPlan::default());
+    }
+
+    #[test]
+    fn a_suspended_task_running_as_a_job_suspends_its_job() {
+        let mut status = running_status("cluster", at(9, 50, 0));
+        status["phase"] = json!("running");
+        let task = suspended(finalized(task_value(), status));
+        let plan = plan_of(&task, &observing(vec![k8s_proplet("cluster")]));
+        assert!(plan.create_job, "the Job is brought in line: suspended");
+        assert_eq!(written(&plan).phase, TaskPhase::Pending);
     }
 }

@@ -43,6 +43,10 @@ pub struct RunCommand {
     /// the watched namespace, else the client's default namespace, when unset.
     #[arg(long, env = "PROPELLER_TOKEN_NAMESPACE")]
     pub token_namespace: Option<String>,
+    /// Put the PropellerJobs labelled `kueue.x-k8s.io/queue-name` under Kueue: each gets a
+    /// Workload and waits until Kueue admits it (needs Kueue's CRDs and RBAC on them).
+    #[arg(long, env = "PROPELLER_KUEUE")]
+    pub kueue: bool,
     /// Accept device reports only from this topic domain (any when unset).
     #[arg(long, env = "PROPELLER_DOMAIN_ID")]
     pub domain_id: Option<String>,
@@ -431,6 +435,7 @@ async fn serve(
             .or_else(|| watch_namespace.clone())
             .unwrap_or_else(|| client.default_namespace().to_owned()),
         watch_namespace,
+        kueue: cmd.kueue,
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(FinalizerTiming::WhileRunning),
     };

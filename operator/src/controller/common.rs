@@ -57,6 +57,9 @@ pub struct Common {
     pub logins: OnceLock<Arc<CredentialStore>>,
     /// Proplets woken because their load changed, merged per [`LOAD_WAKE_INTERVAL`].
     pub load_wakes: LoadWakes,
+    /// Kueue admits the PropellerJobs labelled with a queue name (`propeller run --kueue`);
+    /// without it such a job is held with a condition that says so.
+    pub kueue: std::sync::atomic::AtomicBool,
 }
 
 impl Common {
@@ -78,6 +81,7 @@ impl Common {
             enrolments: OnceLock::new(),
             keys: Default::default(),
             logins: OnceLock::new(),
+            kueue: Default::default(),
             load_wakes: LoadWakes::default(),
         }
     }

@@ -25,7 +25,9 @@ use crate::metrics::ControllerMetrics;
 use crate::proplet_index::Narrowed;
 use crate::state::lock;
 
-use super::{Backend, CacheReads, Cluster, Common, ObjectName, Refusal, Signals, Stored, Wake};
+use super::{
+    Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
+};
 
 /// How the fake backend refuses a write.
 #[derive(Debug, thiserror::Error)]
@@ -292,6 +294,13 @@ impl Backend for FakeCluster {
 
     async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
         Ok(self.stored(name))
+    }
+
+    async fn get_cluster_scoped<K: ClusterScoped>(
+        &self,
+        _name: &str,
+    ) -> Result<Option<K>, BackendError> {
+        Ok(None)
     }
 
     async fn list<K: Stored>(&self, namespace: &str) -> Result<Vec<K>, BackendError> {

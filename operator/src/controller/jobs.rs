@@ -10,13 +10,15 @@ use serde_json::Value;
 
 use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
+use crate::decision::conditions::set_condition;
 use crate::decision::federated::{
     fail_unstorable, model_config_map, model_config_map_name, model_of, observe_round,
     owned_rounds, reconcile_job, reconcile_round, FederatedObservation,
 };
-use crate::decision::propeller_job::{self, status_to_write, JobObservation};
+use crate::decision::kueue::queue_name;
+use crate::decision::propeller_job::{self, restrict, status_to_write, Gate, JobObservation};
 
-use super::{count, Cluster, Next, ObjectName, ReconcileError, Stored, Wake};
+use super::{count, kueue, Cluster, Next, ObjectName, ReconcileError, Stored, Wake};
 
 /// Writes `new` as `object`'s status when it differs from `old`, what is written.
 async fn write_if_changed<C: Cluster, K: Stored, S: Serialize + PartialEq>(
@@ -50,10 +52,47 @@ pub async fn reconcile_propeller_job<C: Cluster>(
         // The Task cache already holds the change that woke this reconcile: a child's
         // change wakes its owners only once its driver's cache shows it.
         let tasks = cluster.tasks_in(&ns);
-        let observed = JobObservation::of(job, tasks.iter().map(|t| &**t));
-        let plan = propeller_job::reconcile(job, &observed, now);
+        let mut observed = JobObservation::of(job, tasks.iter().map(|t| &**t));
+        let admission = match queue_name(job) {
+            Some(_) => Some(kueue::admit(cluster, job, &observed, now).await?),
+            None => None,
+        };
+        if let Some(admission) = &admission {
+            observed.gate = admission.gate.clone();
+        }
+        let mut plan = propeller_job::reconcile(job, &observed, now);
+        if let Some(admission) = &admission {
+            set_condition(
+                &mut plan.status.conditions,
+                &admission.quota,
+                job.metadata.generation,
+                now,
+            );
+        }
         for child in &plan.create {
             cluster.create_once(child).await?;
+        }
+        let node_labels = match &observed.gate {
+            Gate::Open { node_labels } => node_labels.clone(),
+            Gate::Held { .. } => Default::default(),
+        };
+        let holds = plan.suspend.iter().map(|n| (n, true));
+        for (name, suspend) in holds.chain(plan.resume.iter().map(|n| (n, false))) {
+            let Some(task) = tasks
+                .iter()
+                .find(|t| t.metadata.name.as_ref() == Some(name))
+            else {
+                continue;
+            };
+            let mut changed = (**task).clone();
+            changed.spec.suspend = suspend;
+            if !suspend {
+                restrict(&mut changed.spec, &node_labels);
+            }
+            cluster.replace(&changed).await?;
+        }
+        for note in &plan.notes {
+            cluster.note(job, note).await;
         }
         let old = job.status.clone().unwrap_or_default();
         let new = status_to_write(&old, &plan);

@@ -9,12 +9,13 @@ use propeller_broker::server::{BrokerEvent, EventKind};
 use serde_json::json;
 
 use crate::crd::job::PropellerJob;
+use crate::crd::kueue::Workload;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
 
 use super::fake::FakeCluster;
 use super::kinds::Reconciled;
-use super::{retry_policy, CacheReads, ObjectName, ReconcileError, Refusal, Retry, Wake};
+use super::{retry_policy, CacheReads, Cluster, ObjectName, ReconcileError, Refusal, Retry, Wake};
 
 const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 
@@ -166,4 +167,127 @@ async fn a_propeller_job_creates_its_tasks_once_and_counts_them_in_its_status() 
     assert_eq!(cluster.tasks_in("iot").len(), 2);
     let job: PropellerJob = cluster.stored(&ObjectName::new("iot", "sum")).unwrap();
     assert!(job.status.is_some(), "the job's status is written");
+}
+
+fn queued_job() -> PropellerJob {
+    serde_json::from_value(json!({
+        "apiVersion": "propeller.propeller.absmach.eu/v1", "kind": "PropellerJob",
+        "metadata": {"name": "sum", "namespace": "iot", "generation": 1,
+                     "labels": {"kueue.x-k8s.io/queue-name": "lq"}},
+        "spec": {"name": "sum", "executionMode": "parallel", "tasks": [
+            {"name": "a", "functionName": "add", "file": ADD_WASM, "inputs": [1, 2]},
+            {"name": "b", "functionName": "add", "file": ADD_WASM, "inputs": [3, 4]}]}
+    }))
+    .unwrap()
+}
+
+async fn reconcile_job(cluster: &FakeCluster) -> PropellerJob {
+    let job: PropellerJob = cluster.stored(&ObjectName::new("iot", "sum")).unwrap();
+    PropellerJob::reconcile(cluster, Arc::new(job), Utc::now())
+        .await
+        .unwrap();
+    cluster.stored(&ObjectName::new("iot", "sum")).unwrap()
+}
+
+fn condition_of(
+    conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    type_: &str,
+) -> Option<(String, String)> {
+    conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// Sets Workload `propellerjob-sum`'s status as Kueue would.
+fn kueue_writes(cluster: &FakeCluster, status: serde_json::Value) {
+    let name = ObjectName::new("iot", "propellerjob-sum");
+    let mut workload: Workload = cluster.stored(&name).unwrap();
+    workload.status = Some(serde_json::from_value(status).unwrap());
+    cluster.put(&workload);
+}
+
+fn set_phases(cluster: &FakeCluster, phase: &str) {
+    for task in cluster.tasks_in("iot") {
+        let mut task = (*task).clone();
+        task.status = Some(serde_json::from_value(json!({"phase": phase})).unwrap());
+        cluster.put(&task);
+    }
+}
+
+#[tokio::test]
+async fn a_queued_job_waits_for_its_workload_runs_when_admitted_and_gives_quota_back() {
+    let cluster = FakeCluster::start().await;
+    cluster.put(&queued_job());
+
+    // Without --kueue the label holds the job and says how to go on.
+    let job = reconcile_job(&cluster).await;
+    let conditions = job.status.unwrap().conditions;
+    assert_eq!(
+        condition_of(&conditions, "Suspended"),
+        Some(("True".into(), "KueueDisabled".into()))
+    );
+    assert!(cluster.tasks_in("iot").is_empty());
+
+    cluster
+        .common()
+        .kueue
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    reconcile_job(&cluster).await;
+    let workload: Workload = cluster
+        .stored(&ObjectName::new("iot", "propellerjob-sum"))
+        .expect("the job's Workload");
+    assert_eq!(workload.spec.queue_name.as_deref(), Some("lq"));
+    assert!(
+        cluster.tasks_in("iot").is_empty(),
+        "nothing before admission"
+    );
+
+    let t = "2026-11-28T10:00:00Z";
+    let admitted = json!({
+        "conditions": [
+            {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": t},
+            {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": t}],
+        "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "tasks", "count": 2, "flavors": {}}]}
+    });
+    kueue_writes(&cluster, admitted.clone());
+    reconcile_job(&cluster).await;
+    assert_eq!(
+        cluster.tasks_in("iot").len(),
+        2,
+        "admitted: the tasks exist"
+    );
+    set_phases(&cluster, "running");
+
+    // Preempted while running: the tasks are held; the quota stays until they are stopped.
+    let mut evicted = admitted.clone();
+    evicted["conditions"].as_array_mut().unwrap().push(json!(
+        {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by a higher priority", "lastTransitionTime": t}));
+    kueue_writes(&cluster, evicted);
+    let job = reconcile_job(&cluster).await;
+    assert_eq!(
+        condition_of(&job.status.unwrap().conditions, "Suspended"),
+        Some(("True".into(), "Preempted".into()))
+    );
+    assert!(cluster.tasks_in("iot").iter().all(|t| t.spec.suspend));
+    let workload: Workload = cluster
+        .stored(&ObjectName::new("iot", "propellerjob-sum"))
+        .unwrap();
+    assert!(
+        workload.status.unwrap().admission.is_some(),
+        "runs still out"
+    );
+
+    set_phases(&cluster, "pending");
+    reconcile_job(&cluster).await;
+    let given_back = cluster
+        .stored::<Workload>(&ObjectName::new("iot", "propellerjob-sum"))
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(given_back.admission, None);
+    assert_eq!(
+        condition_of(&given_back.conditions, "QuotaReserved"),
+        Some(("False".into(), "Pending".into()))
+    );
 }

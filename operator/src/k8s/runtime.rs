@@ -25,9 +25,12 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::{info, warn};
 
 use crate::controller::ownership::Ownership;
+use crate::crd::job::PropellerJob;
+use crate::crd::kueue::Workload;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::decision::liveness::DeploymentObservation;
+use crate::decision::propeller_job::JOB_LABEL;
 use crate::decision::task::TaskSettings;
 use crate::proplet_index::SharedPropletIndex;
 use crate::task_index::SharedTaskIndex;
@@ -35,7 +38,7 @@ use crate::task_index::SharedTaskIndex;
 use super::sharded_watch::Watches;
 use crate::controller::kinds::{for_each_kind, wake_queues};
 use crate::controller::{ObjectName, CREDENTIAL_TICK};
-use controllers::{wake_owners, Controllers, Prepared};
+use controllers::{controller_of, wake_owners, Controllers, Prepared};
 
 use super::deployment::PROPLET_LABEL;
 use crate::credentials::{changes_credentials, RefreshGate};
@@ -71,6 +74,9 @@ pub struct Settings {
     pub watch_namespace: Option<String>,
     /// Where bootstrap token Secrets are kept (a namespace the Secret watch covers).
     pub token_namespace: String,
+    /// Kueue admits the PropellerJobs labelled with a queue name (their Workloads are
+    /// watched).
+    pub kueue: bool,
     /// Proplet plan settings.
     pub proplet: PropletSettings,
     /// Task plan settings.
@@ -278,6 +284,7 @@ pub async fn run(
         secrets: secret_reader,
     };
     let token_namespace = rt.settings.token_namespace.clone();
+    let kueue = rt.settings.kueue;
     let shared = Shared::new(
         client.clone(),
         rt.settings,
@@ -295,6 +302,10 @@ pub async fn run(
         let _ = shared.common.shard.set(shard.clone());
     }
     let shard = shard.as_ref();
+    shared
+        .common
+        .kueue
+        .store(kueue, std::sync::atomic::Ordering::Relaxed);
     let shared = Arc::new(shared);
     let enrolments = crate::enrolment::start(&shared, token_namespace);
     let _ = shared.common.enrolments.set(enrolments);
@@ -390,6 +401,14 @@ pub async fn run(
     let mut prepared = Prepared::default();
     prepared.add(proplet_controller);
     prepared.add(task_controller);
+    if kueue {
+        // A Workload's change (Kueue admitting or evicting it) reconciles its job.
+        let workloads = watches
+            .share::<PartialObjectMeta<Workload>>(watcher::Config::default().labels(JOB_LABEL))
+            .touched_objects();
+        prepared
+            .add(controller_of::<PropellerJob>(&watches, wakers.clone()).owns_stream(workloads));
+    }
     let mut controllers = Controllers {
         watches: &watches,
         prepared,

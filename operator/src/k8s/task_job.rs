@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::Resource;
 
 use crate::crd::task::{RestartPolicy, Task};
@@ -121,6 +121,7 @@ pub fn task_objects(task: &Task) -> (ConfigMap, Job) {
         },
         spec: Some(JobSpec {
             backoff_limit: Some(if spec.daemon { 6 } else { 0 }),
+            suspend: spec.suspend.then_some(true),
             active_deadline_seconds: spec.timeout_seconds.filter(|_| !spec.daemon),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -249,26 +250,36 @@ pub fn container_failure(pods: &[Pod]) -> Option<String> {
     })
 }
 
-/// Creates the task's ConfigMap and Job unless they exist.
+/// Creates the task's ConfigMap and Job unless they exist; an existing Job is suspended or
+/// resumed as the task is (`spec.suspend`).
 pub async fn create(client: &kube::Client, task: &Task) -> Result<(), kube::Error> {
     let ns = task.metadata.namespace.as_deref().unwrap_or("default");
     let (config, job) = task_objects(task);
     let configs: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
     let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
-    for result in [
-        configs
-            .create(&PostParams::default(), &config)
-            .await
-            .map(|_| ()),
-        jobs.create(&PostParams::default(), &job).await.map(|_| ()),
-    ] {
-        match result {
-            Ok(()) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(e),
-        }
+    match configs.create(&PostParams::default(), &config).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(e),
     }
-    Ok(())
+    match jobs.create(&PostParams::default(), &job).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let name = job_name(task);
+            let existing = jobs.get_opt(&name).await?;
+            let suspended = existing
+                .and_then(|j| j.spec)
+                .and_then(|s| s.suspend)
+                .unwrap_or(false);
+            if suspended != task.spec.suspend {
+                let patch = serde_json::json!({"spec": {"suspend": task.spec.suspend}});
+                jobs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Reads the task's Job and, once it finished, its result.

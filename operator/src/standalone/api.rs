@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 
 use crate::controller::kinds::kind_names;
+use crate::decision::kueue::QUEUE_NAME_LABEL;
 use crate::validation::Admission;
 
 use super::events::EventLog;
@@ -161,6 +162,14 @@ fn admit_all(state: &ApiState, docs: &[Value]) -> Result<Vec<Value>, Vec<String>
         }
         if matches!(kind, "Secret" | "ConfigMap") {
             admitted.push(doc.clone());
+            continue;
+        }
+        if doc["metadata"]["labels"][QUEUE_NAME_LABEL].is_string() {
+            problems.push(format!(
+                "{what}: the {QUEUE_NAME_LABEL} label asks for Kueue admission, which standalone \
+                 does not have (it runs every job at once); remove the label, or run the job \
+                 on a Kubernetes cluster with Kueue and `propeller run --kueue`"
+            ));
             continue;
         }
         let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");

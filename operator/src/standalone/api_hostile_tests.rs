@@ -288,3 +288,24 @@ fn parse_manifest_errors_name_the_document() {
         }
     }
 }
+
+/// Standalone has no Kueue: a job asking for a queue is refused with what to do, and
+/// nothing of the request is stored.
+#[test]
+fn a_kueue_queue_label_is_refused_with_what_to_do() {
+    let api = Api::new();
+    let body = "apiVersion: propeller.propeller.absmach.eu/v1\nkind: PropellerJob\nmetadata:\n  name: queued\n  labels: {kueue.x-k8s.io/queue-name: lq}\nspec:\n  name: queued\n  tasks: []\n";
+    let (status, answer) = api.apply(body.as_bytes().to_vec());
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+    let message = answer["error"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("kueue.x-k8s.io/queue-name") && message.contains("remove the label"),
+        "{message}"
+    );
+    let stored = api
+        .state
+        .store
+        .get("PropellerJob", "default", "queued")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(stored.is_none());
+}

@@ -287,6 +287,7 @@ impl Harness {
         let settings = Settings {
             watch_namespace: None,
             token_namespace: "default".into(),
+            kueue: false,
             proplet: propeller_operator::decision::proplet::PropletSettings {
                 last_seen_threshold: std::time::Duration::from_secs(30),
                 status_flush_interval: std::time::Duration::from_secs(5),

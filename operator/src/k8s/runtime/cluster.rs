@@ -14,7 +14,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
 
 use crate::controller::{
-    Backend, CacheReads, Cluster, Common, ObjectName, Refusal, Signals, Stored, Wake,
+    Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
 };
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
@@ -111,6 +111,14 @@ impl Backend for Shared {
     async fn get<K: Stored>(&self, name: &ObjectName) -> Result<Option<K>, BackendError> {
         let api: Api<K> = Api::namespaced(self.client.clone(), &name.namespace);
         Ok(api.get_opt(&name.name).await?)
+    }
+
+    async fn get_cluster_scoped<K: ClusterScoped>(
+        &self,
+        name: &str,
+    ) -> Result<Option<K>, BackendError> {
+        let api: Api<K> = Api::all(self.client.clone());
+        Ok(api.get_opt(name).await?)
     }
 
     async fn list<K: Stored>(&self, namespace: &str) -> Result<Vec<K>, BackendError> {

@@ -102,7 +102,7 @@ fn reshuffled<K: Reconciled>(
 
 /// A controller of `K` on its share's watch, with its own cache; each change wakes the
 /// changed object's owners once the cache shows it.
-fn controller_of<K: Reconciled>(watches: &Watches, wakers: Wakers) -> Controller<K> {
+pub(super) fn controller_of<K: Reconciled>(watches: &Watches, wakers: Wakers) -> Controller<K> {
     let (reader, writer) = reflector::store::<K>();
     let events = reflector::reflector(writer, watches.share::<K>(watcher::Config::default()))
         .inspect(move |event| {

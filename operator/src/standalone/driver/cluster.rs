@@ -3,7 +3,7 @@
 //! wakes into the work queue, notes into the event log.
 
 use crate::controller::{
-    Backend, CacheReads, Cluster, Common, ObjectName, Refusal, Signals, Stored, Wake,
+    Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
 };
 use crate::crd::task::Task;
 use crate::crd::task::TaskPhase;
@@ -84,6 +84,14 @@ impl Backend for Driver {
         Ok(self
             .store
             .get_typed(&K::kind(&()), &name.namespace, &name.name)?)
+    }
+
+    /// The store holds no cluster-scoped kinds (standalone has no Kueue).
+    async fn get_cluster_scoped<K: ClusterScoped>(
+        &self,
+        _name: &str,
+    ) -> Result<Option<K>, BackendError> {
+        Ok(None)
     }
 
     async fn list<K: Stored>(&self, namespace: &str) -> Result<Vec<K>, BackendError> {
