@@ -1077,3 +1077,79 @@ fn a_proplet_at_capacity_runs_its_tasks_one_at_a_time() {
     assert_eq!(accepted, 4, "each task runs once");
     assert_eq!(most, 1, "the capacity of 1 was exceeded");
 }
+
+/// A module whose `after(deadline)` traps until the device's clock reaches `deadline`
+/// (seconds since the epoch), then returns it: a task that fails its first runs.
+fn fails_until_module() -> String {
+    use base64::Engine;
+    let wasm = wat::parse_str(
+        r#"(module
+             (import "wasi_snapshot_preview1" "clock_time_get"
+               (func $clock (param i32 i64 i32) (result i32)))
+             (memory (export "memory") 1)
+             (func (export "after") (param $deadline i32) (result i32)
+               (drop (call $clock (i32.const 0) (i64.const 1) (i32.const 0)))
+               (if (i64.lt_u (i64.div_u (i64.load (i32.const 0)) (i64.const 1000000000))
+                             (i64.extend_i32_u (local.get $deadline)))
+                 (then unreachable))
+               (local.get $deadline)))"#,
+    )
+    .expect("valid WAT");
+    base64::engine::general_purpose::STANDARD.encode(wasm)
+}
+
+#[test]
+fn a_failing_task_is_retried_with_backoff_up_to_its_limit() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let _agent = agent_for(&api, dir.path(), &port, "worker");
+    let file = fails_until_module();
+    let now = chrono::Utc::now().timestamp();
+    // Fails at 0 s and after the first 3 s backoff; the second retry (6 s later) is past
+    // the deadline and succeeds.
+    let heals = now + 6;
+    // Never succeeds: 2 retries, then failed for good.
+    let never = now + 3600;
+    let task = |name: &str, deadline: i64, limit: u32, backoff: u32| {
+        format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: after\n  file: {file}\n  inputs: [{deadline}]\n  backoffLimit: {limit}\n  backoffSeconds: {backoff}\n"
+        )
+    };
+    apply_text(&api, dir.path(), "heals.yaml", &task("heals", heals, 3, 3));
+    apply_text(&api, dir.path(), "never.yaml", &task("never", never, 2, 1));
+    let tasks = finished_tasks_within(
+        &api,
+        dir.path(),
+        &["heals", "never"],
+        std::time::Duration::from_secs(60),
+    );
+    let heals = &tasks["heals"]["status"];
+    assert_eq!(heals["phase"], "completed", "{heals:#}");
+    assert_eq!(heals["runCount"], 3, "{heals:#}");
+    assert_eq!(heals["retries"], 2, "{heals:#}");
+    let attempts = heals["failedAttempts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        attempts
+            .iter()
+            .map(|a| a["run"].clone())
+            .collect::<Vec<_>>(),
+        [1, 2],
+        "{heals:#}"
+    );
+    assert!(attempts
+        .iter()
+        .all(|a| a["error"].as_str().is_some_and(|e| !e.is_empty())));
+    let never = &tasks["never"]["status"];
+    assert_eq!(never["phase"], "failed", "{never:#}");
+    assert_eq!(never["runCount"], 3, "{never:#}");
+    assert_eq!(never["retries"], 2, "{never:#}");
+    assert_eq!(
+        never["failedAttempts"].as_array().map(Vec::len),
+        Some(2),
+        "every attempt's error: two retried, the last in status.error: {never:#}"
+    );
+    assert!(never["error"].as_str().is_some_and(|e| !e.is_empty()));
+}

@@ -96,6 +96,16 @@ pub struct TaskSpec {
     /// while it is suspended or waiting for Kueue.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suspend: bool,
+    /// How many times a failed run is retried before the task fails (as a Job's
+    /// `backoffLimit`); a failure is final when unset. Each retry is a new run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100))]
+    pub backoff_limit: Option<i32>,
+    /// Seconds before the first retry (10 when unset); each next retry waits twice as
+    /// long, at most 6 minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub backoff_seconds: Option<i64>,
     /// Pod restart policy for tasks run as Kubernetes Jobs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
@@ -176,6 +186,8 @@ impl Default for TaskSpec {
             resource_requirements: Default::default(),
             daemon: Default::default(),
             suspend: false,
+            backoff_limit: None,
+            backoff_seconds: None,
             restart_policy: Default::default(),
             encrypted: Default::default(),
             image_pull_secrets: Default::default(),
@@ -470,6 +482,29 @@ pub struct TaskStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub rerun_token: Option<String>,
+    /// Failed runs retried so far (see `spec.backoffLimit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retries: Option<i32>,
+    /// When the next retry may start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<DateTime<Utc>>,
+    /// The failed runs that were retried, oldest first (the last 10).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub failed_attempts: Vec<FailedAttempt>,
+}
+
+/// A failed run that was retried.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedAttempt {
+    /// Its run number (`runCount` then).
+    pub run: i64,
+    /// Why it failed.
+    #[schemars(length(max = 4096))]
+    pub error: String,
+    /// When it was found failed.
+    pub finished_at: DateTime<Utc>,
 }
 
 /// Annotation that asks for a finished task to run again: set it to any new value, e.g.

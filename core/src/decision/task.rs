@@ -18,7 +18,9 @@ use super::conditions::{remove_condition, set_condition, DesiredCondition};
 use super::recurrence::rerun_at;
 use super::scheduler::Strategy;
 use crate::crd::proplet::PropletType;
-use crate::crd::task::{Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER};
+use crate::crd::task::{
+    FailedAttempt, Task, TaskPhase, TaskStatus, RERUN_ANNOTATION, TASK_FINALIZER,
+};
 
 mod commands;
 mod pending;
@@ -370,6 +372,9 @@ pub fn plan(
             if desired.phase.is_terminal() {
                 reset_for_rerun(&mut desired);
                 desired.next_run = None;
+                desired.retries = None;
+                desired.retry_at = None;
+                desired.failed_attempts.clear();
                 plan.notes
                     .push(Note::normal("Rerun", format!("rerun requested ({token})")));
             } else {
@@ -427,6 +432,9 @@ pub fn plan(
         _ => {}
     }
 
+    if desired.phase == TaskPhase::Failed && written.phase != TaskPhase::Failed {
+        retry(task, gen, now, &mut desired, &mut plan);
+    }
     note_new_wait(&written, &desired, &mut plan);
     if !has_finalizer && settings.finalizer.wanted(task, &desired) {
         plan.finalizer = Some(FinalizerChange::Add);
@@ -440,6 +448,53 @@ pub fn plan(
         plan.status = Some(desired);
     }
     plan
+}
+
+/// How many failed attempts a task's status lists.
+const ATTEMPTS_KEPT: usize = 10;
+/// The longest wait between retries.
+const MAX_BACKOFF: Duration = Duration::from_secs(360);
+
+/// A run that just failed, retried if `spec.backoffLimit` allows: the attempt is recorded
+/// and the task goes back to Pending until its backoff has passed (never through `Failed`,
+/// so a job or a dependent does not take it for finished).
+fn retry(
+    task: &Task,
+    gen: Option<i64>,
+    now: DateTime<Utc>,
+    desired: &mut TaskStatus,
+    plan: &mut TaskPlan,
+) {
+    let limit = task.spec.backoff_limit.unwrap_or(0);
+    let retries = desired.retries.unwrap_or(0);
+    if task.spec.is_recurring || retries >= limit {
+        return;
+    }
+    let run = desired.run_count.unwrap_or(0);
+    let error = desired.error.clone().unwrap_or_default();
+    desired.failed_attempts.push(FailedAttempt {
+        run,
+        error: error.chars().take(4096).collect(),
+        finished_at: now,
+    });
+    let excess = desired.failed_attempts.len().saturating_sub(ATTEMPTS_KEPT);
+    desired.failed_attempts.drain(..excess);
+    let first =
+        Duration::from_secs(u64::try_from(task.spec.backoff_seconds.unwrap_or(10)).unwrap_or(10));
+    let factor = 2u32.saturating_pow(u32::try_from(retries).unwrap_or(u32::MAX).min(16));
+    let wait = first.saturating_mul(factor).min(MAX_BACKOFF);
+    let at = later(now, wait);
+    reset_for_rerun(desired);
+    desired.retries = Some(retries + 1);
+    desired.retry_at = Some(at);
+    let message = format!(
+        "run {run} failed ({error}); retry {} of {limit} at {}",
+        retries + 1,
+        at.to_rfc3339()
+    );
+    waiting(desired, "BackingOff", message.clone(), gen, now);
+    plan.notes.push(Note::warning("BackOff", message));
+    look_again_by(plan, at);
 }
 
 /// A suspended task: a run that is out is stopped on its devices (the path deletion takes)
@@ -2395,5 +2450,82 @@ mod tests {
         let plan = plan_of(&task, &observing(vec![k8s_proplet("cluster")]));
         assert!(plan.create_job, "the Job is brought in line: suspended");
         assert_eq!(written(&plan).phase, TaskPhase::Pending);
+    }
+
+    // 12. Retries.
+
+    fn failing_run(limit: i32, retries: Option<i32>) -> (Task, TaskObservations) {
+        let mut status = running_status("edge", at(9, 50, 0));
+        if let Some(n) = retries {
+            status["retries"] = json!(n);
+            status["runCount"] = json!(n + 1);
+        }
+        let mut v = finalized(task_value(), status);
+        v["spec"]["backoffLimit"] = json!(limit);
+        v["spec"]["backoffSeconds"] = json!(5);
+        let mut observed = observing(vec![proplet("edge", "edge-client")]);
+        observed.results = vec![result("edge-client", json!(""), Some("wasm trap"))];
+        (task_from(v), observed)
+    }
+
+    #[test]
+    fn a_failed_run_under_the_backoff_limit_waits_and_runs_again() {
+        let (task, observed) = failing_run(3, None);
+        let plan = plan(&task, &observed, &settings(), now());
+        let status = written(&plan);
+        assert_eq!(status.phase, TaskPhase::Pending, "never Failed in between");
+        assert_eq!(status.retries, Some(1));
+        assert_eq!(status.retry_at, Some(at(10, 0, 5)));
+        assert_eq!(
+            status.failed_attempts,
+            vec![FailedAttempt {
+                run: 1,
+                error: "wasm trap".into(),
+                finished_at: now()
+            }]
+        );
+        assert_eq!(condition(status, SCHEDULED).1, "BackingOff");
+        assert!(reasons(&plan).contains(&(true, "BackOff")));
+        assert_eq!(plan.requeue_at, Some(at(10, 0, 5)));
+
+        // Before the backoff has passed nothing is dispatched; after it, the next run.
+        let mut waiting_task = task.clone();
+        waiting_task.status = Some(status.clone());
+        let early = plan_of(
+            &waiting_task,
+            &observing(vec![proplet("edge", "edge-client")]),
+        );
+        assert!(early.starts.is_empty() && early.chosen.is_none());
+        let due = super::plan(
+            &waiting_task,
+            &observing(vec![proplet("edge", "edge-client")]),
+            &settings(),
+            at(10, 0, 6),
+        );
+        assert_eq!(due.chosen.as_deref(), Some("edge"));
+    }
+
+    #[test]
+    fn each_retry_waits_twice_as_long_and_the_last_failure_is_final() {
+        let (task, observed) = failing_run(3, Some(2));
+        let third = plan(&task, &observed, &settings(), now());
+        let status = written(&third);
+        assert_eq!(status.retries, Some(3));
+        assert_eq!(status.retry_at, Some(at(10, 0, 20)), "5 s doubled twice");
+        let (task, observed) = failing_run(3, Some(3));
+        let last = plan(&task, &observed, &settings(), now());
+        let status = written(&last);
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.retries, Some(3));
+        assert_eq!(status.error.as_deref(), Some("wasm trap"));
+    }
+
+    #[test]
+    fn without_a_backoff_limit_a_failure_is_final() {
+        let (mut task, observed) = failing_run(0, None);
+        task.spec.backoff_limit = None;
+        let status = written(&plan(&task, &observed, &settings(), now())).clone();
+        assert_eq!(status.phase, TaskPhase::Failed);
+        assert_eq!(status.retries, None);
     }
 }

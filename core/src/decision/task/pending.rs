@@ -38,6 +38,17 @@ pub(super) fn plan_pending(
             .as_ref()
             .map(|t| from_k8s_time(t).unwrap_or(now)))
         .unwrap_or(now);
+    if let Some(at) = desired.retry_at.filter(|at| now < *at) {
+        waiting(
+            desired,
+            "BackingOff",
+            format!("the last run failed; retrying at {}", at.to_rfc3339()),
+            gen,
+            now,
+        );
+        look_again_by(plan, at);
+        return;
+    }
     let mut following = None;
     match gate(&task.spec, desired, created, now) {
         ScheduleGate::Unscheduled => {}
