@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
 use support::kube::{
-    apply, cluster, get, http_body, http_status, task_manifest, wait_gone, wait_http, wait_phase,
-    wait_phase_explained, wait_until, STATUS_WAIT,
+    apply, cluster, event_reasons, get, http_body, http_status, task_manifest, wait_gone,
+    wait_http, wait_phase, wait_phase_explained, wait_until, STATUS_WAIT,
 };
 use support::{binary, repo_root, Running};
 
@@ -88,30 +88,6 @@ fn device(cp: &ControlPlane, namespace: &str, name: &str, mqtt: u16) -> Running 
 
 fn start_agent(cp: &ControlPlane, name: &str, mqtt: u16) -> Running {
     support::device_agent(name, mqtt, &cp.scratch().join(format!("{name}-state")))
-}
-
-/// Reasons of the Events recorded about `name` in `namespace`.
-fn event_reasons(cp: &ControlPlane, namespace: &str, name: &str) -> Vec<String> {
-    let out = cp.kubectl_ok(&[
-        "-n",
-        namespace,
-        "get",
-        "events",
-        "--field-selector",
-        &format!("involvedObject.name={name}"),
-        "-o",
-        "json",
-    ]);
-    let list: Value = serde_json::from_str(&out).expect("events JSON");
-    list["items"]
-        .as_array()
-        .map(|items| {
-            items
-                .iter()
-                .filter_map(|e| e["reason"].as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// At most the first 600 characters of an API server's answer: refusals quote whole

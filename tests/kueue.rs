@@ -89,18 +89,7 @@ value: 1000
 /// A module whose `spin(n)` counts down from n·10⁹ and returns `n`, base64: a task that
 /// runs for seconds, stopped only by its agent.
 fn spin_module() -> String {
-    use base64::Engine;
-    let wasm = wat::parse_str(
-        r#"(module (func (export "spin") (param i32) (result i32) (local i64)
-             local.get 0 i64.extend_i32_u i64.const 1000000000 i64.mul local.set 1
-             (block (loop
-               local.get 1 i64.eqz br_if 1
-               local.get 1 i64.const 1 i64.sub local.set 1
-               br 0))
-             local.get 0))"#,
-    )
-    .expect("valid WAT");
-    base64::engine::general_purpose::STANDARD.encode(wasm)
+    support::standalone::spin_module_by(1_000_000_000)
 }
 
 /// A parallel PropellerJob of `tasks` tasks each running `spin(n)`, in LocalQueue `queue`
@@ -148,6 +137,64 @@ struct Setup {
 }
 
 impl Setup {
+    /// A control plane with `options`, the real Kueue configured with the book's
+    /// integration entry, `configs/kueue`, the namespace with `queues`, `propeller run
+    /// --kueue` as its ServiceAccount, and `devices` Running with their real agents; the
+    /// setup, the MQTT port and the agents. `None` when the assets are missing.
+    fn start(
+        options: Options,
+        queues: &str,
+        devices: &[&str],
+    ) -> Option<(Setup, u16, Vec<Running>)> {
+        let (cp, kubeconfig) = cluster(options)?;
+        let integrations =
+            std::fs::read_to_string(repo_root().join("configs/kueue/kueue-integration.yaml"))
+                .expect("configs/kueue/kueue-integration.yaml");
+        let kueue = Kueue::start(&cp, &integrations)?;
+        let loaded = std::fs::read_to_string(&kueue.log).unwrap_or_default();
+        let first = loaded.lines().next().unwrap_or_default();
+        assert!(
+            first.contains("PropellerJob.v1.propeller.propeller.absmach.eu"),
+            "Kueue did not load the integration entry: {first}"
+        );
+        cp.kubectl_ok(&["apply", "-k", "configs/kueue"]);
+        cp.kubectl_ok(&["create", "namespace", NS]);
+        apply(&cp, NS, queues);
+        let metrics = free_port();
+        let mut cmd = binary("propeller");
+        cmd.args(["run", "--kueue", "--mqtt-listen", "127.0.0.1:0"])
+            .arg("--metrics-listen")
+            .arg(format!("127.0.0.1:{metrics}"))
+            .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
+            .args(["--status-flush-interval", "1s", "--log-format", "json"])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("RUST_LOG", "info");
+        let operator = Running::spawn(cmd);
+        let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
+        let mqtt: u16 = serde_json::from_str::<Value>(&line).unwrap_or_default()["fields"]["addr"]
+            .as_str()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {line:?}"));
+        let setup = Setup {
+            cp,
+            kueue,
+            operator,
+        };
+        let mut agents = Vec::new();
+        for name in devices {
+            apply(&setup.cp, NS, &device_manifest(name, mqtt));
+            let state = setup.cp.scratch().join(format!("{name}-state"));
+            agents.push(device_agent(name, mqtt, &state));
+        }
+        for name in devices {
+            setup.wait("proplet", name, "Running", STATUS_WAIT, |o| {
+                o["status"]["phase"] == "Running"
+            });
+        }
+        Some((setup, mqtt, agents))
+    }
+
     /// Polls `kind/name` until `done` holds, for at most `limit`; the object then.
     fn wait(
         &self,
@@ -243,87 +290,26 @@ impl Setup {
     }
 
     fn event_reasons(&self, name: &str) -> Vec<String> {
-        let out = self.cp.kubectl_ok(&[
-            "-n",
-            NS,
-            "get",
-            "events",
-            "--field-selector",
-            &format!("involvedObject.name={name}"),
-            "-o",
-            "json",
-        ]);
-        let list: Value = serde_json::from_str(&out).unwrap_or_default();
-        list["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e["reason"].as_str().map(str::to_owned))
-            .collect()
+        support::kube::event_reasons(&self.cp, NS, name)
     }
 }
 
 #[test]
 fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
-    let Some((cp, kubeconfig)) = cluster(Options {
-        controller_manager: true,
-        ..Options::default()
-    }) else {
-        return;
-    };
     let started = Instant::now();
-    // Kueue configured with the integration entry the book tells users to add.
-    let integrations =
-        std::fs::read_to_string(repo_root().join("configs/kueue/kueue-integration.yaml"))
-            .expect("configs/kueue/kueue-integration.yaml");
-    let Some(kueue) = Kueue::start(&cp, &integrations) else {
+    let Some((setup, mqtt, mut agents)) = Setup::start(
+        Options {
+            controller_manager: true,
+            ..Options::default()
+        },
+        QUEUES,
+        &["edge-a", "edge-b", "edge-pi"],
+    ) else {
         return;
-    };
-    println!(
-        "kueue ready {:?} after the control plane",
-        started.elapsed()
-    );
-    cp.kubectl_ok(&["apply", "-k", "configs/kueue"]);
-    cp.kubectl_ok(&["create", "namespace", NS]);
-    apply(&cp, NS, QUEUES);
-
-    let metrics = free_port();
-    let mut cmd = binary("propeller");
-    cmd.args(["run", "--kueue", "--mqtt-listen", "127.0.0.1:0"])
-        .arg("--metrics-listen")
-        .arg(format!("127.0.0.1:{metrics}"))
-        .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
-        .args(["--status-flush-interval", "1s", "--log-format", "json"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info");
-    let operator = Running::spawn(cmd);
-    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
-    let mqtt: u16 = serde_json::from_str::<Value>(&line).unwrap_or_default()["fields"]["addr"]
-        .as_str()
-        .and_then(|a| a.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {line:?}"));
-    let setup = Setup {
-        cp,
-        kueue,
-        operator,
     };
     let cp = &setup.cp;
-    let mut agents = Vec::new();
-    for name in ["edge-a", "edge-b", "edge-pi"] {
-        apply(cp, NS, &device_manifest(name, mqtt));
-        agents.push(device_agent(
-            name,
-            mqtt,
-            &cp.scratch().join(format!("{name}-state")),
-        ));
-    }
     cp.kubectl_ok(&["-n", NS, "label", "proplet", "edge-pi", "arch=arm64"]);
-    for name in ["edge-a", "edge-b", "edge-pi"] {
-        setup.wait("proplet", name, "Running", STATUS_WAIT, |o| {
-            o["status"]["phase"] == "Running"
-        });
-    }
+    println!("set up in {:?}", started.elapsed());
 
     // --- 4 slots, three jobs of 2: two run, the third waits with Kueue's reason.
     apply(cp, NS, &job("j1", Some("lq-a"), None, 2, 12));
@@ -474,55 +460,12 @@ fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
 fn bench_what_kueue_adds_from_create_to_first_task_running() {
     const ROUNDS: usize = 20;
     const WARMUPS: usize = 3;
-    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+    let queues = QUEUES.replace("nominalQuota: 4}", "nominalQuota: 1000}");
+    let Some((setup, _, agents)) = Setup::start(Options::default(), &queues, &["edge-a", "edge-b"])
+    else {
         return;
-    };
-    let integrations =
-        std::fs::read_to_string(repo_root().join("configs/kueue/kueue-integration.yaml"))
-            .expect("configs/kueue/kueue-integration.yaml");
-    let Some(kueue) = Kueue::start(&cp, &integrations) else {
-        return;
-    };
-    cp.kubectl_ok(&["apply", "-k", "configs/kueue"]);
-    cp.kubectl_ok(&["create", "namespace", NS]);
-    apply(
-        &cp,
-        NS,
-        &QUEUES.replace("nominalQuota: 4}", "nominalQuota: 1000}"),
-    );
-    let metrics = free_port();
-    let mut cmd = binary("propeller");
-    cmd.args(["run", "--kueue", "--mqtt-listen", "127.0.0.1:0"])
-        .arg("--metrics-listen")
-        .arg(format!("127.0.0.1:{metrics}"))
-        .args(["--log-format", "json"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "warn,propeller=info");
-    let operator = Running::spawn(cmd);
-    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
-    let mqtt: u16 = serde_json::from_str::<Value>(&line).unwrap_or_default()["fields"]["addr"]
-        .as_str()
-        .and_then(|a| a.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {line:?}"));
-    let setup = Setup {
-        cp,
-        kueue,
-        operator,
     };
     let cp = &setup.cp;
-    let mut agents = Vec::new();
-    for name in ["edge-a", "edge-b"] {
-        apply(cp, NS, &device_manifest(name, mqtt));
-        agents.push(device_agent(
-            name,
-            mqtt,
-            &cp.scratch().join(format!("{name}-state")),
-        ));
-        setup.wait("proplet", name, "Running", STATUS_WAIT, |o| {
-            o["status"]["phase"] == "Running"
-        });
-    }
     // One job: seconds from just before its apply to its task's startedAt.
     let run = |name: &str, queued: bool| -> f64 {
         let manifest = job(name, queued.then_some("lq-a"), None, 1, 0);

@@ -59,9 +59,10 @@ pub mod task;
 #[cfg(test)]
 mod reconcile_tests;
 
-/// A namespaced resource either backend stores: the five custom resources and ConfigMaps.
-pub trait Stored:
-    kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+/// A resource kind of the API, `Scope` being namespaced or cluster-wide, in the typed form
+/// the backends read and write.
+pub trait Object<Scope>:
+    kube::Resource<DynamicType = (), Scope = Scope>
     + Clone
     + Serialize
     + DeserializeOwned
@@ -72,8 +73,8 @@ pub trait Stored:
 {
 }
 
-impl<K> Stored for K where
-    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+impl<K, Scope> Object<Scope> for K where
+    K: kube::Resource<DynamicType = (), Scope = Scope>
         + Clone
         + Serialize
         + DeserializeOwned
@@ -84,28 +85,16 @@ impl<K> Stored for K where
 {
 }
 
-/// A cluster-scoped kind propeller only reads (Kueue's ResourceFlavor, WorkloadPriorityClass).
-pub trait ClusterScoped:
-    kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
-    + Clone
-    + DeserializeOwned
-    + std::fmt::Debug
-    + Send
-    + Sync
-    + 'static
-{
-}
+/// A namespaced resource either backend stores: the five custom resources, ConfigMaps,
+/// and Kueue's Workloads.
+pub trait Stored: Object<k8s_openapi::NamespaceResourceScope> {}
 
-impl<K> ClusterScoped for K where
-    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static
-{
-}
+impl<K: Object<k8s_openapi::NamespaceResourceScope>> Stored for K {}
+
+/// A cluster-scoped kind propeller only reads (Kueue's ResourceFlavor, WorkloadPriorityClass).
+pub trait ClusterScoped: Object<k8s_openapi::ClusterResourceScope> {}
+
+impl<K: Object<k8s_openapi::ClusterResourceScope>> ClusterScoped for K {}
 
 pub use propeller_core::object_name::ObjectName;
 

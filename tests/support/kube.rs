@@ -197,3 +197,27 @@ pub fn http_body(port: u16, path: &str) -> String {
         .unwrap_or_default()
         .to_owned()
 }
+
+/// Reasons of the Events recorded about `name` in `namespace`.
+pub fn event_reasons(cp: &ControlPlane, namespace: &str, name: &str) -> Vec<String> {
+    let out = cp.kubectl_ok(&[
+        "-n",
+        namespace,
+        "get",
+        "events",
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+        "-o",
+        "json",
+    ]);
+    let list: Value = serde_json::from_str(&out).expect("events JSON");
+    list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}

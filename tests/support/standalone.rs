@@ -127,16 +127,21 @@ pub fn apply_text(api: &str, dir: &std::path::Path, file: &str, text: &str) {
 /// countdown from 2,000,000,000 finished in 0.56 s on a fast machine: before the 1 s
 /// `running` write, so the tests waiting for `running` never saw it.
 pub fn spin_module() -> String {
+    spin_module_by(8)
+}
+
+/// A module whose `spin(n)` turns a loop `turns`·n times and returns `n`, as base64.
+pub fn spin_module_by(turns: u64) -> String {
     use base64::Engine;
-    let spin = wat::parse_str(
+    let spin = wat::parse_str(format!(
         r#"(module (func (export "spin") (param i32) (result i32) (local i64)
-             local.get 0 i64.extend_i32_u i64.const 8 i64.mul local.set 1
+             local.get 0 i64.extend_i32_u i64.const {turns} i64.mul local.set 1
              (block (loop
                local.get 1 i64.eqz br_if 1
                local.get 1 i64.const 1 i64.sub local.set 1
                br 0))
-             local.get 0))"#,
-    )
+             local.get 0))"#
+    ))
     .expect("wat");
     base64::engine::general_purpose::STANDARD.encode(spin)
 }
