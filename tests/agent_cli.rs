@@ -236,3 +236,31 @@ fn a_start_repeated_after_its_run_finished_is_answered_with_its_result_not_run_a
         2
     );
 }
+
+/// The suite's secret check can fail: a process whose log shows a registered secret fails
+/// the test that ran it, and the failure does not repeat the secret.
+#[test]
+fn a_process_that_logs_a_registered_secret_fails_its_test() {
+    let key = support::secret("leak-check-key-7f3a9c");
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args([
+        "-c",
+        &format!("echo 'connecting with key {key}' >&2; echo fine >&2"),
+    ]);
+    let process = support::Running::spawn(cmd);
+    let failure = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(process)))
+        .expect_err("dropping a process that logged a secret must fail");
+    let message = failure
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(message.contains("logged a secret"), "{message}");
+    assert!(
+        !message.contains(&key),
+        "the failure repeats the secret: {message}"
+    );
+
+    let mut quiet = std::process::Command::new("sh");
+    quiet.args(["-c", "echo 'connecting with key <redacted>' >&2"]);
+    drop(support::Running::spawn(quiet));
+}

@@ -87,8 +87,14 @@ async fn mosquitto_clients_connect_with_valid_credentials_only() {
     b.assert_no_event(Duration::from_millis(300)).await;
 }
 
-#[tokio::test]
-async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
+/// A broker with only a TLS listener, its certificate self-signed for `localhost` and made
+/// here; the broker, its TLS address and the certificate (and the directory holding it).
+async fn tls_broker() -> (
+    TestBroker,
+    std::net::SocketAddr,
+    rcgen::CertifiedKey<rcgen::KeyPair>,
+    tempfile::TempDir,
+) {
     let generated = match rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]) {
         Ok(g) => g,
         Err(e) => panic!("rcgen: {e}"),
@@ -114,12 +120,17 @@ async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
         }),
         ..BrokerConfig::loopback()
     };
-    let mut b = TestBroker::start_with(config).await;
+    let b = TestBroker::start_with(config).await;
     let tls_addr = match b.broker.tls_addr() {
         Some(a) => a,
         None => panic!("no TLS listener"),
     };
+    (b, tls_addr, generated, dir)
+}
 
+#[tokio::test]
+async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
+    let (mut b, tls_addr, generated, _dir) = tls_broker().await;
     let mut roots = rustls::RootCertStore::empty();
     if let Err(e) = roots.add(generated.cert.der().clone()) {
         panic!("{e}");
@@ -141,6 +152,50 @@ async fn tls_listener_accepts_a_client_that_trusts_its_certificate() {
     // A plaintext client on the TLS port gets no session.
     let (_c, mut el) = AsyncClient::new(options(tls_addr, "dev-b", "dev-b", "key-b"), 8);
     assert_ne!(connack(&mut el).await, Some(ConnectReturnCode::Success));
+}
+
+/// The TLS listener speaks TLS 1.2 and 1.3 only, with forward-secret AEAD suites only:
+/// OpenSSL's own client, allowed to offer anything, is refused TLS 1.0, 1.1 and a TLS 1.2
+/// suite without ECDHE or without AES-GCM/ChaCha20.
+#[tokio::test]
+async fn tls_listener_speaks_tls_1_2_and_1_3_with_forward_secret_aead_suites_only() {
+    let (_b, tls_addr, _generated, _dir) = tls_broker().await;
+    let connect = tls_addr.to_string();
+    let handshake = |args: &[&str]| {
+        let mut cmd = Command::new("openssl");
+        cmd.args(["s_client", "-connect", &connect, "-servername", "localhost"])
+            .args(args);
+        cmd
+    };
+    let cases: [(&[&str], bool); 7] = [
+        (&["-tls1_3"], true),
+        (&["-tls1_2"], true),
+        (
+            &["-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"],
+            true,
+        ),
+        (&["-tls1_1", "-cipher", "DEFAULT:@SECLEVEL=0"], false),
+        (&["-tls1", "-cipher", "DEFAULT:@SECLEVEL=0"], false),
+        (
+            &["-tls1_2", "-cipher", "AES128-GCM-SHA256:@SECLEVEL=0"],
+            false,
+        ),
+        (
+            &["-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-SHA:@SECLEVEL=0"],
+            false,
+        ),
+    ];
+    for (args, accepted) in cases {
+        let out = run(&mut handshake(args)).await;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let established = text.contains("Cipher is ") && !text.contains("Cipher is (NONE)");
+        assert_eq!(
+            established,
+            accepted,
+            "openssl s_client {args:?}:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[tokio::test]

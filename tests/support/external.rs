@@ -27,8 +27,8 @@ pub struct Secrets {
 impl Secrets {
     /// Writes fresh secrets into `dir`.
     pub fn write(dir: &Path) -> Self {
-        let callback = format!("cb{:030x}", rand_u128());
-        let password = format!("pw{:030x}", rand_u128());
+        let callback = super::secret(format!("cb{:030x}", rand_u128()));
+        let password = super::secret(format!("pw{:030x}", rand_u128()));
         let callback_file = dir.join("callback-secret");
         let password_file = dir.join("mqtt-password");
         std::fs::write(&callback_file, &callback).expect("write the callback secret");

@@ -122,11 +122,36 @@ fn markdown_files(dir: &std::path::Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// A child process killed when dropped, with its output lines delivered on channels.
+/// Keys, tokens and passwords the tests hand to processes ([`secret`]): no log line of a
+/// [`Running`] process may contain one.
+static SECRETS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers `value` as a secret no process may log; `value`.
+pub fn secret(value: impl Into<String>) -> String {
+    let value = value.into();
+    if let Ok(mut secrets) = SECRETS.lock() {
+        if !secrets.contains(&value) {
+            secrets.push(value.clone());
+        }
+    }
+    value
+}
+
+/// The registered secret `line` contains, if any.
+fn leaked_secret(line: &str) -> Option<String> {
+    let secrets = SECRETS.lock().ok()?;
+    secrets.iter().find(|s| line.contains(s.as_str())).cloned()
+}
+
+/// A child process killed when dropped, with its output lines delivered on channels. Its
+/// stderr (its log) is checked for the registered [`secret`]s: a process that logged one
+/// fails its test when dropped.
 pub struct Running {
     pub child: Child,
     pub stdout: mpsc::Receiver<String>,
     pub stderr: mpsc::Receiver<String>,
+    leaks: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stderr_done: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Running {
@@ -136,13 +161,26 @@ impl Running {
             .stderr(Stdio::piped());
         pdeathsig(&mut cmd);
         let mut child = cmd.spawn().expect("spawn child process");
-        let stdout = lines(child.stdout.take().expect("piped stdout"));
-        let stderr = lines(child.stderr.take().expect("piped stderr"));
+        let stdout = lines(child.stdout.take().expect("piped stdout"), None);
+        let leaks = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr_done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stderr = lines(
+            child.stderr.take().expect("piped stderr"),
+            Some((leaks.clone(), stderr_done.clone())),
+        );
         Self {
             child,
             stdout,
             stderr,
+            leaks,
+            stderr_done,
         }
+    }
+
+    /// The log lines so far that contain a registered [`secret`] (the secret itself is not
+    /// repeated: only which one, by its length and first characters).
+    pub fn leaked(&self) -> Vec<String> {
+        self.leaks.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
     /// The first stdout line containing `needle`, within [`WAIT`].
@@ -178,8 +216,25 @@ impl Running {
 
 impl Drop for Running {
     /// SIGTERM first, so a process that started children (the standalone demo's agent)
-    /// stops them; SIGKILL if it has not exited after a few seconds.
+    /// stops them; SIGKILL if it has not exited after a few seconds. Then, unless the test
+    /// is already failing, a log that showed a registered secret fails it.
     fn drop(&mut self) {
+        self.stop();
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while !self.stderr_done.load(std::sync::atomic::Ordering::SeqCst)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let leaks = self.leaked();
+        if !leaks.is_empty() && !std::thread::panicking() {
+            panic!("a process logged a secret:\n{}", leaks.join("\n"));
+        }
+    }
+}
+
+impl Running {
+    fn stop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             let pid = self.child.id().to_string();
             let _ = Command::new("kill").args(["-TERM", &pid]).status();
@@ -196,14 +251,41 @@ impl Drop for Running {
     }
 }
 
-fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+/// The lines of `stream` on a channel; with `checked`, each is also looked at for a
+/// registered [`secret`] (recorded in the first part) and the second is set at its end.
+type LeakCheck = (
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+);
+
+fn lines(
+    stream: impl std::io::Read + Send + 'static,
+    checked: Option<LeakCheck>,
+) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
+        let mut receiving = true;
         for line in BufReader::new(stream).lines() {
             let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
+            if let Some((leaks, _)) = &checked {
+                if let Some(found) = leaked_secret(&line) {
+                    let hint: String = found.chars().take(4).collect();
+                    let shown = line.replace(&found, "<SECRET>");
+                    if let Ok(mut leaks) = leaks.lock() {
+                        leaks.push(format!(
+                            "a secret of {} characters starting {hint:?}: {shown}",
+                            found.len()
+                        ));
+                    }
+                }
             }
+            // Reading goes on after the receiver is gone, so the whole log is checked.
+            if receiving && tx.send(line).is_err() {
+                receiving = false;
+            }
+        }
+        if let Some((_, done)) = &checked {
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     });
     rx
@@ -451,6 +533,7 @@ pub const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACAB
 /// An external Proplet `name` on channel d1/c1 with the Secret holding its key
 /// `<name>-secret`, as one manifest.
 pub fn device_manifest(name: &str, mqtt_port: impl std::fmt::Display) -> String {
+    secret(format!("{name}-secret"));
     format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}-key\nstringData:\n  key: {name}-secret\n---\n\
 apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {name}\nspec:\n  type: external\n  external:\n    capabilities: [wasm]\n  connectionConfig:\n    mqttAddress: tcp://127.0.0.1:{mqtt_port}\n    domainId: d1\n    channelId: c1\n    clientId: {name}\n    clientKeySecretRef: {{name: {name}-key, key: key}}\n"

@@ -309,3 +309,50 @@ fn a_kueue_queue_label_is_refused_with_what_to_do() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(stored.is_none());
 }
+
+/// Every route wants the bearer token: without one, with a wrong one, or with the right
+/// one in another scheme, a request is refused with 401 and stores nothing.
+#[test]
+fn requests_without_the_right_bearer_token_are_refused() {
+    let api = Api::new();
+    let body = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: sneaky\ndata: {a: b}\n";
+    for header in [
+        None,
+        Some("Bearer wrong-token".to_owned()),
+        Some(format!("Basic {TOKEN}")),
+        Some(format!("Bearer {TOKEN}x")),
+    ] {
+        for (method, path) in [
+            ("POST", "/v1/apply"),
+            ("GET", "/v1/objects/task"),
+            ("GET", "/v1/watch/task"),
+            ("GET", "/metrics"),
+        ] {
+            let mut request = Request::builder().method(method).uri(path);
+            if let Some(header) = &header {
+                request = request.header("authorization", header);
+            }
+            let request = request
+                .body(Body::from(body))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let app = router(api.state.clone());
+            let status = api.runtime.block_on(async move {
+                app.oneshot(request)
+                    .await
+                    .unwrap_or_else(|e| match e {})
+                    .status()
+            });
+            assert_eq!(
+                status,
+                StatusCode::UNAUTHORIZED,
+                "{method} {path} with {header:?}"
+            );
+        }
+    }
+    let stored = api
+        .state
+        .store
+        .get("ConfigMap", "default", "sneaky")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(stored.is_none());
+}
