@@ -30,10 +30,11 @@ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missin
 # kube-proxy's Services; binutils' objcopy strips the binaries put into the test images.
 # The Debian package test (tests/deb_package.rs) checks the package with lintian and its
 # unit with systemd's systemd-analyze.
+# The clock-skew test (tests/clock_skew.rs) runs an agent under faketime.
 for tool in containerd:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
   iptables:iptables nft:nftables dnsmasq:dnsmasq-base /bin/busybox:busybox-static \
   openssl:openssl xz:xz-utils ip:iproute2 objcopy:binutils curl:curl \
-  lintian:lintian systemd-analyze:systemd; do
+  lintian:lintian systemd-analyze:systemd faketime:faketime; do
   probe=${tool%%:*}
   if [ "${probe#/}" != "$probe" ]; then [ -e "$probe" ] || missing+=("${tool#*:}")
   else command -v "$probe" >/dev/null 2>&1 || missing+=("${tool#*:}"); fi

@@ -559,17 +559,31 @@ pub fn device_agent_with(
 ) -> Running {
     let mut cmd = binary("proplet");
     cmd.envs(env.iter().copied());
-    cmd.env(
-        "PROPLET_MQTT_ADDRESS",
-        format!("tcp://127.0.0.1:{mqtt_port}"),
-    )
-    .env("PROPLET_DOMAIN_ID", "d1")
-    .env("PROPLET_CHANNEL_ID", "c1")
-    .env("PROPLET_CLIENT_ID", name)
-    .env("PROPLET_CLIENT_KEY", format!("{name}-secret"))
-    .env("PROPLET_STATE_DIR", state_dir)
-    .env("PROPLET_LIVELINESS_INTERVAL", "1");
+    cmd.envs(device_agent_env(name, mqtt_port, state_dir));
     Running::spawn(cmd)
+}
+
+/// The environment of [`device_agent`]'s agent.
+pub fn device_agent_env(
+    name: &str,
+    mqtt_port: impl std::fmt::Display,
+    state_dir: &std::path::Path,
+) -> Vec<(String, String)> {
+    [
+        (
+            "PROPLET_MQTT_ADDRESS",
+            format!("tcp://127.0.0.1:{mqtt_port}"),
+        ),
+        ("PROPLET_DOMAIN_ID", "d1".into()),
+        ("PROPLET_CHANNEL_ID", "c1".into()),
+        ("PROPLET_CLIENT_ID", name.into()),
+        ("PROPLET_CLIENT_KEY", format!("{name}-secret")),
+        ("PROPLET_STATE_DIR", state_dir.display().to_string()),
+        ("PROPLET_LIVELINESS_INTERVAL", "1".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// A PropellerJob `mode` in that execution mode: `first` = add(1, 2), `second` = add(3, 4),
