@@ -675,6 +675,67 @@ fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
         assert_eq!(done["status"]["results"], expected.as_str(), "{source}");
     }
 
+    // Suspending a task that runs as a Job suspends its Job (the job controller removes its
+    // Pod); resuming it resumes the Job, whose new Pod then finishes the task.
+    apply(
+        &cp,
+        ns,
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: held\nspec:\n  name: held\n  imageUrl: registry.example/app/add:1.0\n  inputs: [1, 2]\n  preferredPropletType: k8s\n",
+    );
+    wait_until(&cp, ns, "job", "held-job", "created", |_| true);
+    let first = wait_pod(&cp, ns, "job-name=held-job");
+    let suspend = |value: bool| {
+        cp.kubectl_ok(&[
+            "-n",
+            ns,
+            "patch",
+            "task",
+            "held",
+            "--type=merge",
+            "-p",
+            &format!("{{\"spec\":{{\"suspend\":{value}}}}}"),
+        ]);
+    };
+    suspend(true);
+    wait_until(&cp, ns, "job", "held-job", "suspended", |j| {
+        j["spec"]["suspend"] == true
+    });
+    wait_gone(
+        &cp,
+        ns,
+        "pod",
+        first["metadata"]["name"].as_str().unwrap_or_default(),
+    );
+    let held = wait_phase(&cp, ns, "task", "held", "pending");
+    assert!(
+        held["status"]["conditions"].as_array().is_some_and(|cs| cs
+            .iter()
+            .any(|c| c["type"] == "Suspended" && c["status"] == "True")),
+        "{:#}",
+        held["status"]
+    );
+    suspend(false);
+    wait_until(&cp, ns, "job", "held-job", "resumed", |j| {
+        j["spec"]["suspend"] != true
+    });
+    let pod = wait_pod(&cp, ns, "job-name=held-job");
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let terminated = serde_json::json!({"terminated": {
+        "exitCode": 0, "reason": "Completed", "message": "result-resumed",
+        "startedAt": now, "finishedAt": now,
+    }});
+    set_pod_status(
+        &cp,
+        ns,
+        &pod,
+        serde_json::json!({
+            "phase": "Succeeded",
+            "containerStatuses": [container_status(&pod, terminated, false)],
+        }),
+    );
+    let done = wait_phase(&cp, ns, "task", "held", "completed");
+    assert_eq!(done["status"]["results"], "result-resumed");
+
     // Deleting releases the finalizer and the garbage collector removes what the Task and
     // the Proplet owned.
     cp.kubectl_ok(&["-n", ns, "delete", "task", "from-secret", "--wait=false"]);

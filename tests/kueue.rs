@@ -312,8 +312,8 @@ fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
     println!("set up in {:?}", started.elapsed());
 
     // --- 4 slots, three jobs of 2: two run, the third waits with Kueue's reason.
-    apply(cp, NS, &job("j1", Some("lq-a"), None, 2, 12));
-    apply(cp, NS, &job("j2", Some("lq-b"), None, 2, 12));
+    apply(cp, NS, &job("j1", Some("lq-a"), None, 2, 5));
+    apply(cp, NS, &job("j2", Some("lq-b"), None, 2, 5));
     for name in ["j1", "j2"] {
         setup.wait("propellerjob", name, "admitted", STATUS_WAIT, |o| {
             condition(o, "QuotaReserved").is_some_and(|(s, _, _)| s == "True")
@@ -355,7 +355,7 @@ fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
 
     // --- Preemption: a high-priority job evicts a running low-priority one, whose runs are
     // stopped; it is given back its quota, re-admitted later, and finishes.
-    apply(cp, NS, &job("low", Some("lq-a"), Some("low"), 4, 20));
+    apply(cp, NS, &job("low", Some("lq-a"), Some("low"), 4, 8));
     setup.wait(
         "propellerjob",
         "low",
@@ -385,7 +385,7 @@ fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
     for task in setup.tasks_of("low") {
         // Started, stopped by the eviction, started again once: one finished run.
         assert_eq!(task["status"]["runCount"], 2, "{:#}", task["status"]);
-        assert_eq!(task["status"]["results"], "20", "{:#}", task["status"]);
+        assert_eq!(task["status"]["results"], "8", "{:#}", task["status"]);
     }
     assert!(setup.event_reasons("low").contains(&"Resumed".to_owned()));
     println!("preemption shown at {:?}", started.elapsed());
@@ -408,7 +408,7 @@ fn kueue_queues_admits_preempts_and_restricts_propeller_jobs_on_real_agents() {
     assert!(setup.workload("free").is_none());
 
     // --- Deleting a job gives its quota back: the one waiting behind it is admitted.
-    apply(cp, NS, &job("hog", Some("lq-a"), None, 4, 60));
+    apply(cp, NS, &job("hog", Some("lq-a"), None, 4, 30));
     setup.wait("propellerjob", "hog", "admitted", STATUS_WAIT, |o| {
         condition(o, "QuotaReserved").is_some_and(|(s, _, _)| s == "True")
     });
