@@ -505,6 +505,24 @@ fn wait_pod(cp: &ControlPlane, ns: &str, selector: &str) -> Value {
     }
 }
 
+/// Plays the kubelet: `pod`'s container exited 0 with termination `message`.
+fn succeed_pod(cp: &ControlPlane, ns: &str, pod: &Value, message: &str) {
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let terminated = serde_json::json!({"terminated": {
+        "exitCode": 0, "reason": "Completed", "message": message,
+        "startedAt": now, "finishedAt": now,
+    }});
+    set_pod_status(
+        cp,
+        ns,
+        pod,
+        serde_json::json!({
+            "phase": "Succeeded",
+            "containerStatuses": [container_status(pod, terminated, false)],
+        }),
+    );
+}
+
 /// Plays the kubelet: writes `status` to the Pod's status subresource.
 fn set_pod_status(cp: &ControlPlane, ns: &str, pod: &Value, status: Value) {
     let name = pod["metadata"]["name"].as_str().expect("pod name");
@@ -650,20 +668,7 @@ fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
                 ]);
             }
         }
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-        let terminated = serde_json::json!({"terminated": {
-            "exitCode": 0, "reason": "Completed", "message": message,
-            "startedAt": now, "finishedAt": now,
-        }});
-        set_pod_status(
-            &cp,
-            ns,
-            &pod,
-            serde_json::json!({
-                "phase": "Succeeded",
-                "containerStatuses": [container_status(&pod, terminated, false)],
-            }),
-        );
+        succeed_pod(&cp, ns, &pod, &message);
         // The job controller sees the Pod succeed and completes the Job.
         wait_until(&cp, ns, "job", &job, "Complete", |j| {
             j["status"]["conditions"].as_array().is_some_and(|cs| {
@@ -719,20 +724,7 @@ fn a_k8s_proplet_gets_its_deployment_and_its_tasks_run_as_jobs() {
         j["spec"]["suspend"] != true
     });
     let pod = wait_pod(&cp, ns, "job-name=held-job");
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    let terminated = serde_json::json!({"terminated": {
-        "exitCode": 0, "reason": "Completed", "message": "result-resumed",
-        "startedAt": now, "finishedAt": now,
-    }});
-    set_pod_status(
-        &cp,
-        ns,
-        &pod,
-        serde_json::json!({
-            "phase": "Succeeded",
-            "containerStatuses": [container_status(&pod, terminated, false)],
-        }),
-    );
+    succeed_pod(&cp, ns, &pod, "result-resumed");
     let done = wait_phase(&cp, ns, "task", "held", "completed");
     assert_eq!(done["status"]["results"], "result-resumed");
 

@@ -68,6 +68,16 @@ impl Default for Gate {
     }
 }
 
+impl Gate {
+    /// The node labels an open gate restricts the job's tasks to (none when held).
+    pub fn node_labels(&self) -> BTreeMap<String, String> {
+        match self {
+            Gate::Open { node_labels } => node_labels.clone(),
+            Gate::Held { .. } => BTreeMap::new(),
+        }
+    }
+}
+
 impl JobObservation {
     /// Whether a child's run is out on a device (scheduled or running).
     pub fn runs_out(&self) -> bool {
@@ -325,10 +335,7 @@ pub fn reconcile(job: &PropellerJob, observed: &JobObservation, now: DateTime<Ut
             }
         }
         (None, gate) => {
-            let node_labels = match gate {
-                Gate::Open { node_labels } => node_labels.clone(),
-                Gate::Held { .. } => BTreeMap::new(),
-            };
+            let node_labels = gate.node_labels();
             plan.create = children
                 .into_iter()
                 .filter(|c| {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use propeller_broker::protocol::{StartRequest, StopRequest};
 
-use super::conditions::{remove_condition, set_condition, DesiredCondition};
+use super::conditions::{is_true, remove_condition, set_condition, DesiredCondition};
 use super::recurrence::rerun_at;
 use super::scheduler::Strategy;
 use crate::crd::proplet::PropletType;
@@ -522,10 +522,7 @@ fn hold(
     if desired.phase.is_terminal() {
         return;
     }
-    let already = desired
-        .conditions
-        .iter()
-        .any(|c| c.type_ == SUSPENDED && c.status == "True");
+    let already = is_true(&desired.conditions, SUSPENDED);
     let message = "suspended: nothing is dispatched until spec.suspend is false";
     if out {
         plan.notes.push(Note::normal(
@@ -545,10 +542,7 @@ fn hold(
 
 /// A task no longer suspended says so once; it then runs as any pending task.
 fn resume(gen: Option<i64>, now: DateTime<Utc>, desired: &mut TaskStatus, plan: &mut TaskPlan) {
-    let was = desired
-        .conditions
-        .iter()
-        .any(|c| c.type_ == SUSPENDED && c.status == "True");
+    let was = is_true(&desired.conditions, SUSPENDED);
     if !was {
         return;
     }

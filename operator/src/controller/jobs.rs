@@ -16,7 +16,7 @@ use crate::decision::federated::{
     owned_rounds, reconcile_job, reconcile_round, FederatedObservation,
 };
 use crate::decision::kueue::queue_name;
-use crate::decision::propeller_job::{self, restrict, status_to_write, Gate, JobObservation};
+use crate::decision::propeller_job::{self, restrict, status_to_write, JobObservation};
 
 use super::{count, kueue, Cluster, Next, ObjectName, ReconcileError, Stored, Wake};
 
@@ -72,10 +72,7 @@ pub async fn reconcile_propeller_job<C: Cluster>(
         for child in &plan.create {
             cluster.create_once(child).await?;
         }
-        let node_labels = match &observed.gate {
-            Gate::Open { node_labels } => node_labels.clone(),
-            Gate::Held { .. } => Default::default(),
-        };
+        let node_labels = observed.gate.node_labels();
         let holds = plan.suspend.iter().map(|n| (n, true));
         for (name, suspend) in holds.chain(plan.resume.iter().map(|n| (n, false))) {
             let Some(task) = tasks

@@ -59,6 +59,15 @@ impl Api {
         }
     }
 
+    /// Whether the store holds `kind` `name` in the default namespace.
+    fn stores(&self, kind: &str, name: &str) -> bool {
+        self.state
+            .store
+            .get(kind, "default", name)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_some()
+    }
+
     /// POSTs `body` to `/v1/apply`; returns the status and the JSON answer.
     fn apply(&self, body: Vec<u8>) -> (StatusCode, Value) {
         let request = Request::post("/v1/apply")
@@ -302,12 +311,7 @@ fn a_kueue_queue_label_is_refused_with_what_to_do() {
         message.contains("kueue.x-k8s.io/queue-name") && message.contains("remove the label"),
         "{message}"
     );
-    let stored = api
-        .state
-        .store
-        .get("PropellerJob", "default", "queued")
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(stored.is_none());
+    assert!(!api.stores("PropellerJob", "queued"));
 }
 
 /// Every route wants the bearer token: without one, with a wrong one, or with the right
@@ -349,10 +353,5 @@ fn requests_without_the_right_bearer_token_are_refused() {
             );
         }
     }
-    let stored = api
-        .state
-        .store
-        .get("ConfigMap", "default", "sneaky")
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(stored.is_none());
+    assert!(!api.stores("ConfigMap", "sneaky"));
 }
