@@ -12,6 +12,7 @@
 //! each broker acknowledgement to its entry.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -111,6 +112,10 @@ pub struct Agent {
     login_keys: Mutex<login_keys::LoginKeys>,
     /// The SUBSCRIBEs awaiting their SUBACKs.
     subscriptions: subscriptions::Subscriptions,
+    /// Whether the broker accepted every subscription of this connection: until then the
+    /// agent neither announces itself nor sends heartbeats, so propeller does not count it
+    /// Running (and send it starts) while its broker would not deliver them.
+    listening: AtomicBool,
 }
 
 impl Agent {
@@ -167,6 +172,7 @@ impl Agent {
                 stored_previous_key(&config),
             )),
             subscriptions: subscriptions::Subscriptions::default(),
+            listening: AtomicBool::new(false),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -213,7 +219,6 @@ impl Agent {
             &eventloop.mqtt_options,
         );
         let mut connected = false;
-        let mut subscriptions_refused = false;
         tokio::pin!(shutdown);
         loop {
             let event = tokio::select! {
@@ -228,7 +233,7 @@ impl Agent {
                     }
                     backoff.reset();
                     connected = true;
-                    subscriptions_refused = false;
+                    self.listening.store(false, Ordering::Relaxed);
                     sessions += 1;
                     self.metrics.mqtt_sessions.inc();
                     self.metrics.mqtt_connected.set(1);
@@ -269,14 +274,12 @@ impl Agent {
                             filters = ?which,
                             "the broker refused a subscription; subscribing again"
                         );
-                        subscriptions_refused = true;
                         let agent = self.clone();
                         tokio::spawn(async move { agent.subscribe_again(sessions, which).await });
-                    } else if subscriptions_refused {
-                        // Starts sent meanwhile reached nobody: announcing the proplet again
-                        // makes propeller send them again.
-                        subscriptions_refused = false;
-                        info!("subscribed after refusals; announcing the proplet again");
+                    } else if self.subscriptions.complete()
+                        && !self.listening.swap(true, Ordering::Relaxed)
+                    {
+                        info!("subscribed; announcing the proplet");
                         let agent = self.clone();
                         tokio::spawn(async move { agent.announce().await });
                     }
@@ -296,6 +299,7 @@ impl Agent {
                             eventloop.clean();
                         }
                         self.subscriptions.forget();
+                        self.listening.store(false, Ordering::Relaxed);
                     }
                     self.metrics.mqtt_connected.set(0);
                     let wait = backoff.next_delay();
@@ -460,7 +464,9 @@ impl Agent {
         }
     }
 
-    /// Subscribes and announces the proplet on a new connection, to `host:port`.
+    /// Subscribes on a new connection, to `host:port`; the proplet is announced once the
+    /// broker has accepted every subscription (after every connect, so metadata is fresh
+    /// after a broker restart too).
     async fn on_connected(&self, host: String, port: u16) {
         let probe_ip = tokio::task::spawn_blocking({
             let probe = self.probe.clone();
@@ -468,8 +474,6 @@ impl Agent {
         });
         let _ = probe_ip.await;
         self.subscribe().await;
-        // Discovery after every connect, so metadata is fresh after a broker restart too.
-        self.announce().await;
     }
 
     /// Publishes the proplet's discovery (`control/proplet/create`).

@@ -1,5 +1,6 @@
 //! Liveness reports: heartbeats and the proplet's periodic metrics.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use propeller_broker::protocol::Heartbeat;
@@ -12,6 +13,9 @@ impl Agent {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
+            if !self.listening.load(Ordering::Relaxed) {
+                continue;
+            }
             let beat = Heartbeat {
                 proplet_id: self.config.client_id.clone(),
                 namespace: Some(self.config.namespace.clone()),

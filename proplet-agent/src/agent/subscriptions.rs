@@ -5,7 +5,7 @@
 //! that subscribed again to all its filters on every refusal was seen never to settle, and to
 //! miss its rotated key.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 
 use propeller_broker::protocol::refused_filters;
@@ -19,6 +19,8 @@ pub struct Subscriptions {
     queued: Mutex<VecDeque<Vec<String>>>,
     /// Filters of each SUBSCRIBE sent and not yet acknowledged, by packet id.
     sent: Mutex<HashMap<u16, Vec<String>>>,
+    /// Filters the broker refused and has not accepted since.
+    refused: Mutex<HashSet<String>>,
 }
 
 impl Subscriptions {
@@ -71,7 +73,32 @@ impl Subscriptions {
             .iter()
             .map(|code| matches!(code, SubscribeReasonCode::Failure))
             .collect();
-        refused_filters(&filters, &refusals)
+        let refused = refused_filters(&filters, &refusals)?;
+        let mut outstanding = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        for filter in &filters {
+            outstanding.remove(filter);
+        }
+        outstanding.extend(refused.iter().cloned());
+        Some(refused)
+    }
+
+    /// Whether every filter asked for is acknowledged by the broker: nothing queued, nothing
+    /// waiting for its SUBACK, nothing refused and not yet accepted since.
+    pub fn complete(&self) -> bool {
+        self.queued
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+            && self
+                .sent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            && self
+                .refused
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
     }
 
     /// The connection is gone with every request not yet acknowledged (a clean session
@@ -80,6 +107,10 @@ impl Subscriptions {
         let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
         queued.clear();
         self.sent.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 }
 
@@ -117,6 +148,34 @@ mod tests {
         );
         // Unknown or already answered packet ids are not guessed at.
         assert_eq!(subs.refused(7, &codes), None);
+    }
+
+    #[test]
+    fn subscriptions_are_complete_once_every_refused_filter_is_accepted() {
+        let (client, _events) = client();
+        let subs = Subscriptions::default();
+        let ok = SubscribeReasonCode::Success(QoS::AtLeastOnce);
+        let ask = |names: &[&str]| {
+            let filters = names
+                .iter()
+                .map(|n| ((*n).to_owned(), QoS::AtLeastOnce))
+                .collect();
+            assert!(subs.request(&client, filters));
+        };
+        ask(&["a", "b"]);
+        assert!(!subs.complete(), "queued");
+        subs.sent(1);
+        assert!(!subs.complete(), "waiting for its SUBACK");
+        subs.refused(1, &[ok, SubscribeReasonCode::Failure]);
+        assert!(!subs.complete(), "b refused and not asked again yet");
+        ask(&["b"]);
+        subs.sent(2);
+        subs.refused(2, &[SubscribeReasonCode::Failure]);
+        assert!(!subs.complete(), "b refused again");
+        ask(&["b"]);
+        subs.sent(3);
+        subs.refused(3, &[ok]);
+        assert!(subs.complete());
     }
 
     #[test]
