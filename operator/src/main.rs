@@ -124,6 +124,9 @@ enum Command {
         #[command(flatten)]
         target: commands::token::Target,
     },
+    /// Encrypt a Wasm module for an encrypted task (its key goes into the Key Broker
+    /// Service at the task's kbsResourcePath).
+    Encrypt(commands::encrypt::EncryptArgs),
     /// Delete one resource (and what it owns).
     Delete {
         /// Kind.
@@ -213,6 +216,7 @@ fn main() -> anyhow::Result<()> {
         } => {
             block_on(commands::token::rotate(&what, &namespace, &grace, target))?;
         }
+        Command::Encrypt(args) => commands::encrypt::run(&args)?,
         Command::Apply { file, client } => {
             block_on(commands::standalone::apply(&client, &file))?;
         }

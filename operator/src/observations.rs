@@ -38,6 +38,7 @@ fn metadata_of(m: &propeller_broker::protocol::PropletMetadata) -> PropletMetada
         total_memory_bytes: m.total_memory_bytes.and_then(|b| i64::try_from(b).ok()),
         proplet_version: m.proplet_version.clone(),
         wasm_runtime: m.wasm_runtime.clone(),
+        attester: m.attester.clone(),
     }
 }
 

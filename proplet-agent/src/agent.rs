@@ -37,6 +37,7 @@ use crate::telemetry::AgentMetrics;
 use crate::wasm::{Compiled, Limits, StopFlag, WasmRuntime};
 
 mod chunks;
+mod encrypted;
 mod heartbeats;
 mod login_keys;
 mod options;
@@ -112,6 +113,8 @@ pub struct Agent {
     login_keys: Mutex<login_keys::LoginKeys>,
     /// The SUBSCRIBEs awaiting their SUBACKs.
     subscriptions: subscriptions::Subscriptions,
+    /// The Key Broker Service client for encrypted tasks, if this device can attest.
+    kbs: Option<crate::kbs::KbsClient>,
     /// Whether the broker accepted every subscription of this connection: until then the
     /// agent neither announces itself nor sends heartbeats, so propeller does not count it
     /// Running (and send it starts) while its broker would not deliver them.
@@ -151,6 +154,7 @@ impl Agent {
         let http = HttpFetcher::new(HTTP_TIMEOUT, config.max_module_size as u64)
             .context("building the HTTP client")?;
         let broker_options = broker_options(&config, &channel)?;
+        let kbs = encrypted::kbs_client(&config)?;
         let (session, _) = watch::channel(None);
         Ok(Arc::new(Self {
             slots: Arc::new(Semaphore::new(config.max_concurrent_tasks)),
@@ -159,7 +163,11 @@ impl Agent {
             runtime: Arc::new(runtime),
             spool: Arc::new(spool),
             finished,
-            probe: Arc::new(SystemProbe::new(&config)),
+            probe: Arc::new(SystemProbe::new(
+                &config,
+                kbs.as_ref().map(crate::kbs::KbsClient::attester),
+            )),
+            kbs,
             running: Mutex::new(HashMap::new()),
             latent: Mutex::new(HashMap::new()),
             fetches: Mutex::new(HashMap::new()),
@@ -648,9 +656,6 @@ mod tests {
         let mut r = ok.clone();
         r.name = String::new();
         assert!(start_problem(&r).is_some_and(|p| p.contains("name")));
-        let mut r = ok.clone();
-        r.encrypted = true;
-        assert!(start_problem(&r).is_some_and(|p| p.contains("encrypted")));
         let mut r = ok;
         r.file = None;
         assert!(start_problem(&r).is_some_and(|p| p.contains("image_url")));

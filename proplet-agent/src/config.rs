@@ -19,11 +19,11 @@ mod values;
 use crate::config::addresses::describe_entry;
 use crate::config::values::invalid;
 pub use addresses::{AddressSetting, BrokerAddresses};
-pub use resolve::{Config, TlsFiles, DEFAULT_MAX_MODULE_SIZE};
+pub use resolve::{Config, KbsSettings, TlsFiles, DEFAULT_MAX_MODULE_SIZE};
 pub use settings::{BootstrapSection, Settings, ALIASES};
 pub use values::{
-    parse_address, parse_duration, parse_size, Dirs, Interval, LogLevel, Overrides, PortRange, Qos,
-    Size, Switch, Words,
+    parse_address, parse_duration, parse_size, AttesterChoice, Dirs, Interval, LogLevel, Overrides,
+    PortRange, Qos, Size, Switch, Words,
 };
 
 /// A configuration problem, naming the setting at fault.

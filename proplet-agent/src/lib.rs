@@ -10,6 +10,7 @@ pub mod fetch;
 pub mod finished;
 pub mod hal;
 pub mod http_server;
+pub mod kbs;
 pub mod outgoing_http;
 pub mod sandbox;
 pub mod spool;

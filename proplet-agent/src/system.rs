@@ -20,8 +20,9 @@ pub struct SystemProbe {
 }
 
 impl SystemProbe {
-    /// A probe for the current process; reads the host facts once.
-    pub fn new(config: &Config) -> Self {
+    /// A probe for the current process; reads the host facts once. `attester` is the one
+    /// the agent attests with to its Key Broker Service, if it has one.
+    pub fn new(config: &Config, attester: Option<&str>) -> Self {
         let mut system = System::new().ok();
         let total_memory = system.as_mut().map(|sys| {
             sys.refresh_memory();
@@ -46,6 +47,7 @@ impl SystemProbe {
             total_memory_bytes: total_memory,
             proplet_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
             wasm_runtime: Some("wasmtime".to_owned()),
+            attester: attester.map(str::to_owned),
         };
         Self {
             system: Mutex::new(system),

@@ -116,23 +116,28 @@ impl WasmRuntime {
         if let Some(compiled) = self.cache_lock().get(&digest) {
             return Ok((compiled, true));
         }
-        let component = is_component(bytes);
-        if let Some(compiled) = self.load_from_disk(&digest, component) {
+        if let Some(compiled) = self.load_from_disk(&digest, is_component(bytes)) {
             self.cache_lock().put(digest, compiled.clone());
             return Ok((compiled, true));
         }
-        let compiled = if component {
-            let component = Component::new(self.engine(), bytes)
-                .map_err(|e| RunError::Compile(root_cause(&e)))?;
-            self.prepare(component)?
-        } else {
-            Module::new(self.engine(), bytes)
-                .map(Compiled::Module)
-                .map_err(|e| RunError::Compile(root_cause(&e)))?
-        };
+        let compiled = self.compile_uncached(bytes)?;
         self.store_on_disk(&digest, &compiled);
         self.cache_lock().put(digest, compiled.clone());
         Ok((compiled, false))
+    }
+
+    /// Compiles a module or component and keeps it in no cache, in memory or on disk (a
+    /// decrypted module must not rest anywhere).
+    pub fn compile_uncached(&self, bytes: &[u8]) -> Result<Compiled, RunError> {
+        if is_component(bytes) {
+            let component = Component::new(self.engine(), bytes)
+                .map_err(|e| RunError::Compile(root_cause(&e)))?;
+            self.prepare(component)
+        } else {
+            Module::new(self.engine(), bytes)
+                .map(Compiled::Module)
+                .map_err(|e| RunError::Compile(root_cause(&e)))
+        }
     }
 
     /// Links `component` against the imports components get (the linker is built once).

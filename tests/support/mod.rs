@@ -13,6 +13,7 @@ pub mod envtest;
 pub mod external;
 pub mod httpbin;
 pub mod image;
+pub mod kbs;
 pub mod knode;
 pub mod kube;
 pub mod kueue;

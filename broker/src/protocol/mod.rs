@@ -13,6 +13,7 @@
 
 mod address;
 mod control;
+pub mod encrypted_module;
 pub mod enrolment;
 mod error;
 mod fields;

@@ -34,6 +34,9 @@ pub struct PropletMetadata {
     pub proplet_version: Option<String>,
     /// `wasm_runtime`: e.g. `wasmtime-internal`, `wamr`.
     pub wasm_runtime: Option<String>,
+    /// `attester`: the TEE attester this agent proves itself with to its Key Broker Service
+    /// (e.g. `sample`); absent when it cannot run encrypted tasks. Propeller's extension.
+    pub attester: Option<String>,
 }
 
 impl PropletMetadata {
@@ -50,6 +53,7 @@ impl PropletMetadata {
             total_memory_bytes: f.opt_u64("total_memory_bytes")?,
             proplet_version: f.opt_str("proplet_version")?,
             wasm_runtime: f.opt_str("wasm_runtime")?,
+            attester: f.opt_str("attester")?,
         })
     }
 
@@ -77,6 +81,7 @@ impl PropletMetadata {
             .put_opt("total_memory_bytes", self.total_memory_bytes)
             .put_opt("proplet_version", self.proplet_version.clone())
             .put_opt("wasm_runtime", self.wasm_runtime.clone())
+            .put_opt("attester", self.attester.clone())
             .build()
     }
 }

@@ -63,6 +63,7 @@ fn proplet_3_1_discovery_verbatim() {
             total_memory_bytes: Some(16_660_000_000),
             proplet_version: Some(s("0.5.0")),
             wasm_runtime: Some(s("wasmtime")),
+            attester: None,
         }),
     };
     assert_eq!(
@@ -1445,6 +1446,7 @@ pub(super) mod props {
                 total_memory_bytes: m,
                 proplet_version: v,
                 wasm_runtime: w,
+                attester: None,
             })
     }
 

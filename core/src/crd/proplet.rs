@@ -450,4 +450,9 @@ pub struct PropletMetadata {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 128))]
     pub wasm_runtime: Option<String>,
+    /// The TEE attester the agent proves itself with to its Key Broker Service; absent when
+    /// it cannot run encrypted tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub attester: Option<String>,
 }

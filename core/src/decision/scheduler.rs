@@ -55,6 +55,9 @@ pub struct CandidateProplet {
     pub device_type: Option<String>,
     /// `spec.external.capabilities`; empty for k8s proplets.
     pub capabilities: Vec<String>,
+    /// `status.metadata.attester`: the TEE attester its agent announced, if it can run
+    /// encrypted tasks.
+    pub attester: Option<String>,
     /// Tasks currently scheduled or running on this proplet (used by least-loaded scoring).
     pub active_tasks: u32,
     /// `spec.capacity`: the most tasks it takes at once (`None`: no limit).
@@ -74,6 +77,9 @@ pub struct SelectorView {
     pub match_capabilities: Vec<String>,
     /// Restricts the proplet type unless `Any`.
     pub preferred_type: PreferredType,
+    /// The task is encrypted: only a proplet whose agent announced an attester can get its
+    /// key.
+    pub needs_attester: bool,
 }
 
 /// The selector rules an index of proplets by name and label can answer: every proplet the
@@ -113,7 +119,7 @@ impl SelectorView {
 }
 
 /// Why a proplet was not a candidate: the first selector rule it failed, in the order
-/// phase, propletId, type, labels, device type, capabilities, capacity.
+/// phase, propletId, type, labels, device type, capabilities, attester, capacity.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Exclusion {
     /// Its phase is not `Running`.
@@ -146,6 +152,8 @@ pub enum Exclusion {
     },
     /// A required capability is missing.
     MissingCapability(String),
+    /// The task is encrypted and its agent announced no attester.
+    CannotAttest,
     /// It already holds as many tasks as its `spec.capacity`.
     AtCapacity {
         /// Its capacity.
@@ -276,6 +284,8 @@ pub trait Schedulable {
     fn device_type(&self) -> Option<&str>;
     /// Whether `spec.external.capabilities` lists `capability`.
     fn has_capability(&self, capability: &str) -> bool;
+    /// `status.metadata.attester`.
+    fn attester(&self) -> Option<&str>;
     /// Its capacity, when the tasks it holds already fill it (as far as is known: a Proplet
     /// object alone does not know its load).
     fn full(&self) -> Option<u32> {
@@ -301,6 +311,9 @@ impl Schedulable for CandidateProplet {
     }
     fn has_capability(&self, capability: &str) -> bool {
         self.capabilities.iter().any(|c| c == capability)
+    }
+    fn attester(&self) -> Option<&str> {
+        self.attester.as_deref()
     }
     fn full(&self) -> Option<u32> {
         self.capacity.filter(|c| self.active_tasks >= *c)
@@ -329,6 +342,9 @@ impl Schedulable for crate::crd::proplet::Proplet {
             .as_ref()
             .is_some_and(|e| e.capabilities.iter().any(|c| c == capability))
     }
+    fn attester(&self) -> Option<&str> {
+        self.status.as_ref()?.metadata.as_ref()?.attester.as_deref()
+    }
 }
 
 /// The rule a proplet fails, borrowing from the selector: finding it copies nothing.
@@ -341,6 +357,7 @@ enum Failure<'s> {
     NoDeviceType,
     DeviceTypeNotAllowed,
     MissingCapability(&'s str),
+    CannotAttest,
     AtCapacity(u32),
 }
 
@@ -388,6 +405,9 @@ fn first_failure<'s>(
     {
         return Some(Failure::MissingCapability(c));
     }
+    if selector.needs_attester && proplet.attester().is_none() {
+        return Some(Failure::CannotAttest);
+    }
     proplet.full().map(Failure::AtCapacity)
 }
 
@@ -416,6 +436,7 @@ pub fn exclusion(proplet: &impl Schedulable, selector: &SelectorView) -> Option<
         Failure::MissingCapability(capability) => {
             Exclusion::MissingCapability(capability.to_owned())
         }
+        Failure::CannotAttest => Exclusion::CannotAttest,
         Failure::AtCapacity(capacity) => Exclusion::AtCapacity { capacity },
     })
 }
@@ -588,6 +609,7 @@ mod tests {
             labels: BTreeMap::new(),
             device_type: None,
             capabilities: Vec::new(),
+            attester: None,
             active_tasks: 0,
             capacity: None,
         }
@@ -740,6 +762,33 @@ mod tests {
             "no proplets exist in namespace edge"
         );
         assert_eq!(st, RoundRobinState::default(), "no pick, no state change");
+    }
+
+    #[test]
+    fn encrypted_tasks_go_only_to_proplets_that_announced_an_attester() {
+        let ps = [
+            with("tee", |p| p.attester = Some("sample".into())),
+            proplet("plain"),
+        ];
+        let sel = SelectorView {
+            needs_attester: true,
+            ..Default::default()
+        };
+        assert_eq!(candidate_names(&ps, &sel), vec!["tee"]);
+        assert_eq!(
+            candidate_names(&ps, &SelectorView::default()),
+            vec!["plain", "tee"]
+        );
+        let pinned = SelectorView {
+            proplet_id: Some("plain".into()),
+            ..sel
+        };
+        let err = filter_candidates("edge", &ps, &pinned).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("1 cannot run encrypted tasks: no attester announced"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1087,6 +1136,7 @@ mod tests {
                 labels: BTreeMap::new(),
                 device_type: dev.map(str::to_owned),
                 capabilities: caps.into_iter().map(str::to_owned).collect(),
+                attester: None,
                 active_tasks: active,
                 capacity: None,
             })

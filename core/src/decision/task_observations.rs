@@ -178,6 +178,11 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
             labels: proplet.metadata.labels.clone().unwrap_or_default(),
             device_type: external.device_type,
             capabilities: external.capabilities,
+            attester: proplet
+                .status
+                .as_ref()
+                .and_then(|s| s.metadata.as_ref())
+                .and_then(|m| m.attester.clone()),
             active_tasks,
             capacity: proplet.spec.capacity,
         },

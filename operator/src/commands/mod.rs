@@ -4,6 +4,7 @@ pub mod broker;
 pub mod broker_config;
 pub mod demo;
 pub mod device_broker;
+pub mod encrypt;
 pub mod external_args;
 pub mod image_args;
 pub mod logging;

@@ -15,6 +15,7 @@ use crate::http_server::Server as HttpServer;
 use crate::system::cpu_seconds;
 use crate::wasm::{Compiled, Invocation, RunError, StopFlag, TaskGauge};
 
+use super::encrypted::encrypted_problem;
 use super::{Agent, Latent, MAX_TRACKED_ARRIVALS};
 
 impl Agent {
@@ -26,7 +27,9 @@ impl Agent {
             return;
         }
         let id = request.id.clone();
-        if let Some(problem) = start_problem(&request) {
+        let problem =
+            start_problem(&request).or_else(|| encrypted_problem(&request, self.kbs.is_some()));
+        if let Some(problem) = problem {
             self.report(&id, Err(problem)).await;
             return;
         }
@@ -145,14 +148,24 @@ impl Agent {
             (_, Some(image)) => self.fetch_chunks(image).await?,
             _ => return Err("the start request carries neither `file` nor `image_url`".into()),
         };
+        let bytes = self.plaintext(&request, bytes).await?;
         if stop.is_stopped() {
             return Err(RunError::Stopped.to_string());
         }
         let runtime = self.runtime.clone();
-        let (compiled, cached) = tokio::task::spawn_blocking(move || runtime.compile(&bytes))
-            .await
-            .map_err(|e| format!("compilation aborted: {e}"))?
-            .map_err(|e| e.to_string())?;
+        // A decrypted module goes into no cache: neither it nor code compiled from it rests
+        // on disk.
+        let private = request.encrypted;
+        let (compiled, cached) = tokio::task::spawn_blocking(move || {
+            if private {
+                runtime.compile_uncached(&bytes).map(|c| (c, false))
+            } else {
+                runtime.compile(&bytes)
+            }
+        })
+        .await
+        .map_err(|e| format!("compilation aborted: {e}"))?
+        .map_err(|e| e.to_string())?;
         debug!(task_id = request.id, cached, "module ready");
         if let Compiled::Component(component) = &compiled {
             if compiled.serves_http() {
@@ -427,9 +440,6 @@ pub(super) fn thread_cpu_seconds(thread_id: u32) -> Option<f64> {
 pub(super) fn start_problem(request: &StartRequest) -> Option<String> {
     if request.name.trim().is_empty() {
         return Some("the start request has an empty `name`".into());
-    }
-    if request.encrypted {
-        return Some("encrypted (TEE) tasks are not supported by this proplet".into());
     }
     let has_file = request.file.as_ref().is_some_and(|f| !f.is_empty());
     let has_image = request.image_url.as_ref().is_some_and(|u| !u.is_empty());

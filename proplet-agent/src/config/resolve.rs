@@ -10,7 +10,9 @@ use propeller_broker::protocol::BrokerAddress;
 
 use crate::config::addresses::{AddressSetting, BrokerAddresses};
 use crate::config::settings::Settings;
-use crate::config::values::{invalid, Interval, LogLevel, PortRange, Qos, Size, Switch};
+use crate::config::values::{
+    invalid, AttesterChoice, Interval, LogLevel, PortRange, Qos, Size, Switch,
+};
 use crate::credentials::{Credentials, CREDENTIALS_FILE};
 use crate::http_server::HttpServing;
 use crate::outgoing_http::HostOverride;
@@ -96,6 +98,56 @@ pub struct Config {
     pub http_resolve: Vec<HostOverride>,
     /// Extra roots for guests' HTTPS, read from `PROPLET_HTTP_CA_FILE`.
     pub http_ca_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
+    /// The Key Broker Service for encrypted tasks, when one is set.
+    pub kbs: Option<KbsSettings>,
+}
+
+/// Where and how the agent gets the keys of encrypted tasks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KbsSettings {
+    /// The service's base URL, without a trailing `/`.
+    pub url: String,
+    /// Extra roots for its TLS, from `PROPLET_KBS_CA_FILE`.
+    pub ca_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
+    /// The evidence source.
+    pub attester: AttesterChoice,
+}
+
+/// The KBS settings: a URL that is https, or http when allowed in so many words.
+fn kbs_settings(s: &Settings) -> Result<Option<KbsSettings>, ConfigError> {
+    let Some(url) = s.kbs_uri.as_deref().map(str::trim) else {
+        return Ok(None);
+    };
+    let insecure = s.kbs_insecure_http.is_some_and(|Switch(on)| on);
+    let rest = if let Some(rest) = url.strip_prefix("https://") {
+        rest
+    } else if let Some(rest) = url.strip_prefix("http://") {
+        if !insecure {
+            return Err(invalid(
+                "PROPLET_KBS_URI",
+                "is plain http: use https:// (with PROPLET_KBS_CA_FILE for a private CA), or set PROPLET_KBS_INSECURE_HTTP=true on a network you trust",
+            ));
+        }
+        rest
+    } else {
+        return Err(invalid(
+            "PROPLET_KBS_URI",
+            "must start with https:// (or http:// with PROPLET_KBS_INSECURE_HTTP=true)",
+        ));
+    };
+    if rest.trim_end_matches('/').is_empty() {
+        return Err(invalid("PROPLET_KBS_URI", "names no host"));
+    }
+    let ca_roots = match &s.kbs_ca_file {
+        None => Vec::new(),
+        Some(path) => crate::outgoing_http::load_roots(path)
+            .map_err(|e| invalid("PROPLET_KBS_CA_FILE", &e.to_string()))?,
+    };
+    Ok(Some(KbsSettings {
+        url: url.trim_end_matches('/').to_owned(),
+        ca_roots,
+        attester: s.attester.unwrap_or(AttesterChoice::None),
+    }))
 }
 
 impl Config {
@@ -147,6 +199,7 @@ impl Config {
                 tls: false,
             })
         });
+        let kbs = kbs_settings(&s)?;
         let tls = tls_files(&brokers, s.tls_ca_cert, s.tls_client_cert, s.tls_client_key)?;
 
         let required =
@@ -259,6 +312,7 @@ impl Config {
             http_allow_hosts: s.http_allow_hosts.unwrap_or_default().0,
             http_resolve: s.http_resolve.unwrap_or_default().0,
             http_ca_roots,
+            kbs,
         })
     }
 }

@@ -11,16 +11,17 @@ use serde::Deserialize;
 
 use crate::config::addresses::AddressSetting;
 use crate::config::values::{
-    Dirs, Interval, LogLevel, Overrides, PortRange, Qos, Size, Switch, Words,
+    AttesterChoice, Dirs, Interval, LogLevel, Overrides, PortRange, Qos, Size, Switch, Words,
 };
 
 use super::{value_error, ConfigError};
 
 /// Environment aliases accepted for upstream compatibility: (alias, canonical).
-pub const ALIASES: [(&str, &str); 3] = [
+pub const ALIASES: [(&str, &str); 4] = [
     ("PROPLET_TENANT_ID", "PROPLET_DOMAIN_ID"),
     ("PROPLET_ENTITY_ID", "PROPLET_CLIENT_ID"),
     ("PROPLET_API_KEY", "PROPLET_CLIENT_KEY"),
+    ("PROPLET_KBS_URL", "PROPLET_KBS_URI"),
 ];
 
 /// Declares [`Settings`] from one list of fields, with the merges its layers need.
@@ -172,6 +173,22 @@ settings! {
         /// roots.
         #[arg(long, env = "PROPLET_HTTP_CA_FILE")]
         pub http_ca_file: Option<PathBuf>,
+        /// Key Broker Service that releases the keys of encrypted tasks, `https://HOST[:PORT]`
+        /// (alias: PROPLET_KBS_URL); unset: encrypted tasks are not taken.
+        #[arg(long, env = "PROPLET_KBS_URI")]
+        pub kbs_uri: Option<String>,
+        /// PEM file of CA certificates trusted for the Key Broker Service, besides the
+        /// Mozilla roots.
+        #[arg(long, env = "PROPLET_KBS_CA_FILE")]
+        pub kbs_ca_file: Option<PathBuf>,
+        /// Allow an `http://` Key Broker Service (`false`): keys then cross the network
+        /// wrapped for this device only, but requests and refusals travel in the clear.
+        #[arg(long, env = "PROPLET_KBS_INSECURE_HTTP")]
+        pub kbs_insecure_http: Option<Switch>,
+        /// Evidence for the Key Broker Service: `none` (default) or `sample`, which attests
+        /// nothing (any process can produce it): for tests and development only.
+        #[arg(long, env = "PROPLET_ATTESTER")]
+        pub attester: Option<AttesterChoice>,
         /// Only in the file: the `[bootstrap]` table, a token to enrol with on first boot.
         #[arg(skip)]
         pub bootstrap: Option<BootstrapSection>,
@@ -223,7 +240,9 @@ impl Settings {
             let slot = match canonical {
                 "PROPLET_DOMAIN_ID" => &mut aliases.domain_id,
                 "PROPLET_CLIENT_ID" => &mut aliases.client_id,
-                _ => &mut aliases.client_key,
+                "PROPLET_CLIENT_KEY" => &mut aliases.client_key,
+                "PROPLET_KBS_URI" => &mut aliases.kbs_uri,
+                _ => continue,
             };
             *slot = env.get(alias).filter(|v| !v.is_empty()).cloned();
         }
@@ -256,6 +275,7 @@ impl Given for u16 {}
 impl Given for Interval {}
 impl Given for Size {}
 impl Given for Switch {}
+impl Given for AttesterChoice {}
 impl Given for Qos {}
 impl Given for LogLevel {}
 impl Given for Words {}

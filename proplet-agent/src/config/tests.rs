@@ -249,6 +249,56 @@ fn outgoing_http_settings_are_checked_at_start_up() {
     assert!(defaults.http_resolve.is_empty() && defaults.http_ca_roots.is_empty());
 }
 
+#[test]
+fn a_plain_http_kbs_is_refused_unless_allowed() {
+    let error = |f: Flags| resolve(f).err().map(|e| e.to_string()).unwrap_or_default();
+    let mut f = base();
+    f.settings.kbs_uri = Some("http://kbs.local:8080".into());
+    let e = error(f.clone());
+    assert!(
+        e.starts_with("PROPLET_KBS_URI:") && e.contains("PROPLET_KBS_INSECURE_HTTP=true"),
+        "{e}"
+    );
+    f.settings.kbs_insecure_http = Some(Switch(true));
+    f.settings.attester = Some(AttesterChoice::Sample);
+    let kbs = resolve(f).ok().and_then(|c| c.kbs).expect("allowed");
+    assert_eq!(kbs.url, "http://kbs.local:8080");
+    assert_eq!(kbs.attester, AttesterChoice::Sample);
+
+    let mut f = base();
+    f.settings.kbs_uri = Some("kbs.local".into());
+    assert!(error(f).contains("must start with https://"));
+    let mut f = base();
+    f.settings.kbs_uri = Some("https://kbs.local/".into());
+    let kbs = resolve(f).ok().and_then(|c| c.kbs).expect("https");
+    assert_eq!(kbs.url, "https://kbs.local");
+    assert_eq!(
+        kbs.attester,
+        AttesterChoice::None,
+        "no attester unless asked"
+    );
+    assert!(resolve(base()).ok().is_some_and(|c| c.kbs.is_none()));
+
+    // The upstream-style variable name is an alias; a bad attester names its variable.
+    let env = environment(&[("PROPLET_KBS_URL", "https://kbs.example")]);
+    assert_eq!(
+        Settings::from_env(&env)
+            .ok()
+            .and_then(|s| s.kbs_uri)
+            .as_deref(),
+        Some("https://kbs.example")
+    );
+    let env = environment(&[("PROPLET_ATTESTER", "snp")]);
+    let e = Settings::from_env(&env)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("PROPLET_ATTESTER") && e.contains("not none or sample"),
+        "{e}"
+    );
+}
+
 fn address(host: &str, port: u16, tls: bool) -> BrokerAddress {
     BrokerAddress {
         host: host.into(),

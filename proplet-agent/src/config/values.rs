@@ -237,6 +237,30 @@ impl FromStr for LogLevel {
 }
 from_text!(LogLevel, "trace, debug, info, warn or error");
 
+/// Which attester gives the evidence for a Key Broker Service: `none`, or `sample`
+/// (no TEE: evidence any process can make, for tests and development only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttesterChoice {
+    /// No attester: encrypted tasks are not taken.
+    None,
+    /// Confidential Containers' `sample` TEE: no hardware, no protection.
+    Sample,
+}
+
+impl FromStr for AttesterChoice {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(AttesterChoice::None),
+            "sample" => Ok(AttesterChoice::Sample),
+            other => Err(format!(
+                "{other:?} is not none or sample (hardware attesters are not built into this proplet)"
+            )),
+        }
+    }
+}
+from_text!(AttesterChoice, "none or sample");
+
 /// A comma-separated list of words (`a, b,,c` → `[a, b, c]`), or a TOML list.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Words(pub Vec<String>);

@@ -62,6 +62,9 @@ fn render_group(g: &ExclusionGroup) -> String {
         Exclusion::MissingCapability(cap) => {
             format!("{n} lack{s} capability {cap} ({names})")
         }
+        Exclusion::CannotAttest => format!(
+            "{n} cannot run encrypted tasks: no attester announced, their agents need PROPLET_KBS_URI and PROPLET_ATTESTER ({names})"
+        ),
         Exclusion::AtCapacity { capacity } => {
             format!("{n} at capacity, {capacity} task(s) each ({names})")
         }

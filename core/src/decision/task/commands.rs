@@ -35,6 +35,7 @@ pub fn selector_of(task: &Task) -> SelectorView {
         match_device_types: sel.match_device_types,
         match_capabilities: sel.match_capabilities,
         preferred_type: task.spec.preferred_proplet_type,
+        needs_attester: task.spec.encrypted,
     }
 }
 
