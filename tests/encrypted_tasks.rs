@@ -1,7 +1,7 @@
 //! Encrypted tasks end to end against a real Key Broker Service (trustee's `kbs` with the
-//! `sample` verifier, `../shared/kbs`): a module encrypted with `propeller encrypt`, its key
-//! put in the KBS, real agents (one attesting with the sample attester, one with no KBS),
-//! `propeller standalone`. Every failure a user can meet is named in the task's error.
+//! `sample` verifier, `../shared/kbs`, over TLS with a test CA): a module encrypted with
+//! `propeller encrypt`, its key put in the KBS, real agents (one attesting with the sample
+//! attester, one with no KBS), `propeller standalone`. Every failure a user can meet is named in the task's error.
 
 mod support;
 
@@ -83,50 +83,58 @@ struct Setup {
     serving: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
+/// The add module written to `work/add.wasm` and encrypted by `propeller encrypt` under a
+/// new key: (module, key, encrypted module).
+fn encrypt_module(work: &Path) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let plain = support::registry::add_module(64);
+    std::fs::write(work.join("add.wasm"), &plain).expect("write module");
+    let out = support::binary("propeller")
+        .args(["encrypt", "--new-key", "--key"])
+        .arg(work.join("add.key"))
+        .arg("-o")
+        .arg(work.join("add.wasm.enc"))
+        .arg(work.join("add.wasm"))
+        .output()
+        .expect("propeller encrypt");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("sha256 "), "{said}");
+    let key = std::fs::read(work.join("add.key")).expect("key");
+    assert_eq!(key.len(), 32);
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(work.join("add.key"))
+            .expect("key")
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "the key file is private");
+    let sealed = std::fs::read(work.join("add.wasm.enc")).expect("encrypted module");
+    assert!(
+        !contains(&sealed, &plain[8..40]),
+        "the output is not the module"
+    );
+    (plain, key, sealed)
+}
+
 impl Setup {
     fn start() -> Option<Self> {
-        let kbs = Kbs::start()?;
+        let mut kbs = Kbs::start()?;
         let dir = tempfile::tempdir().expect("temp dir");
         let work = dir.path();
-        let plain = support::registry::add_module(64);
-        std::fs::write(work.join("add.wasm"), &plain).expect("write module");
-        let out = support::binary("propeller")
-            .args(["encrypt", "--new-key", "--key"])
-            .arg(work.join("add.key"))
-            .arg("-o")
-            .arg(work.join("add.wasm.enc"))
-            .arg(work.join("add.wasm"))
-            .output()
-            .expect("propeller encrypt");
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{said}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(said.contains("sha256 "), "{said}");
-        let key = std::fs::read(work.join("add.key")).expect("key");
-        assert_eq!(key.len(), 32);
-        let mode = std::os::unix::fs::PermissionsExt::mode(
-            &std::fs::metadata(work.join("add.key"))
-                .expect("key")
-                .permissions(),
-        );
-        assert_eq!(mode & 0o777, 0o600, "the key file is private");
-        let sealed = std::fs::read(work.join("add.wasm.enc")).expect("encrypted module");
-        assert!(
-            !contains(&sealed, &plain[8..40]),
-            "the output is not the module"
-        );
+        let (plain, key, sealed) = encrypt_module(work);
         kbs.put("default/key/add", &key);
         kbs.put("default/key/other", &[0x5a; 32]);
 
         let (encrypted_addr, stop_encrypted) = serve_file(sealed);
         let (plain_addr, stop_plain) = serve_file(plain.clone());
         let (server, api, port) = start_standalone(work, &[]);
+        let ca_file = kbs.ca_file.display().to_string();
         let kbs_env = [
             ("PROPLET_KBS_URI", kbs.url.as_str()),
-            ("PROPLET_KBS_INSECURE_HTTP", "true"),
+            ("PROPLET_KBS_CA_FILE", ca_file.as_str()),
             ("PROPLET_ATTESTER", "sample"),
         ];
         let mut agents = Vec::new();
@@ -343,4 +351,90 @@ fn bench_what_the_kbs_exchange_adds() {
         exchanges.first().copied().unwrap_or_default(),
         exchanges.last().copied().unwrap_or_default(),
     );
+}
+
+/// The same module on `propeller run` against a real API server: the agent's attester
+/// reaches the Proplet's status, the encrypted task completes to 42, and a wrong key fails
+/// the task with its cause in the status and a `Failed` Event.
+#[test]
+fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
+    use support::envtest::{free_port, Options};
+    use support::kube::{apply, cluster, event_reasons, get, wait_phase, STATUS_WAIT};
+    let Some(mut kbs) = Kbs::start() else {
+        return;
+    };
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let (_plain, key, sealed) = encrypt_module(cp.scratch());
+    kbs.put("default/key/add", &key);
+    kbs.put("default/key/other", &[0x5a; 32]);
+    let (addr, serving) = serve_file(sealed);
+    let url = format!("http://{addr}/add.wasm.enc");
+
+    let metrics = free_port();
+    let mut cmd = support::binary("propeller");
+    cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
+        .arg(format!("127.0.0.1:{metrics}"))
+        .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
+        .args(["--status-flush-interval", "1s", "--log-format", "json"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info");
+    let operator = support::Running::spawn(cmd);
+    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
+    let mqtt: u16 = serde_json::from_str::<serde_json::Value>(&line).unwrap_or_default()["fields"]
+        ["addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {line:?}"));
+    let ns = "sealed";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    apply(&cp, ns, &support::device_manifest("tee", mqtt));
+    let ca_file = kbs.ca_file.display().to_string();
+    let _agent = support::device_agent_with(
+        "tee",
+        mqtt,
+        &cp.scratch().join("tee-state"),
+        &[
+            ("PROPLET_KBS_URI", kbs.url.as_str()),
+            ("PROPLET_KBS_CA_FILE", ca_file.as_str()),
+            ("PROPLET_ATTESTER", "sample"),
+        ],
+    );
+    let proplet = wait_phase(&cp, ns, "proplet", "tee", "Running");
+    let started = std::time::Instant::now();
+    while get(&cp, ns, "proplet", "tee").expect("proplet")["status"]["metadata"]["attester"]
+        != "sample"
+    {
+        assert!(started.elapsed() < STATUS_WAIT, "no attester: {proplet:#}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+
+    apply(&cp, ns, &encrypted_task("add", &url, "default/key/add", ""));
+    let done = wait_phase(&cp, ns, "task", "add", "completed");
+    assert_eq!(done["status"]["results"], "42", "{done:#}");
+
+    apply(
+        &cp,
+        ns,
+        &encrypted_task("wrong-key", &url, "default/key/other", ""),
+    );
+    let failed = wait_phase(&cp, ns, "task", "wrong-key", "failed");
+    let error = failed["status"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("authentication tag mismatch"), "{error}");
+    let started = std::time::Instant::now();
+    while !event_reasons(&cp, ns, "wrong-key")
+        .iter()
+        .any(|r| r == "Failed")
+    {
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "no Failed Event: {:?}",
+            event_reasons(&cp, ns, "wrong-key")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    println!("kubernetes: encrypted add completed with 42; wrong-key failed: {error}");
+    serving.store(true, std::sync::atomic::Ordering::Relaxed);
 }

@@ -2,7 +2,13 @@
 //! attestation service and `sample` verifier (`../shared/kbs`). Its own script sets it up
 //! (admin key pair and token, allow-all resource policy, local storage) and starts it once;
 //! that process is stopped at once and the service started again as this test's child, on
-//! the same loopback port, so it is stopped by pid when dropped and dies with the test.
+//! the same loopback port and with TLS (a test CA's certificate for 127.0.0.1), so it is
+//! stopped by pid when dropped and dies with the test.
+//!
+//! Admin calls go to the same service restarted on plain HTTP for the call: behind TLS this
+//! build of trustee matches its admin ACL against the whole request URL (`https://host/…`),
+//! while it accepts only rules anchored at `^/`, so no admin call passes over HTTPS.
+//! Resources and policies are on disk and survive the restarts.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,8 +18,12 @@ use super::{repo_root, Running};
 
 /// A running KBS.
 pub struct Kbs {
-    /// `http://127.0.0.1:PORT`.
+    /// `https://127.0.0.1:PORT`.
     pub url: String,
+    /// The same port on plain HTTP, for admin calls.
+    http_url: String,
+    /// The PEM CA file its certificate is signed by.
+    pub ca_file: PathBuf,
     state: PathBuf,
     token: String,
     process: Option<Running>,
@@ -38,6 +48,8 @@ impl Kbs {
             .arg(&script)
             .arg("--state")
             .arg(&state)
+            .arg("--port")
+            .arg(super::envtest::free_port().to_string())
             .output()
             .expect("run kbs-up.sh");
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -63,8 +75,32 @@ impl Kbs {
             std::thread::sleep(Duration::from_millis(20));
         }
         let token = std::fs::read_to_string(value("KBS_ADMIN_TOKEN")).expect("admin token");
+        let (ca, certificate, key) = super::envtest::serving_certificate();
+        let ca_file = state.join("ca.pem");
+        for (name, pem) in [
+            ("ca.pem", &ca),
+            ("tls.crt", &certificate),
+            ("tls.key", &key),
+        ] {
+            std::fs::write(state.join(name), pem).expect("write TLS file");
+        }
+        let config = state.join("config.toml");
+        let plain = std::fs::read_to_string(&config).expect("KBS config");
+        std::fs::write(state.join("config-http.toml"), &plain).expect("write KBS config");
+        assert!(plain.contains("insecure_http = true"), "{plain}");
+        let tls = plain.replace(
+            "insecure_http = true",
+            &format!(
+                "insecure_http = false\nprivate_key = \"{}\"\ncertificate = \"{}\"",
+                state.join("tls.key").display(),
+                state.join("tls.crt").display()
+            ),
+        );
+        std::fs::write(&config, tls).expect("write KBS config");
         let mut kbs = Self {
-            url: value("KBS_URL"),
+            http_url: value("KBS_URL"),
+            url: value("KBS_URL").replace("http://", "https://"),
+            ca_file,
             state,
             token: token.trim().to_owned(),
             process: None,
@@ -74,20 +110,23 @@ impl Kbs {
         Some(kbs)
     }
 
-    /// Starts the service (again) as this process's child and waits until it answers.
+    /// Starts the service (again) on TLS as this process's child and waits until it answers.
     pub fn restart(&mut self) {
+        self.serve("config.toml", &self.url.clone());
+    }
+
+    fn serve(&mut self, config: &str, url: &str) {
         self.process = None;
         let mut cmd = Command::new(self.state.join("kbs"));
         cmd.arg("--config-file")
-            .arg(self.state.join("config.toml"))
+            .arg(self.state.join(config))
             .env("RUST_LOG", "info");
         let process = Running::spawn(cmd);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while self.curl(&["-o", "/dev/null", &format!("{}/kbs/v0/auth", self.url)]) == "000" {
+        while self.curl(&["-o", "/dev/null", &format!("{url}/kbs/v0/auth")]) == "000" {
             assert!(
                 Instant::now() < deadline,
-                "the KBS does not answer at {}",
-                self.url
+                "the KBS does not answer at {url}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -102,16 +141,20 @@ impl Kbs {
     /// `curl -s -w '%{http_code}' ARGS`: the status code.
     fn curl(&self, args: &[&str]) -> String {
         let out = Command::new("curl")
-            .args(["-s", "-w", "%{http_code}", "--max-time", "10"])
+            .args(["-s", "-w", "%{http_code}", "--max-time", "10", "--cacert"])
+            .arg(&self.ca_file)
             .args(args)
             .output()
             .expect("run curl");
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
-    /// An admin call that must answer 200.
-    fn admin(&self, method: &str, path: &str, content_type: &str, body: &std::path::Path) {
-        let url = format!("{}/kbs/v0/{path}", self.url);
+    /// An admin call that must answer 200, made on plain HTTP (see the module's note); the
+    /// service is back on TLS after it.
+    fn admin(&mut self, method: &str, path: &str, content_type: &str, body: &std::path::Path) {
+        let http = self.http_url.clone();
+        self.serve("config-http.toml", &http);
+        let url = format!("{http}/kbs/v0/{path}");
         let bearer = format!("Authorization: Bearer {}", self.token);
         let content = format!("Content-Type: {content_type}");
         let data = format!("@{}", body.display());
@@ -135,10 +178,11 @@ impl Kbs {
             "{method} {path}: {}",
             std::fs::read_to_string(&response).unwrap_or_default()
         );
+        self.restart();
     }
 
     /// Puts `bytes` at resource `path` (`REPOSITORY/TYPE/TAG`).
-    pub fn put(&self, path: &str, bytes: &[u8]) {
+    pub fn put(&mut self, path: &str, bytes: &[u8]) {
         let file = self.state.join("upload");
         std::fs::write(&file, bytes).expect("write resource");
         self.admin(
@@ -151,7 +195,7 @@ impl Kbs {
     }
 
     /// Sets the resource policy (Rego).
-    pub fn set_policy(&self, rego: &str) {
+    pub fn set_policy(&mut self, rego: &str) {
         use base64::Engine;
         let encoded = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rego);
         let file = self.state.join("policy.json");

@@ -403,6 +403,7 @@ pub fn signal_and_wait(
 /// `propeller standalone` on ephemeral loopback ports with its data in `dir`; returns the
 /// process, the API address and the MQTT port.
 pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, String, String) {
+    register_api_token(dir);
     let mut cmd = binary("propeller");
     cmd.args(["standalone", "--api-listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir)
@@ -416,6 +417,32 @@ pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, Stri
     let port = mqtt.rsplit(':').next().expect("port").trim().to_owned();
     let addr = api_address(&server);
     (server, addr, port)
+}
+
+/// Gives a data directory without one an API token (owner-only, as propeller writes it)
+/// that is a registered [`secret`], so every log of the test is checked for it; an existing
+/// token is registered as it is.
+fn register_api_token(dir: &std::path::Path) {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("api-token");
+    if let Ok(existing) = std::fs::read_to_string(&path) {
+        secret(existing.trim());
+        return;
+    }
+    let mut random = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut random))
+        .expect("read /dev/urandom");
+    let token: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .and_then(|mut f| f.write_all(token.as_bytes()))
+        .expect("write the API token");
+    secret(token);
 }
 
 /// The API address `propeller standalone` prints at start (`api listening on http://...`).
