@@ -359,7 +359,9 @@ fn bench_what_the_kbs_exchange_adds() {
 #[test]
 fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     use support::envtest::{free_port, Options};
-    use support::kube::{apply, cluster, event_reasons, get, wait_phase, STATUS_WAIT};
+    use support::kube::{
+        apply, cluster, event_reasons, get, mqtt_port, operator_command, wait_phase, STATUS_WAIT,
+    };
     let Some(mut kbs) = Kbs::start() else {
         return;
     };
@@ -372,22 +374,8 @@ fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     let (addr, serving) = serve_file(sealed);
     let url = format!("http://{addr}/add.wasm.enc");
 
-    let metrics = free_port();
-    let mut cmd = support::binary("propeller");
-    cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
-        .arg(format!("127.0.0.1:{metrics}"))
-        .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
-        .args(["--status-flush-interval", "1s", "--log-format", "json"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info");
-    let operator = support::Running::spawn(cmd);
-    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
-    let mqtt: u16 = serde_json::from_str::<serde_json::Value>(&line).unwrap_or_default()["fields"]
-        ["addr"]
-        .as_str()
-        .and_then(|a| a.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {line:?}"));
+    let operator = support::Running::spawn(operator_command(&kubeconfig, free_port()));
+    let mqtt = mqtt_port(&operator);
     let ns = "sealed";
     cp.kubectl_ok(&["create", "namespace", ns]);
     apply(&cp, ns, &support::device_manifest("tee", mqtt));

@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
 use support::kube::{
-    apply, cluster, event_reasons, get, http_body, http_status, task_manifest, wait_gone,
-    wait_http, wait_phase, wait_phase_explained, wait_until, STATUS_WAIT,
+    apply, cluster, event_reasons, get, http_body, http_status, mqtt_port, operator_command,
+    task_manifest, wait_gone, wait_http, wait_phase, wait_phase_explained, wait_until, STATUS_WAIT,
 };
 use support::{binary, repo_root, Running};
 
 /// Liveness threshold the operator runs with in these tests.
-const THRESHOLD_SECS: u64 = 3;
+const THRESHOLD_SECS: u64 = support::kube::LAST_SEEN_THRESHOLD_SECS;
 
 /// A control plane with one operator (`operator-a`) leading and an empty namespace `ns`;
 /// the operator's MQTT port.
@@ -50,34 +50,11 @@ fn spawn_operator(kubeconfig: &Path, identity: &str) -> (Running, u16) {
 
 fn spawn_operator_with(kubeconfig: &Path, identity: &str, extra: &[&str]) -> (Running, u16) {
     let metrics = free_port();
-    let mut cmd = binary("propeller");
-    cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
-        .arg(format!("127.0.0.1:{metrics}"))
-        .args(["--leader-elect", "--lease-namespace", "propeller-system"])
-        .args(["--last-seen-threshold", &format!("{THRESHOLD_SECS}s")])
-        .args([
-            "--liveliness-interval",
-            "1s",
-            "--status-flush-interval",
-            "1s",
-        ])
-        .args(["--log-format", "json"])
+    let mut cmd = operator_command(kubeconfig, metrics);
+    cmd.args(["--leader-elect", "--lease-namespace", "propeller-system"])
         .args(extra)
-        .env("KUBECONFIG", kubeconfig)
-        .env("HOSTNAME", identity)
-        .env("RUST_LOG", "info");
+        .env("HOSTNAME", identity);
     (Running::spawn(cmd), metrics)
-}
-
-/// The MQTT port from the operator's "mqtt listening" log line (JSON logs).
-fn mqtt_port(operator: &Running) -> u16 {
-    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
-    let entry: Value = serde_json::from_str(&line).unwrap_or_default();
-    entry["fields"]["addr"]
-        .as_str()
-        .and_then(|a| a.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {line:?}"))
 }
 
 /// An external Proplet `name` in `namespace` with its key Secret, and its real agent.

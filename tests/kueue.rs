@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
-use support::kube::{apply, cluster, get, STATUS_WAIT};
+use support::kube::{apply, cluster, get, mqtt_port, operator_command, STATUS_WAIT};
 use support::kueue::Kueue;
-use support::{binary, device_agent, device_manifest, repo_root, Running};
+use support::{device_agent, device_manifest, repo_root, Running};
 
 const NS: &str = "fleet";
 /// How long a job of long-running tasks may take to finish, queueing included.
@@ -160,22 +160,10 @@ impl Setup {
         cp.kubectl_ok(&["apply", "-k", "configs/kueue"]);
         cp.kubectl_ok(&["create", "namespace", NS]);
         apply(&cp, NS, queues);
-        let metrics = free_port();
-        let mut cmd = binary("propeller");
-        cmd.args(["run", "--kueue", "--mqtt-listen", "127.0.0.1:0"])
-            .arg("--metrics-listen")
-            .arg(format!("127.0.0.1:{metrics}"))
-            .args(["--last-seen-threshold", "3s", "--liveliness-interval", "1s"])
-            .args(["--status-flush-interval", "1s", "--log-format", "json"])
-            .env("KUBECONFIG", &kubeconfig)
-            .env("RUST_LOG", "info");
+        let mut cmd = operator_command(&kubeconfig, free_port());
+        cmd.arg("--kueue");
         let operator = Running::spawn(cmd);
-        let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
-        let mqtt: u16 = serde_json::from_str::<Value>(&line).unwrap_or_default()["fields"]["addr"]
-            .as_str()
-            .and_then(|a| a.rsplit(':').next())
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("no port in {line:?}"));
+        let mqtt = mqtt_port(&operator);
         let setup = Setup {
             cp,
             kueue,

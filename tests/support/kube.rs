@@ -2,7 +2,8 @@
 //! and the operator's rights, `kubectl` reads and applies as the user, waits for the statuses
 //! the operator writes, and its HTTP endpoints.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -21,6 +22,42 @@ pub fn cluster(options: Options) -> Option<(ControlPlane, PathBuf)> {
     cp.install_operator_rbac();
     let kubeconfig = cp.service_account_kubeconfig("propeller-system", "propeller");
     Some((cp, kubeconfig))
+}
+
+/// Liveness threshold the operator runs with in the tests, seconds.
+pub const LAST_SEEN_THRESHOLD_SECS: u64 = 3;
+
+/// `propeller run` as `kubeconfig`'s user: MQTT on a free loopback port, metrics on
+/// `metrics`, JSON logs, a [`LAST_SEEN_THRESHOLD_SECS`] liveness threshold, heartbeats and
+/// status flushes every second. Callers add their flags and start it.
+pub fn operator_command(kubeconfig: &Path, metrics: u16) -> Command {
+    let mut cmd = super::binary("propeller");
+    cmd.args(["run", "--mqtt-listen", "127.0.0.1:0", "--metrics-listen"])
+        .arg(format!("127.0.0.1:{metrics}"))
+        .args([
+            "--last-seen-threshold",
+            &format!("{LAST_SEEN_THRESHOLD_SECS}s"),
+            "--liveliness-interval",
+            "1s",
+            "--status-flush-interval",
+            "1s",
+            "--log-format",
+            "json",
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+/// The MQTT port from the operator's `mqtt listening` log line (JSON logs).
+pub fn mqtt_port(operator: &Running) -> u16 {
+    let line = operator.stderr_line_within("mqtt listening", STATUS_WAIT);
+    let entry: Value = serde_json::from_str(&line).unwrap_or_default();
+    entry["fields"]["addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {line:?}"))
 }
 
 /// `kubectl apply` of `manifest` in `namespace`, as the admin (the user).
