@@ -11,6 +11,7 @@ pub mod cluster_cases;
 pub mod enrol;
 pub mod envtest;
 pub mod external;
+pub mod fault_proxy;
 pub mod httpbin;
 pub mod image;
 pub mod kbs;
