@@ -111,7 +111,7 @@ fn a_device_on_a_slow_stalling_cut_link_loses_and_doubles_nothing() {
             break done;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(120),
+            started.elapsed() < Duration::from_secs(180),
             "{} of {TASKS} completed",
             done.len()
         );
