@@ -34,6 +34,17 @@ pub fn wait_for_phase(
     name: &str,
     phase: &str,
 ) -> std::time::Duration {
+    wait_for_phase_within(api, dir, name, phase, WAIT)
+}
+
+/// [`wait_for_phase`] with its own bound.
+pub fn wait_for_phase_within(
+    api: &str,
+    dir: &std::path::Path,
+    name: &str,
+    phase: &str,
+    limit: std::time::Duration,
+) -> std::time::Duration {
     let started = std::time::Instant::now();
     loop {
         let (ok, out, _) = propeller_client(api, dir, &["get", "proplet", name, "-o", "json"]);
@@ -44,9 +55,8 @@ pub fn wait_for_phase(
             }
         }
         assert!(
-            started.elapsed() < WAIT,
-            "proplet {name} did not become {phase} within {:?}",
-            WAIT
+            started.elapsed() < limit,
+            "proplet {name} did not become {phase} within {limit:?}"
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
