@@ -360,7 +360,8 @@ fn bench_what_the_kbs_exchange_adds() {
 fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     use support::envtest::{free_port, Options};
     use support::kube::{
-        apply, cluster, event_reasons, get, mqtt_port, operator_command, wait_phase, STATUS_WAIT,
+        apply, cluster, get, mqtt_port, operator_command, wait_event_reason, wait_phase,
+        STATUS_WAIT,
     };
     let Some(mut kbs) = Kbs::start() else {
         return;
@@ -411,18 +412,7 @@ fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     let failed = wait_phase(&cp, ns, "task", "wrong-key", "failed");
     let error = failed["status"]["error"].as_str().unwrap_or_default();
     assert!(error.contains("authentication tag mismatch"), "{error}");
-    let started = std::time::Instant::now();
-    while !event_reasons(&cp, ns, "wrong-key")
-        .iter()
-        .any(|r| r == "Failed")
-    {
-        assert!(
-            started.elapsed() < STATUS_WAIT,
-            "no Failed Event: {:?}",
-            event_reasons(&cp, ns, "wrong-key")
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    wait_event_reason(&cp, ns, "wrong-key", "Failed");
     println!("kubernetes: encrypted add completed with 42; wrong-key failed: {error}");
     serving.store(true, std::sync::atomic::Ordering::Relaxed);
 }

@@ -15,7 +15,8 @@ use serde_json::Value;
 use support::envtest::{free_port, ControlPlane, Options};
 use support::kube::{
     apply, cluster, event_reasons, get, http_body, http_status, mqtt_port, operator_command,
-    task_manifest, wait_gone, wait_http, wait_phase, wait_phase_explained, wait_until, STATUS_WAIT,
+    task_manifest, wait_event_reason, wait_gone, wait_http, wait_phase, wait_phase_explained,
+    wait_until, STATUS_WAIT,
 };
 use support::{binary, repo_root, Running};
 
@@ -381,18 +382,7 @@ fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
     wait_gone(&cp, ns, "task", "young");
     let stopped = agent.stderr_line_within("stop requested", STATUS_WAIT);
     assert!(stopped.contains(&uid), "{stopped}");
-    let noted = Instant::now();
-    while !event_reasons(&cp, ns, "young")
-        .iter()
-        .any(|r| r == "Stopped")
-    {
-        assert!(
-            noted.elapsed() < STATUS_WAIT,
-            "no Stopped Event for the deleted task: {:?}",
-            event_reasons(&cp, ns, "young")
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_event_reason(&cp, ns, "young", "Stopped");
     drop(agent);
     drop(operator);
 }

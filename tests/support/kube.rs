@@ -258,3 +258,19 @@ pub fn event_reasons(cp: &ControlPlane, namespace: &str, name: &str) -> Vec<Stri
         })
         .unwrap_or_default()
 }
+
+/// Waits until `name` in `namespace` has an Event with `reason`, for at most [`STATUS_WAIT`].
+pub fn wait_event_reason(cp: &ControlPlane, namespace: &str, name: &str, reason: &str) {
+    let started = Instant::now();
+    while !event_reasons(cp, namespace, name)
+        .iter()
+        .any(|r| r == reason)
+    {
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "no {reason} Event for {name}: {:?}",
+            event_reasons(cp, namespace, name)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
