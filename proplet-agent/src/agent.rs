@@ -53,6 +53,9 @@ use rotation::{Backoff, Rotation};
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the spool waits for a PUBACK before sending the entry again.
 const ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// Spooled results published and awaiting their PUBACK at most (the MQTT client's in-flight
+/// window is the same).
+const RESULTS_IN_FLIGHT: usize = 32;
 
 /// A deployed latent task, compiled and waiting for invocations.
 struct Latent {

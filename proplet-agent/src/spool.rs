@@ -160,6 +160,16 @@ impl Spool {
             .map(|(_, (entry, _))| entry.clone())
     }
 
+    /// The `n` oldest entries, oldest first.
+    pub fn oldest_n(&self, n: usize) -> Vec<Entry> {
+        self.lock_journal()
+            .pending
+            .values()
+            .take(n)
+            .map(|(entry, _)| entry.clone())
+            .collect()
+    }
+
     /// Forgets an entry once the broker acknowledged it.
     pub fn remove(&self, entry: &Entry) -> io::Result<()> {
         let mut journal = self.lock_journal();

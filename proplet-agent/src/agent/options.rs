@@ -45,7 +45,7 @@ pub(super) fn options_for(
         .set_keep_alive(config.keep_alive)
         .set_clean_session(true)
         .set_max_packet_size(10 * 1024 * 1024, 10 * 1024 * 1024)
-        .set_inflight(10)
+        .set_inflight(super::RESULTS_IN_FLIGHT as u16)
         .set_request_channel_capacity(128);
     let will = OfflineNotice {
         proplet_id: config.client_id.clone(),
