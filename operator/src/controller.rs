@@ -55,6 +55,7 @@ pub mod proplet;
 pub mod routing;
 pub mod runner;
 pub mod task;
+pub mod upgrade;
 
 #[cfg(test)]
 mod reconcile_tests;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
-use propeller_broker::protocol::ResultValue;
+use propeller_broker::protocol::{ResultValue, UpgradeReport};
 use propeller_broker::server::{BrokerEvent, EventKind, Publisher};
 use tracing::warn;
 
@@ -39,6 +39,8 @@ pub struct DriverState {
     /// FL updates that name no task, by (round number, sender), until the participant's
     /// task claims them.
     unclaimed_updates: Mutex<Vec<(u64, ReportedResult)>>,
+    /// Upgrade reports not yet written, by rollout id, with the client that sent each.
+    upgrade_reports: Mutex<HashMap<String, Vec<(String, UpgradeReport)>>>,
     /// The latest phase seen of each proplet another replica owns (sharding).
     foreign_phases:
         Mutex<HashMap<propeller_core::object_name::ObjectName, crate::crd::proplet::PropletPhase>>,
@@ -55,9 +57,14 @@ pub enum Concerns {
     TasksOf(String),
     /// The proplet with this MQTT client id began a new session: it and its tasks.
     Rejoined(String),
+    /// The PropletUpgrade with this rollout id.
+    Upgrade(String),
     /// Nothing a reconciler handles.
     Nothing,
 }
+
+/// Upgrade reports kept per rollout until a status write takes them.
+const MAX_UPGRADE_REPORTS: usize = 100_000;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -173,6 +180,16 @@ impl DriverState {
                     }
                 }
             }
+            EventKind::Upgrade(report) => {
+                let mut reports = lock(&self.upgrade_reports);
+                let queued = reports.entry(report.id.clone()).or_default();
+                if queued.len() >= MAX_UPGRADE_REPORTS {
+                    warn!(rollout = %report.id, "too many unapplied upgrade reports; dropping one");
+                    return Concerns::Nothing;
+                }
+                queued.push((event.client_id.clone(), report.clone()));
+                Concerns::Upgrade(report.id.clone())
+            }
             EventKind::TaskMetrics(m) => {
                 let percent = |p: Option<f64>| p.map_or(0, |c| (c * 1000.0) as i64);
                 let sample = MetricsSample {
@@ -189,6 +206,23 @@ impl DriverState {
             }
             _ => Concerns::Nothing,
         }
+    }
+
+    /// Takes the upgrade reports of rollout `id` (give them back with
+    /// [`DriverState::restore_upgrade_reports`] if they could not be written).
+    pub fn take_upgrade_reports(&self, id: &str) -> Vec<(String, UpgradeReport)> {
+        lock(&self.upgrade_reports).remove(id).unwrap_or_default()
+    }
+
+    /// Puts back reports taken for a status write that failed, before any that came since.
+    pub fn restore_upgrade_reports(&self, id: &str, mut taken: Vec<(String, UpgradeReport)>) {
+        if taken.is_empty() {
+            return;
+        }
+        let mut reports = lock(&self.upgrade_reports);
+        let queued = reports.entry(id.to_owned()).or_default();
+        taken.append(queued);
+        *queued = taken;
     }
 
     fn queue_result(

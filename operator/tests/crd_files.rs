@@ -36,6 +36,7 @@ fn crds_have_the_upstream_names_and_subresources() {
             "propellerjobs.propeller.propeller.absmach.eu",
             "federatedjobs.propeller.propeller.absmach.eu",
             "trainingrounds.propeller.propeller.absmach.eu",
+            "propletupgrades.propeller.propeller.absmach.eu",
         ]
     );
     for crd in &crds {

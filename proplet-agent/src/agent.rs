@@ -45,6 +45,7 @@ mod results;
 mod rotation;
 mod subscriptions;
 mod tasks;
+mod upgrades;
 
 pub use options::{broker_options, mqtt_options, tls_config};
 use rotation::{Backoff, Rotation};
@@ -122,6 +123,14 @@ pub struct Agent {
     /// agent neither announces itself nor sends heartbeats, so propeller does not count it
     /// Running (and send it starts) while its broker would not deliver them.
     listening: AtomicBool,
+    /// Whether an upgrade request is being handled.
+    upgrading: AtomicBool,
+    /// Wakes the run loop to stop for a restart into another agent binary.
+    restart: tokio::sync::Notify,
+    /// The binary to restart into.
+    restart_to: Mutex<Option<std::path::PathBuf>>,
+    /// This binary's trial, until it is confirmed healthy or given up.
+    trial: Mutex<Option<crate::upgrade::Trial>>,
 }
 
 impl Agent {
@@ -184,6 +193,10 @@ impl Agent {
             )),
             subscriptions: subscriptions::Subscriptions::default(),
             listening: AtomicBool::new(false),
+            upgrading: AtomicBool::new(false),
+            restart: tokio::sync::Notify::new(),
+            restart_to: Mutex::new(None),
+            trial: Mutex::new(None),
             http,
             metrics: Arc::new(AgentMetrics::default()),
             config,
@@ -221,6 +234,7 @@ impl Agent {
             tokio::spawn(self.clone().heartbeats()),
             tokio::spawn(self.clone().proplet_metrics()),
             tokio::spawn(self.clone().send_spooled(ack_rx)),
+            tokio::spawn(self.clone().start_upgrades()),
         ];
         let mut sessions = 0u64;
         let mut backoff = Backoff::default();
@@ -235,6 +249,7 @@ impl Agent {
             let event = tokio::select! {
                 event = eventloop.poll() => event,
                 _ = &mut shutdown => break,
+                _ = self.restart.notified() => break,
             };
             match event {
                 Ok(Event::Incoming(Packet::ConnAck(ack))) => {
@@ -292,7 +307,10 @@ impl Agent {
                     {
                         info!("subscribed; announcing the proplet");
                         let agent = self.clone();
-                        tokio::spawn(async move { agent.announce().await });
+                        tokio::spawn(async move {
+                            agent.announce().await;
+                            agent.confirm_trial().await;
+                        });
                     }
                 }
                 Ok(Event::Outgoing(Outgoing::Publish(pkid))) if pkid != 0 => {
@@ -525,6 +543,7 @@ impl Agent {
             Ok(Inbound::Stop(request)) => self.on_stop(&request),
             Ok(Inbound::Invoke(request)) => self.clone().on_invoke(request).await,
             Ok(Inbound::RegistryChunk(chunk)) => self.on_chunk(chunk),
+            Ok(Inbound::Upgrade(request)) => self.clone().on_upgrade(request).await,
             Ok(_) => {}
             Err(error) => {
                 warn!(topic, %error, "undecodable message");
@@ -557,6 +576,14 @@ impl Agent {
             self.report(id, Err(format!("invalid start request: {error}")))
                 .await;
         }
+    }
+
+    fn lock_restart(&self) -> std::sync::MutexGuard<'_, Option<std::path::PathBuf>> {
+        self.restart_to.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_trial(&self) -> std::sync::MutexGuard<'_, Option<crate::upgrade::Trial>> {
+        self.trial.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_spool_gate(&self) -> std::sync::MutexGuard<'_, ()> {

@@ -88,7 +88,7 @@ pub enum ConfigError {
 /// given by --config (keys are the flag names with `_` instead of `-`). Flags win over the
 /// environment, which wins over the file.
 #[derive(Parser, Debug, Default, Clone)]
-#[command(name = "proplet", version, about, long_about = None)]
+#[command(name = "proplet", version = crate::upgrade::AGENT_VERSION, about, long_about = None)]
 pub struct Flags {
     /// `join` (enrol with a bootstrap token) or `configured` (for systemd); none: run.
     #[command(subcommand)]

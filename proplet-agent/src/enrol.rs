@@ -299,7 +299,7 @@ fn facts(machine_id: Option<&str>) -> anyhow::Result<EnrolRequest> {
         os: std::env::consts::OS.to_owned(),
         memory_bytes,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        agent_version: crate::upgrade::AGENT_VERSION.to_owned(),
         server: String::new(),
         reply_key: String::new(),
     })

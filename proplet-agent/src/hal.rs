@@ -104,7 +104,7 @@ pub fn add_to_linker<T: 'static>(linker: &mut Linker<T>) -> wasmtime::Result<()>
 fn platform_info() -> PlatformInfo {
     PlatformInfo {
         platform_type: format!("{}-{}", std::env::consts::OS, std::env::consts::ARCH),
-        version: env!("CARGO_PKG_VERSION").to_owned(),
+        version: crate::upgrade::AGENT_VERSION.to_owned(),
     }
 }
 

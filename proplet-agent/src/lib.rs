@@ -16,4 +16,5 @@ pub mod sandbox;
 pub mod spool;
 pub mod system;
 pub mod telemetry;
+pub mod upgrade;
 pub mod wasm;

@@ -50,6 +50,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = proplet_agent::upgrade::handoff(&config.state_dir) {
+        eprintln!("proplet: {e}; running this agent");
+    }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         EnvFilter::default().add_directive(LevelFilter::from(config.log_level).into())
     });
@@ -84,7 +87,12 @@ fn run(config: Config) -> anyhow::Result<()> {
         if let Some(addr) = agent.serve_telemetry().await? {
             tracing::info!(%addr, "health and metrics endpoint listening");
         }
-        agent.run(eventloop, shutdown_signal()).await;
+        agent.clone().run(eventloop, shutdown_signal()).await;
+        if let Some(binary) = agent.restart_target() {
+            tracing::info!(binary = %binary.display(), "restarting into another agent");
+            let error = proplet_agent::upgrade::exec_into(&binary);
+            anyhow::bail!("cannot start {}: {error}", binary.display());
+        }
         Ok(())
     })
 }

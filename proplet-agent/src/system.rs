@@ -45,7 +45,7 @@ impl SystemProbe {
             hostname: System::host_name().ok(),
             cpu_arch: Some(std::env::consts::ARCH.to_owned()),
             total_memory_bytes: total_memory,
-            proplet_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+            proplet_version: Some(crate::upgrade::AGENT_VERSION.to_owned()),
             wasm_runtime: Some("wasmtime".to_owned()),
             attester: attester.map(str::to_owned),
         };

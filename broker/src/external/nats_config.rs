@@ -82,6 +82,7 @@ fn device_subjects(client_id: &str, scope: Option<&ChannelScope>) -> (Vec<String
         "task_metrics",
         "results",
         "invoke_results",
+        "upgrade",
     ]
     .iter()
     .map(|leaf| format!("{prefix}.control.proplet.{leaf}"))
@@ -89,7 +90,7 @@ fn device_subjects(client_id: &str, scope: Option<&ChannelScope>) -> (Vec<String
     publish.push(format!("{prefix}.registry.proplet"));
     publish.push(format!("{prefix}.fl.rounds.*.updates.{client_id}"));
     publish.push(format!("fl.rounds.*.updates.{client_id}"));
-    let mut subscribe: Vec<String> = ["start", "stop", "invoke"]
+    let mut subscribe: Vec<String> = ["start", "stop", "invoke", "upgrade"]
         .iter()
         .map(|leaf| format!("{prefix}.control.manager.{leaf}"))
         .collect();

@@ -23,6 +23,7 @@ mod reports;
 pub mod sealed_grant;
 mod time;
 mod topics;
+mod upgrade;
 
 #[cfg(test)]
 mod hostile_tests;
@@ -51,6 +52,7 @@ pub use topics::{
     classify, refused_filters, unprefixed_fl_update_topic, Channel, ChannelRef, TopicKind,
     TopicSegment, UNPREFIXED_FL_UPDATE_FILTER,
 };
+pub use upgrade::{BusyPolicy, UpgradeAction, UpgradeReport, UpgradeRequest, UpgradeState};
 
 use fields::{parse_object, Fields};
 use reports::decode_alive;
@@ -76,12 +78,16 @@ pub enum Inbound {
     Result(TaskResult),
     /// From `control/proplet/invoke_results`.
     InvokeResult(InvokeResult),
+    /// From `control/proplet/upgrade`.
+    UpgradeReport(UpgradeReport),
     /// From `control/manager/start` (boxed: by far the largest message).
     Start(Box<StartRequest>),
     /// From `control/manager/stop`.
     Stop(StopRequest),
     /// From `control/manager/invoke`.
     Invoke(InvokeRequest),
+    /// From `control/manager/upgrade`.
+    Upgrade(UpgradeRequest),
     /// From `registry/proplet`.
     RegistryRequest(RegistryRequest),
     /// From `registry/server`.
@@ -102,6 +108,8 @@ impl Inbound {
             Self::TaskMetrics(_) => TopicKind::TaskMetrics,
             Self::Result(_) => TopicKind::Results,
             Self::InvokeResult(_) => TopicKind::InvokeResults,
+            Self::UpgradeReport(_) => TopicKind::UpgradeReport,
+            Self::Upgrade(_) => TopicKind::Upgrade,
             Self::Start(_) => TopicKind::Start,
             Self::Stop(_) => TopicKind::Stop,
             Self::Invoke(_) => TopicKind::Invoke,
@@ -125,6 +133,8 @@ impl Inbound {
             Self::TaskMetrics(m) => m.encode(),
             Self::Result(m) => m.encode(),
             Self::InvokeResult(m) => m.encode(),
+            Self::UpgradeReport(m) => m.encode(),
+            Self::Upgrade(m) => m.encode(),
             Self::Start(m) => m.encode(),
             Self::Stop(m) => m.encode(),
             Self::Invoke(m) => m.encode(),
@@ -149,7 +159,9 @@ impl Inbound {
             Self::Result(m) => m.proplet_id.as_deref(),
             Self::InvokeResult(m) => m.proplet_id.as_deref(),
             Self::FlUpdate(m) => Some(m.proplet_id.as_str()),
-            Self::Start(_)
+            Self::UpgradeReport(m) => Some(&m.proplet_id),
+            Self::Upgrade(_)
+            | Self::Start(_)
             | Self::Stop(_)
             | Self::Invoke(_)
             | Self::RegistryRequest(_)
@@ -199,6 +211,8 @@ impl Decoder {
             TopicKind::TaskMetrics => Inbound::TaskMetrics(TaskMetrics::from_fields(f)?),
             TopicKind::Results => Inbound::Result(TaskResult::from_fields(f)?),
             TopicKind::InvokeResults => Inbound::InvokeResult(InvokeResult::from_fields(f)?),
+            TopicKind::UpgradeReport => Inbound::UpgradeReport(UpgradeReport::from_fields(f)?),
+            TopicKind::Upgrade => Inbound::Upgrade(UpgradeRequest::from_fields(f)?),
             TopicKind::Start => Inbound::Start(Box::new(StartRequest::from_fields(f)?)),
             TopicKind::Stop => Inbound::Stop(StopRequest::from_fields(f)?),
             TopicKind::Invoke => Inbound::Invoke(InvokeRequest::from_fields(f)?),

@@ -66,12 +66,16 @@ pub enum TopicKind {
     Results,
     /// `control/proplet/invoke_results`: results of latent-task invocations.
     InvokeResults,
+    /// `control/proplet/upgrade`: how far an agent got with an upgrade.
+    UpgradeReport,
     /// `control/manager/start`: start a task.
     Start,
     /// `control/manager/stop`: stop a task.
     Stop,
     /// `control/manager/invoke`: invoke a latent task.
     Invoke,
+    /// `control/manager/upgrade`: install or revert an agent version.
+    Upgrade,
     /// `registry/proplet`: an agent asks for a Wasm binary.
     RegistryRequest,
     /// `registry/server`: one base64 chunk of a Wasm binary.
@@ -89,16 +93,18 @@ pub enum TopicKind {
 
 impl TopicKind {
     /// Every kind with a fixed path (all but [`TopicKind::FlUpdate`]).
-    pub const FIXED: [TopicKind; 12] = [
+    pub const FIXED: [TopicKind; 14] = [
         TopicKind::Discovery,
         TopicKind::Alive,
         TopicKind::PropletMetrics,
         TopicKind::TaskMetrics,
         TopicKind::Results,
         TopicKind::InvokeResults,
+        TopicKind::UpgradeReport,
         TopicKind::Start,
         TopicKind::Stop,
         TopicKind::Invoke,
+        TopicKind::Upgrade,
         TopicKind::RegistryRequest,
         TopicKind::RegistryChunk,
         TopicKind::FlRoundStart,
@@ -113,9 +119,11 @@ impl TopicKind {
             Self::TaskMetrics => "control/proplet/task_metrics",
             Self::Results => "control/proplet/results",
             Self::InvokeResults => "control/proplet/invoke_results",
+            Self::UpgradeReport => "control/proplet/upgrade",
             Self::Start => "control/manager/start",
             Self::Stop => "control/manager/stop",
             Self::Invoke => "control/manager/invoke",
+            Self::Upgrade => "control/manager/upgrade",
             Self::RegistryRequest => "registry/proplet",
             Self::RegistryChunk => "registry/server",
             Self::FlRoundStart => "fl/rounds/start",
@@ -136,12 +144,14 @@ impl TopicKind {
                 "task_metrics" => Self::TaskMetrics,
                 "results" => Self::Results,
                 "invoke_results" => Self::InvokeResults,
+                "upgrade" => Self::UpgradeReport,
                 _ => return None,
             },
             ["control", "manager", leaf] => match *leaf {
                 "start" => Self::Start,
                 "stop" => Self::Stop,
                 "invoke" => Self::Invoke,
+                "upgrade" => Self::Upgrade,
                 _ => return None,
             },
             ["registry", "proplet"] => Self::RegistryRequest,
@@ -297,6 +307,16 @@ impl Channel {
         self.topic(&TopicKind::Invoke)
     }
 
+    /// `…/control/manager/upgrade`.
+    pub fn upgrade(&self) -> String {
+        self.topic(&TopicKind::Upgrade)
+    }
+
+    /// `…/control/proplet/upgrade`.
+    pub fn upgrade_report(&self) -> String {
+        self.topic(&TopicKind::UpgradeReport)
+    }
+
     /// Binary request topic (`registry/proplet`).
     pub fn registry_request(&self) -> String {
         self.topic(&TopicKind::RegistryRequest)
@@ -341,13 +361,15 @@ impl Channel {
         ]
     }
 
-    /// Subscriptions of an agent: the same four topics as the upstream Rust proplet.
+    /// Subscriptions of an agent: the four topics of the upstream Rust proplet, and
+    /// upgrade requests.
     pub fn agent_filters(&self) -> Vec<String> {
         vec![
             self.start(),
             self.stop(),
             self.invoke(),
             self.registry_chunks(),
+            self.upgrade(),
         ]
     }
 }
@@ -523,6 +545,7 @@ mod tests {
                 "m/dom/c/chan/control/manager/stop",
                 "m/dom/c/chan/control/manager/invoke",
                 "m/dom/c/chan/registry/server",
+                "m/dom/c/chan/control/manager/upgrade",
             ]
         );
     }

@@ -3,7 +3,7 @@
 use crate::protocol::enrolment::EnrolRequest;
 use crate::protocol::{
     Discovery, FlUpdateMessage, Heartbeat, Inbound, InvokeResult, OfflineNotice, PropletMetrics,
-    RegistryRequest, TaskMetrics, TaskResult,
+    RegistryRequest, TaskMetrics, TaskResult, UpgradeReport,
 };
 
 /// One thing a client told the broker, tagged with the client that was authenticated on the
@@ -50,6 +50,8 @@ pub enum EventKind {
     Result(TaskResult),
     /// `control/proplet/invoke_results`.
     InvokeResult(InvokeResult),
+    /// `control/proplet/upgrade`: how far an agent upgrade got.
+    Upgrade(UpgradeReport),
     /// `registry/proplet`: a binary was asked for.
     RegistryRequest(RegistryRequest),
     /// A federated-learning update (prefixed or unprefixed topic).
@@ -70,11 +72,13 @@ impl EventKind {
             Inbound::TaskMetrics(m) => Self::TaskMetrics(m),
             Inbound::Result(m) => Self::Result(m),
             Inbound::InvokeResult(m) => Self::InvokeResult(m),
+            Inbound::UpgradeReport(m) => Self::Upgrade(m),
             Inbound::RegistryRequest(m) => Self::RegistryRequest(m),
             Inbound::FlUpdate(m) => Self::FlUpdate(m),
             Inbound::Start(_)
             | Inbound::Stop(_)
             | Inbound::Invoke(_)
+            | Inbound::Upgrade(_)
             | Inbound::RegistryChunk(_)
             | Inbound::FlRoundStart(_) => return None,
         };
@@ -91,6 +95,7 @@ impl EventKind {
             Self::TaskMetrics(_) => "task_metrics",
             Self::Result(_) => "result",
             Self::InvokeResult(_) => "invoke_result",
+            Self::Upgrade(_) => "upgrade",
             Self::RegistryRequest(_) => "registry_request",
             Self::FlUpdate(_) => "fl_update",
             Self::EnrolmentRequest(_) => "enrolment_request",

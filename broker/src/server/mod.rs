@@ -425,6 +425,15 @@ impl Publisher {
         self.publish(channel.start(), request.encode()).await
     }
 
+    /// Sends an agent upgrade request on `channel`.
+    pub async fn upgrade(
+        &self,
+        channel: &Channel,
+        request: &crate::protocol::UpgradeRequest,
+    ) -> Result<(), BrokerError> {
+        self.publish(channel.upgrade(), request.encode()).await
+    }
+
     /// Sends a stop request on `channel`.
     pub async fn stop(&self, channel: &Channel, request: &StopRequest) -> Result<(), BrokerError> {
         self.publish(channel.stop(), request.encode()).await

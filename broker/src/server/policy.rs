@@ -73,6 +73,7 @@ pub fn is_agent_report(kind: &TopicKind) -> bool {
             | TopicKind::TaskMetrics
             | TopicKind::Results
             | TopicKind::InvokeResults
+            | TopicKind::UpgradeReport
             | TopicKind::RegistryRequest
             | TopicKind::FlUpdate { .. }
     )
@@ -266,6 +267,7 @@ pub fn may_access_topic(
             TopicKind::Start
                 | TopicKind::Stop
                 | TopicKind::Invoke
+                | TopicKind::Upgrade
                 | TopicKind::RegistryChunk
                 | TopicKind::FlRoundStart
         ),

@@ -1,4 +1,4 @@
-//! The five custom resources. These types are the single source of the CRD YAML in
+//! The six custom resources. These types are the single source of the CRD YAML in
 //! `configs/crd/` (see [`all_crds`]).
 
 pub mod common;
@@ -8,6 +8,7 @@ pub mod kueue;
 pub mod proplet;
 pub mod reference;
 pub mod task;
+pub mod upgrade;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
@@ -18,8 +19,10 @@ pub use job::PropellerJob;
 pub use proplet::Proplet;
 pub use reference::crd_reference;
 pub use task::Task;
+pub use upgrade::PropletUpgrade;
 
-/// Every CRD, in a stable order: Proplet, Task, PropellerJob, FederatedJob, TrainingRound.
+/// Every CRD, in a stable order: Proplet, Task, PropellerJob, FederatedJob, TrainingRound,
+/// PropletUpgrade.
 pub fn all_crds() -> Vec<CustomResourceDefinition> {
     vec![
         Proplet::crd(),
@@ -27,6 +30,7 @@ pub fn all_crds() -> Vec<CustomResourceDefinition> {
         PropellerJob::crd(),
         FederatedJob::crd(),
         TrainingRound::crd(),
+        PropletUpgrade::crd(),
     ]
 }
 

@@ -20,3 +20,4 @@ pub mod scheduler;
 pub mod task;
 pub mod task_observations;
 pub mod task_phase;
+pub mod upgrade;

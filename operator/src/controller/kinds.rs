@@ -19,8 +19,9 @@ use crate::crd::federated::{FederatedJob, TrainingRound};
 use crate::crd::job::PropellerJob;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
+use crate::crd::upgrade::PropletUpgrade;
 
-use super::{jobs, proplet, task, Cluster, Next, ObjectName, ReconcileError, Stored};
+use super::{jobs, proplet, task, upgrade, Cluster, Next, ObjectName, ReconcileError, Stored};
 
 /// A kind propeller reconciles: what both drivers need to run its controller.
 pub trait Reconciled: Stored {
@@ -57,6 +58,7 @@ pub fn for_each_kind(visitor: &mut impl KindVisitor) {
     visitor.visit::<PropellerJob>();
     visitor.visit::<FederatedJob>();
     visitor.visit::<TrainingRound>();
+    visitor.visit::<PropletUpgrade>();
 }
 
 /// The kind names ([`kube::Resource::kind`]) of every kind propeller reconciles, with the
@@ -158,6 +160,18 @@ impl Reconciled for TrainingRound {
         now: DateTime<Utc>,
     ) -> Result<Next, ReconcileError> {
         jobs::reconcile_training_round(cluster, &object, now).await
+    }
+}
+
+impl Reconciled for PropletUpgrade {
+    const ALIASES: &'static [&'static str] = &["propletupgrade", "propletupgrades", "pupgrade"];
+
+    async fn reconcile<C: Cluster>(
+        cluster: &C,
+        object: Arc<Self>,
+        now: DateTime<Utc>,
+    ) -> Result<Next, ReconcileError> {
+        upgrade::reconcile(cluster, &object, now).await
     }
 }
 
@@ -275,7 +289,7 @@ mod tests {
     fn every_kind_has_a_queue_and_a_wake_reaches_only_its_own_kind() {
         let (wakers, mut queues) = wake_queues();
         let names = kind_names();
-        assert_eq!(names.len(), 5);
+        assert_eq!(names.len(), 6);
         let round = ObjectName::new("ns", "r");
         assert!(wakers.send(Wake::of::<TrainingRound>(round.clone())));
         assert!(!wakers.send(Wake::named("ConfigMap", round.clone())));

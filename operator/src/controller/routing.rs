@@ -7,6 +7,8 @@ use tracing::debug;
 
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
+use crate::crd::upgrade::PropletUpgrade;
+use crate::decision::upgrade::rollout_of;
 use crate::state::Concerns;
 
 use super::{CacheReads, Cluster, ObjectName, Signals, Wake};
@@ -57,6 +59,12 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
                 wake_tasks_on(cluster, &proplet);
             }
         }
+        Concerns::Upgrade(id) => match rollout_of(&id) {
+            Some((namespace, name)) => {
+                cluster.wake(Wake::of::<PropletUpgrade>(ObjectName::new(namespace, name)));
+            }
+            None => debug!(rollout = %id, "an upgrade report naming no rollout"),
+        },
         Concerns::Nothing => {}
     }
 }
