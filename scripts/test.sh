@@ -76,6 +76,9 @@ command -v cargo-deb >/dev/null 2>&1 || cargo install --locked cargo-deb
 # The agent's tests build a WASI 0.2 guest from source (tests/guests).
 rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
 
+# The second agent the upgrade tests install (tests/agent_upgrades.rs), built with another
+# version; it leaves the ordinary binaries built.
+scripts/build-upgrade-agent.sh
 # The binaries with the tests' feature set (dev-dependencies included), so that nextest's
 # build reuses every crate instead of compiling the dependencies a second time.
 cargo build --workspace --bins --tests

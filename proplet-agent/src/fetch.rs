@@ -120,6 +120,52 @@ impl HttpFetcher {
 
     /// Downloads `url`, checking status, content type, size and the digest pin.
     pub async fn fetch(&self, url: &str) -> Result<Vec<u8>, FetchError> {
+        let mut body = Vec::new();
+        self.stream(url, true, |piece, announced| {
+            // Reserve what the server announced (within the cap), so the body is not
+            // copied while it grows.
+            if body.is_empty() {
+                body.reserve(announced);
+            }
+            body.extend_from_slice(piece);
+            Ok(())
+        })
+        .await?;
+        Ok(body)
+    }
+
+    /// Downloads `url` into the file `path` (whatever its content type), checking status,
+    /// size and the digest pin; the file is removed when a check fails.
+    pub async fn download_to(&self, url: &str, path: &std::path::Path) -> Result<(), FetchError> {
+        use std::io::Write;
+        let (target, _) = split_digest(url)?;
+        let write_error = |e: std::io::Error| FetchError::Transport {
+            url: target.to_owned(),
+            reason: format!("writing {}: {e}", path.display()),
+        };
+        let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(write_error)?);
+        let streamed = self
+            .stream(url, false, |piece, _| file.write_all(piece))
+            .await;
+        let flushed = file
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all());
+        let outcome = streamed.and_then(|()| flushed.map_err(write_error));
+        if outcome.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        outcome
+    }
+
+    /// Streams `url`'s body into `sink` (each piece with the announced size), checking
+    /// status, content type (`wasm_only`), size and the digest pin.
+    async fn stream(
+        &self,
+        url: &str,
+        wasm_only: bool,
+        mut sink: impl FnMut(&[u8], usize) -> std::io::Result<()>,
+    ) -> Result<(), FetchError> {
         let (target, pinned) = split_digest(url)?;
         let transport = |e: reqwest::Error| FetchError::Transport {
             url: target.to_owned(),
@@ -133,7 +179,11 @@ impl HttpFetcher {
                 status: status.as_u16(),
             });
         }
-        if let Some(value) = response.headers().get(reqwest::header::CONTENT_TYPE) {
+        if let Some(value) = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .filter(|_| wasm_only)
+        {
             let content_type = value.to_str().unwrap_or("").to_ascii_lowercase();
             let acceptable = content_type.is_empty()
                 || content_type.contains("application/wasm")
@@ -155,20 +205,26 @@ impl HttpFetcher {
         if let Some(size) = announced.filter(|n| *n > self.max_bytes) {
             return Err(too_large(size, false));
         }
-        // Reserve what the server announced (within the cap), so the body is not copied
-        // while it grows.
-        let mut body = Vec::with_capacity(announced.unwrap_or(0) as usize);
+        let announced = announced.unwrap_or(0) as usize;
+        let mut hasher = pinned.map(|_| Sha256::new());
+        let mut size = 0u64;
         let mut stream = response.bytes_stream();
         while let Some(piece) = stream.next().await {
             let piece = piece.map_err(transport)?;
-            let size = body.len() as u64 + piece.len() as u64;
+            size += piece.len() as u64;
             if size > self.max_bytes {
                 return Err(too_large(size, true));
             }
-            body.extend_from_slice(&piece);
+            if let Some(hasher) = hasher.as_mut() {
+                hasher.update(&piece);
+            }
+            sink(&piece, announced).map_err(|e| FetchError::Transport {
+                url: target.to_owned(),
+                reason: e.to_string(),
+            })?;
         }
-        if let Some(expected) = pinned {
-            let actual: [u8; 32] = Sha256::digest(&body).into();
+        if let (Some(expected), Some(hasher)) = (pinned, hasher) {
+            let actual: [u8; 32] = hasher.finalize().into();
             if actual != expected {
                 return Err(FetchError::DigestMismatch {
                     url: target.to_owned(),
@@ -177,7 +233,7 @@ impl HttpFetcher {
                 });
             }
         }
-        Ok(body)
+        Ok(())
     }
 }
 

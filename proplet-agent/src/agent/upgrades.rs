@@ -77,18 +77,18 @@ impl Agent {
         };
         let fetcher =
             HttpFetcher::new(DOWNLOAD_TIMEOUT, MAX_AGENT_BYTES).map_err(|e| e.to_string())?;
-        let body = fetcher
-            .fetch(&request.url)
+        let dir = agent_dir(&self.config.state_dir).join(&digest);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        // Left by a download cut short (the agent killed mid-way): written again from the
+        // start.
+        let partial = dir.join("proplet.partial");
+        fetcher
+            .download_to(&request.url, &partial)
             .await
             .map_err(|e| format!("download: {e}"))?;
-        let dir = agent_dir(&self.config.state_dir).join(&digest);
-        let path = tokio::task::spawn_blocking({
-            let dir = dir.clone();
-            move || place(&dir, &body)
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("installing in {}: {e}", dir.display()))?;
+        let path = dir.join("proplet");
+        install_executable(&partial, &path)
+            .map_err(|e| format!("installing in {}: {e}", dir.display()))?;
         if let Err(reason) = preflight(&path, &request.version).await {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(format!("the new agent does not start: {reason}"));
@@ -289,19 +289,11 @@ impl Agent {
     }
 }
 
-/// Writes `body` as `dir/proplet`, executable, through a temporary file.
-fn place(dir: &Path, body: &[u8]) -> std::io::Result<PathBuf> {
-    use std::io::Write;
+/// Makes the verified download `partial` the executable `path` (owner-only: 0700).
+fn install_executable(partial: &Path, path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir)?;
-    let partial = dir.join("proplet.partial");
-    let path = dir.join("proplet");
-    let mut file = std::fs::File::create(&partial)?;
-    file.write_all(body)?;
-    file.set_permissions(std::fs::Permissions::from_mode(0o755))?;
-    file.sync_all()?;
-    std::fs::rename(&partial, &path)?;
-    Ok(path)
+    std::fs::set_permissions(partial, std::fs::Permissions::from_mode(0o700))?;
+    std::fs::rename(partial, path)
 }
 
 /// Runs `binary --version` and checks it names `version`.
