@@ -484,3 +484,130 @@ fn a_digest_mismatch_is_refused_before_anything_is_replaced_and_a_killed_downloa
     assert_eq!(reported_version(&api, work, "killed"), NEW_VERSION);
     drop(again);
 }
+
+#[test]
+fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_with_kubectl() {
+    use support::envtest::{free_port, Options};
+    use support::kube::{apply, cluster, get, mqtt_port, operator_command, wait_phase};
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let body = new_agent();
+    let server = FileServer::start(body.clone(), None);
+    let operator = Running::spawn(operator_command(&kubeconfig, free_port()));
+    let mqtt = mqtt_port(&operator);
+    let ns = "fleet";
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let names: Vec<String> = (0..4).map(|i| format!("edge-{i}")).collect();
+    let mut agents = Vec::new();
+    for name in &names {
+        apply(&cp, ns, &device_manifest(name, mqtt));
+        agents.push(support::device_agent(
+            name,
+            mqtt,
+            &cp.scratch().join(format!("{name}-state")),
+        ));
+    }
+    for name in &names {
+        wait_phase(&cp, ns, "proplet", name, "Running");
+    }
+    let old = old_version();
+    let version_of = |name: &str| {
+        get(&cp, ns, "proplet", name).expect("proplet")["status"]["metadata"]["propletVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+
+    // Held: nothing is asked.
+    apply(
+        &cp,
+        ns,
+        &upgrade_manifest("roll", &server.pinned(&body), 2, "  paused: true\n"),
+    );
+    let held = wait_phase(&cp, ns, "propletupgrade", "roll", "Paused");
+    std::thread::sleep(Duration::from_secs(2));
+    for name in &names {
+        assert_eq!(
+            version_of(name),
+            old,
+            "{name} upgraded while paused: {held:#}"
+        );
+    }
+    // Resumed by editing it.
+    cp.kubectl_ok(&[
+        "-n",
+        ns,
+        "patch",
+        "propletupgrade",
+        "roll",
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"paused":false}}"#,
+    ]);
+    let started = Instant::now();
+    let done = loop {
+        let object = get(&cp, ns, "propletupgrade", "roll").expect("rollout");
+        if object["status"]["phase"] == "Completed" {
+            break object;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "not completed: {:#}",
+            object["status"]
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(done["status"]["healthy"], 4, "{:#}", done["status"]);
+    let columns = cp.kubectl_ok(&["-n", ns, "get", "propletupgrades"]);
+    assert!(
+        columns.contains("Completed") && columns.contains("2/2") && columns.contains(NEW_VERSION),
+        "{columns}"
+    );
+    for name in &names {
+        wait_phase(&cp, ns, "proplet", name, "Running");
+        let started = Instant::now();
+        while version_of(name) != NEW_VERSION {
+            assert!(started.elapsed() < Duration::from_secs(60), "{name}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+    // Reverted by editing it: every device goes back to the agent it ran before.
+    cp.kubectl_ok(&[
+        "-n",
+        ns,
+        "patch",
+        "propletupgrade",
+        "roll",
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"revert":true}}"#,
+    ]);
+    let started = Instant::now();
+    loop {
+        let object = get(&cp, ns, "propletupgrade", "roll").expect("rollout");
+        if object["status"]["phase"] == "Reverted" {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "not reverted: {:#}",
+            object["status"]
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for name in &names {
+        let started = Instant::now();
+        while version_of(name) != old {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{name} still new"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+    println!("kubernetes: 4 agents held, resumed to {NEW_VERSION} in 2 waves, then reverted to {old}, all by kubectl edits");
+    drop(agents);
+}
