@@ -611,3 +611,52 @@ fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_wit
     println!("kubernetes: 4 agents held, resumed to {NEW_VERSION} in 2 waves, then reverted to {old}, all by kubectl edits");
     drop(agents);
 }
+
+/// The book's "Upgrade the agents" commands (`docs/src/upgrades.md`), as a user types them;
+/// only the version, the architecture and the download URL are this test's.
+#[test]
+fn the_books_upgrade_steps_run_as_written() {
+    let blocks = support::doc_blocks("upgrade-agents");
+    assert_eq!(blocks.len(), 2, "apply, then follow: {blocks:#?}");
+    let body = new_agent();
+    let server = FileServer::start(body, None);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let work = dir.path();
+    let root = support::repo_root();
+    std::os::unix::fs::symlink(root.join("target"), work.join("target")).expect("symlink");
+    let data = work.join("propeller-data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    let (_server, api, port) = start_standalone(&data, &[]);
+    let names = ["book-0".to_owned(), "book-1".to_owned()];
+    let _agents = devices(&api, &data, &port, &names);
+    let script = blocks
+        .concat()
+        .replace("VERSION=0.2.0", &format!("VERSION={NEW_VERSION}"))
+        .replace("ARCH=aarch64", &format!("ARCH={}", std::env::consts::ARCH))
+        .replace(
+            "URL=https://downloads.example/proplet-$VERSION-$ARCH",
+            &format!("URL={}", server.url),
+        );
+    let out = std::process::Command::new("timeout")
+        .args(["60", "bash", "-c", &format!("set -euo pipefail\n{script}")])
+        .current_dir(work)
+        .env("PROPELLER_API", &api)
+        .output()
+        .expect("run bash");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        printed.contains("WAVE") && printed.contains(NEW_VERSION),
+        "{printed}"
+    );
+    let name = format!("agent-{NEW_VERSION}");
+    let done = wait_for_rollout(&api, &data, &name, "Completed", Duration::from_secs(300));
+    assert_eq!(done["status"]["healthy"], 2, "{:#}", done["status"]);
+    for proplet in &names {
+        wait_for_phase(&api, &data, proplet, "Running");
+    }
+}

@@ -1,4 +1,4 @@
-//! Propeller's core: the five resource types and the pure decision logic every driver
+//! Propeller's core: the six resource types and the pure decision logic every driver
 //! executes. A reconcile step here is a function from (object, observations, now) to a plan;
 //! the drivers (the Kubernetes one through kube-rs, the standalone one over its store) read
 //! the observations and apply the plans. This crate has no Kubernetes client, no async

@@ -86,7 +86,7 @@ impl<K, Scope> Object<Scope> for K where
 {
 }
 
-/// A namespaced resource either backend stores: the five custom resources, ConfigMaps,
+/// A namespaced resource either backend stores: the six custom resources, ConfigMaps,
 /// and Kueue's Workloads.
 pub trait Stored: Object<k8s_openapi::NamespaceResourceScope> {}
 

@@ -33,7 +33,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Print the five CustomResourceDefinitions as one multi-document YAML stream.
+    /// Print the six CustomResourceDefinitions as one multi-document YAML stream.
     Crd {
         /// Write one file per CRD into this directory instead (as kept in `configs/crd/`).
         #[arg(long)]

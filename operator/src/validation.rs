@@ -69,7 +69,7 @@ struct KindSchema {
     compiled: CompiledSchema,
 }
 
-/// Validates and defaults objects of our five kinds against their generated CRDs.
+/// Validates and defaults objects of our six kinds against their generated CRDs.
 pub struct Admission {
     kinds: HashMap<String, KindSchema>,
     patterns: std::sync::Mutex<HashMap<String, Option<Regex>>>,
