@@ -102,6 +102,11 @@ pub use propeller_core::object_name::ObjectName;
 pub use common::{Common, CREDENTIAL_TICK};
 pub use kinds::{Reconciled, Wake};
 
+/// The settings of every kind's kube-runtime `Controller` on driver `C`.
+pub fn controller_config<C: Cluster>() -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(C::RECONCILE_CONCURRENCY)
+}
+
 /// When a reconcile wants to look at its object again without an event (`None`: only when
 /// something changes, or at the driver's slow resync).
 pub type Next = Option<DateTime<Utc>>;
@@ -121,6 +126,10 @@ pub trait Cluster: Backend + CacheReads + Signals {
     /// How long a reconcile whose write conflicted waits before its object is read again:
     /// until the driver's cache can show the newer version.
     const CONFLICT_REREAD: std::time::Duration;
+
+    /// Reconciles of one kind that run at once: what the backend bears, not a preference
+    /// (see each driver's value).
+    const RECONCILE_CONCURRENCY: u16;
 
     /// The parts both drivers hold alike.
     fn common(&self) -> &Common;

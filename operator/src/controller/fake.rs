@@ -248,6 +248,8 @@ impl Cluster for FakeCluster {
 
     const CONFLICT_REREAD: Duration = Duration::ZERO;
 
+    const RECONCILE_CONCURRENCY: u16 = 1;
+
     fn common(&self) -> &Common {
         &self.common
     }

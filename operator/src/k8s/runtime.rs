@@ -104,13 +104,9 @@ pub fn observe_deployment(d: &Deployment) -> DeploymentObservation {
     }
 }
 
-/// Reconciles of one kind that run at once. kube's client speaks HTTP/1.1, so every
-/// concurrent API call is a TLS connection of its own: unbounded, a resync of 10,000
-/// Proplets opened thousands (handshakes on both sides, descriptors exhausted).
-const RECONCILE_CONCURRENCY: u16 = 32;
-
+/// The settings of every `Controller` of this driver.
 fn bounded() -> kube::runtime::controller::Config {
-    kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY)
+    crate::controller::controller_config::<Shared>()
 }
 
 /// Everything `run` needs from the caller.

@@ -39,10 +39,6 @@ use writer::OwnWrites;
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
 
-/// Reconciles of one kind in flight at once. They mostly wait for the store's group commit,
-/// so several share each `fsync`.
-pub const MAX_CONCURRENT_RECONCILES: u16 = 64;
-
 /// Settings of the standalone driver.
 #[derive(Debug, Clone)]
 pub struct StandaloneSettings {

@@ -37,6 +37,9 @@ impl Cluster for Driver {
     /// The cache already shows every durable write: read it again at once.
     const CONFLICT_REREAD: Duration = Duration::ZERO;
 
+    /// They mostly wait for the store's group commit, so several share each `fsync`.
+    const RECONCILE_CONCURRENCY: u16 = 64;
+
     fn common(&self) -> &Common {
         &self.common
     }

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt as _, StreamExt as _};
-use kube::runtime::controller::{Config, Controller};
+use kube::runtime::controller::Controller;
 
 use crate::controller::kinds::{for_each_kind, KindVisitor, Reconciled, WakeQueues};
 use crate::controller::runner::{drive, error_policy, reconcile};
 
-use super::{Driver, MAX_CONCURRENT_RECONCILES};
+use super::Driver;
 
 /// Once at start (everything stored is looked at after a restart), then every `every`.
 fn start_then_every(every: Option<Duration>) -> impl futures::Stream<Item = ()> + Send + 'static {
@@ -44,7 +44,7 @@ where
         let sweep = K::SWEPT.then(|| self.driver.sweep.max(Duration::from_secs(1)));
         let stream =
             Controller::for_stream(futures::stream::empty(), self.driver.cache.store::<K>())
-                .with_config(Config::default().concurrency(MAX_CONCURRENT_RECONCILES))
+                .with_config(crate::controller::controller_config::<Driver>())
                 .reconcile_on(self.queues.take::<K>())
                 .reconcile_all_on(start_then_every(sweep))
                 .graceful_shutdown_on(self.shutdown.clone())
