@@ -15,6 +15,7 @@ pub mod key_delivery;
 pub mod metrics;
 pub mod observations;
 pub mod oci;
+pub mod own_writes;
 pub mod proplet_index;
 pub mod standalone;
 pub mod state;

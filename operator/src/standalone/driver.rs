@@ -34,7 +34,8 @@ mod reconcile;
 mod routing;
 mod writer;
 
-use writer::OwnWrites;
+use crate::own_writes::OwnWrites;
+use crate::standalone::kinds::PROPLET;
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
@@ -64,7 +65,11 @@ pub struct Driver {
     /// The cache's credential epoch and the time of the last rebuild.
     /// A Secret changed since the last credential rebuild.
     secrets_changed: AtomicBool,
-    own_writes: OwnWrites,
+    /// The latest version each Proplet's reconcile wrote itself. Its change is not a reason
+    /// to reconcile again: the Proplet plan already asked for its next look (the offline
+    /// check, a deferred flush). Task plans still rely on seeing their own writes (the time
+    /// limit is planned from the written start), so Tasks are not recorded.
+    proplet_writes: OwnWrites<()>,
 }
 
 impl Driver {
@@ -89,7 +94,7 @@ impl Driver {
             events,
             cache,
             secrets_changed: AtomicBool::new(false),
-            own_writes: OwnWrites::default(),
+            proplet_writes: OwnWrites::default(),
         });
         let _ = driver.common.logins.set(driver.credentials.clone());
         Ok((driver, queues))
@@ -158,7 +163,11 @@ impl Driver {
                         let name = ObjectName::new(&change.namespace, &change.name);
                         let wake = Wake::named(&change.kind, name);
                         self.related(&wake);
-                        if !self.own_writes.is_own(&wake, change.resource_version) {
+                        let own = wake.kind == PROPLET
+                            && self
+                                .proplet_writes
+                                .is_own(&wake.name, &change.resource_version.to_string());
+                        if !own {
                             self.wake(wake);
                         }
                     }

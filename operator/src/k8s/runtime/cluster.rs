@@ -28,11 +28,10 @@ use crate::executor::BackendError;
 use crate::executor::{Dispatch, TaskApplyError};
 use crate::k8s::patch::finalizers_patch;
 use crate::k8s::proplet::apply as apply_proplet;
-use crate::k8s::runtime::shared::{Shared, WrittenStatus};
+use crate::k8s::runtime::shared::Shared;
 use crate::k8s::task::apply as apply_task;
 use crate::k8s::task_job::KubeJobs;
 use crate::proplet_index::Narrowed;
-use crate::state::lock;
 
 use super::{observe_deployment, RESYNC};
 
@@ -82,13 +81,16 @@ impl Cluster for Shared {
     ) -> Result<(), BackendError> {
         let written = apply_proplet(&self.client, proplet, plan).await?;
         if let Some(written) = written {
-            lock(&self.proplet_echo).insert(
-                ObjectName::of(proplet).to_string(),
-                WrittenStatus {
-                    based_on: proplet.metadata.resource_version.clone(),
-                    version: written.metadata.resource_version,
-                    status: written.status,
-                },
+            self.proplet_writes.record(
+                ObjectName::of(proplet),
+                proplet
+                    .metadata
+                    .resource_version
+                    .clone()
+                    .into_iter()
+                    .collect(),
+                written.metadata.resource_version.clone(),
+                written,
             );
         }
         Ok(())
@@ -197,11 +199,18 @@ impl Backend for Shared {
 
 impl CacheReads for Shared {
     fn newest_proplet(&self, proplet: Proplet) -> Proplet {
-        self.newest(&ObjectName::of(&proplet).to_string(), proplet)
+        let cached = proplet.metadata.resource_version.as_deref();
+        self.proplet_writes
+            .newest(&ObjectName::of(&proplet), cached)
+            .unwrap_or(proplet)
     }
 
     fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        Shared::newest_task(self, task)
+        let cached = task.metadata.resource_version.as_deref();
+        match self.task_writes.newest(&ObjectName::of(&*task), cached) {
+            Some(written) => Arc::new(written),
+            None => task,
+        }
     }
 
     fn deployment_of(&self, proplet: &Proplet) -> Option<DeploymentObservation> {

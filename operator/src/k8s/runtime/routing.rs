@@ -12,7 +12,6 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::controller::{ObjectName, Wake};
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::k8s::runtime::shared::Shared;
-use crate::state::lock;
 
 /// Routes broker events into the stores and wake queues until the event stream ends.
 pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<Shared>) {
@@ -63,22 +62,15 @@ pub fn route_event(event: &BrokerEvent, ctx: &Shared) {
 /// Forgets remembered writes the cache has caught up with, or whose object is gone (a
 /// reconcile forgets its own entry, but a deleted object is not reconciled again).
 pub fn prune_echoes(ctx: &Shared) {
-    lock(&ctx.task_echo).retain(|key, writes| {
-        let Some((ns, name)) = key.split_once('/') else {
-            return false;
-        };
+    ctx.task_writes.prune(|name| {
         ctx.tasks
-            .get(&ObjectRef::new(name).within(ns))
+            .get(&ObjectRef::new(&name.name).within(&name.namespace))
             .and_then(|t| t.metadata.resource_version.clone())
-            .is_some_and(|v| writes.superseded.contains(&v))
     });
-    lock(&ctx.proplet_echo).retain(|key, written| {
-        let Some((ns, name)) = key.split_once('/') else {
-            return false;
-        };
+    ctx.proplet_writes.prune(|name| {
         ctx.proplets
-            .get(&ObjectRef::new(name).within(ns))
-            .is_some_and(|p| p.metadata.resource_version == written.based_on)
+            .get(&ObjectRef::new(&name.name).within(&name.namespace))
+            .and_then(|p| p.metadata.resource_version.clone())
     });
 }
 

@@ -22,8 +22,8 @@ use crate::decision::task::Note;
 use crate::k8s::task::TaskWrites;
 use crate::k8s::task_job::KubeJobs;
 use crate::metrics::ControllerMetrics;
+use crate::own_writes::OwnWrites;
 use crate::proplet_index::SharedPropletIndex;
-use crate::state::lock;
 use crate::task_index::SharedTaskIndex;
 
 use super::{Settings, RESYNC};
@@ -60,23 +60,12 @@ pub struct Shared {
     /// Every kind's wake queue.
     pub wakers: Wakers,
     /// What each Proplet's last status write returned, until the cache shows it.
-    pub(super) proplet_echo: std::sync::Mutex<HashMap<String, WrittenStatus>>,
+    pub(super) proplet_writes: OwnWrites<Proplet>,
     /// What the last apply wrote to each Task, until the cache shows it.
-    pub(super) task_echo: std::sync::Mutex<HashMap<String, TaskWrites>>,
+    pub(super) task_writes: OwnWrites<Task>,
     /// Bounds the Events published off the reconcile path (each is an API call, and
     /// kube's client opens a connection per concurrent call).
     pub(super) background_events: Arc<tokio::sync::Semaphore>,
-}
-
-/// A Proplet status write the cache may not show yet.
-pub(super) struct WrittenStatus {
-    /// The version the write was planned from: a cached object still at this version has
-    /// not seen the write.
-    pub(super) based_on: Option<String>,
-    /// The version the write produced.
-    pub(super) version: Option<String>,
-    /// The status as written.
-    pub(super) status: Option<crate::crd::proplet::PropletStatus>,
 }
 
 /// Events published at once off the reconcile path.
@@ -135,8 +124,8 @@ impl Shared {
             clients: std::sync::RwLock::new(HashMap::new()),
             credentials,
             wakers: caches.wakers,
-            proplet_echo: std::sync::Mutex::new(HashMap::new()),
-            task_echo: std::sync::Mutex::new(HashMap::new()),
+            proplet_writes: OwnWrites::default(),
+            task_writes: OwnWrites::default(),
             background_events: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_EVENTS)),
         };
         let _ = shared.common.logins.set(shared.credentials.clone());
@@ -184,48 +173,15 @@ impl Shared {
         }
     }
 
-    /// The cached `proplet`, or, when the cache has not yet seen this driver's last status
-    /// write to it, the cached object with that write's status and version. Without this,
-    /// a reconcile right after a write planned from the old status and wrote (and noted)
-    /// the same change again.
-    pub(super) fn newest(&self, key: &str, proplet: Proplet) -> Proplet {
-        let mut echo = lock(&self.proplet_echo);
-        match echo.get(key) {
-            Some(w) if w.based_on == proplet.metadata.resource_version => {
-                let mut newer = proplet;
-                newer.metadata.resource_version = w.version.clone();
-                newer.status = w.status.clone();
-                newer
-            }
-            Some(_) => {
-                echo.remove(key);
-                proplet
-            }
-            None => proplet,
-        }
-    }
-
-    /// The cached `task`, or what this driver last wrote to it when the cache still shows a
-    /// version those writes replaced.
-    pub(super) fn newest_task(&self, task: Arc<Task>) -> Arc<Task> {
-        let key = ObjectName::of(&*task).to_string();
-        let mut echo = lock(&self.task_echo);
-        let Some(writes) = echo.get(&key) else {
-            return task;
-        };
-        let cached = task.metadata.resource_version.as_deref();
-        if cached.is_some_and(|v| writes.superseded.iter().any(|s| s == v))
-            && writes.latest.metadata.uid == task.metadata.uid
-        {
-            return Arc::new(writes.latest.clone());
-        }
-        echo.remove(&key);
-        task
-    }
-
+    /// What this driver last wrote to each Task, recorded after an apply.
     pub(super) fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
-        let key = ObjectName::of(task).to_string();
-        lock(&self.task_echo).insert(key, writes);
+        let version = writes.latest.metadata.resource_version.clone();
+        self.task_writes.record(
+            ObjectName::of(task),
+            writes.superseded,
+            version,
+            writes.latest,
+        );
     }
 
     /// Rebuilds the broker's credential table and the client index from the cached

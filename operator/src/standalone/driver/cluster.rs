@@ -64,7 +64,17 @@ impl Cluster for Driver {
                 proplet.metadata.resource_version.as_deref(),
             )
             .await?;
-        self.own_writes.record(PROPLET, &proplet.metadata, &updated);
+        self.proplet_writes.record(
+            name,
+            proplet
+                .metadata
+                .resource_version
+                .clone()
+                .into_iter()
+                .collect(),
+            version_of(&updated),
+            (),
+        );
         Ok(())
     }
 
