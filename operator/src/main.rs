@@ -65,7 +65,7 @@ enum Command {
     },
     /// List resources of a kind, or show one.
     Get {
-        /// Kind: proplet, task, pjob, federatedjob, traininground, secret.
+        /// Kind: proplet, task, pjob, federatedjob, traininground, propletupgrade, secret.
         kind: String,
         /// One resource by name.
         name: Option<String>,

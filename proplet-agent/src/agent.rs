@@ -291,7 +291,11 @@ impl Agent {
                         .iter()
                         .any(|code| matches!(code, rumqttc::SubscribeReasonCode::Failure));
                     let which = self.subscriptions.refused(ack.pkid, &ack.return_codes);
-                    if refused {
+                    let retry = match &which {
+                        None => refused,
+                        Some(filters) => !filters.is_empty(),
+                    };
+                    if retry {
                         // A clustered broker may refuse subscriptions for a while after a
                         // node failure (NATS re-electing its JetStream leaders): try again,
                         // the refused filters only.
@@ -302,15 +306,20 @@ impl Agent {
                         );
                         let agent = self.clone();
                         tokio::spawn(async move { agent.subscribe_again(sessions, which).await });
-                    } else if self.subscriptions.complete()
-                        && !self.listening.swap(true, Ordering::Relaxed)
-                    {
-                        info!("subscribed; announcing the proplet");
-                        let agent = self.clone();
-                        tokio::spawn(async move {
-                            agent.announce().await;
-                            agent.confirm_trial().await;
-                        });
+                    } else {
+                        if refused {
+                            warn!("the broker does not offer agent upgrade requests here (an older propeller?); running without them");
+                        }
+                        if self.subscriptions.complete()
+                            && !self.listening.swap(true, Ordering::Relaxed)
+                        {
+                            info!("subscribed; announcing the proplet");
+                            let agent = self.clone();
+                            tokio::spawn(async move {
+                                agent.announce().await;
+                                agent.confirm_trial().await;
+                            });
+                        }
                     }
                 }
                 Ok(Event::Outgoing(Outgoing::Publish(pkid))) if pkid != 0 => {
@@ -410,6 +419,16 @@ impl Agent {
 
     async fn subscribe(&self) {
         self.request_subscriptions(self.filters()).await;
+        let upgrades = vec![(self.channel.upgrade(), self.config.qos.to_mqtt())];
+        while !self
+            .subscriptions
+            .request_optional(&self.client, upgrades.clone())
+        {
+            if self.session.borrow().is_none() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Every filter the agent listens on, with its QoS: its channel's and its key topic.

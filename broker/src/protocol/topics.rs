@@ -361,15 +361,15 @@ impl Channel {
         ]
     }
 
-    /// Subscriptions of an agent: the four topics of the upstream Rust proplet, and
-    /// upgrade requests.
+    /// Subscriptions of an agent: the same four topics as the upstream Rust proplet (an
+    /// agent of ours also subscribes to [`Channel::upgrade`], and runs without it where it
+    /// is refused).
     pub fn agent_filters(&self) -> Vec<String> {
         vec![
             self.start(),
             self.stop(),
             self.invoke(),
             self.registry_chunks(),
-            self.upgrade(),
         ]
     }
 }
@@ -545,7 +545,6 @@ mod tests {
                 "m/dom/c/chan/control/manager/stop",
                 "m/dom/c/chan/control/manager/invoke",
                 "m/dom/c/chan/registry/server",
-                "m/dom/c/chan/control/manager/upgrade",
             ]
         );
     }

@@ -15,10 +15,12 @@ use rumqttc::{AsyncClient, QoS, SubscribeFilter, SubscribeReasonCode};
 /// event loop sends them.
 #[derive(Default)]
 pub struct Subscriptions {
-    /// Filters of each request handed to the client and not yet seen going out, in order.
-    queued: Mutex<VecDeque<Vec<String>>>,
-    /// Filters of each SUBSCRIBE sent and not yet acknowledged, by packet id.
-    sent: Mutex<HashMap<u16, Vec<String>>>,
+    /// Filters of each request handed to the client and not yet seen going out, in order,
+    /// and whether the request is optional.
+    queued: Mutex<VecDeque<(Vec<String>, bool)>>,
+    /// Filters of each SUBSCRIBE sent and not yet acknowledged, by packet id, and whether
+    /// it is optional.
+    sent: Mutex<HashMap<u16, (Vec<String>, bool)>>,
     /// Filters the broker refused and has not accepted since.
     refused: Mutex<HashSet<String>>,
 }
@@ -27,6 +29,17 @@ impl Subscriptions {
     /// Asks `client` to subscribe to `filters` in one SUBSCRIBE; false if its request queue
     /// is full (the caller tries again later).
     pub fn request(&self, client: &AsyncClient, filters: Vec<(String, QoS)>) -> bool {
+        self.ask(client, filters, false)
+    }
+
+    /// [`Subscriptions::request`] for filters the agent can run without (a broker, or an
+    /// older propeller, that does not offer them): a refusal is not retried and does not
+    /// keep the subscriptions from being complete.
+    pub fn request_optional(&self, client: &AsyncClient, filters: Vec<(String, QoS)>) -> bool {
+        self.ask(client, filters, true)
+    }
+
+    fn ask(&self, client: &AsyncClient, filters: Vec<(String, QoS)>, optional: bool) -> bool {
         if filters.is_empty() {
             return true;
         }
@@ -39,7 +52,7 @@ impl Subscriptions {
             .map(|(path, qos)| SubscribeFilter::new(path, qos));
         match client.try_subscribe_many(packet) {
             Ok(()) => {
-                queued.push_back(names);
+                queued.push_back((names, optional));
                 true
             }
             Err(_) => false,
@@ -61,10 +74,11 @@ impl Subscriptions {
         }
     }
 
-    /// The filters a SUBACK refused; `None` when the SUBACK matches no request known here
-    /// (the caller subscribes to everything again).
+    /// The filters a SUBACK refused that must be asked for again (none for an optional
+    /// request); `None` when the SUBACK matches no request known here (the caller
+    /// subscribes to everything again).
     pub fn refused(&self, pkid: u16, codes: &[SubscribeReasonCode]) -> Option<Vec<String>> {
-        let filters = self
+        let (filters, optional) = self
             .sent
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -74,6 +88,9 @@ impl Subscriptions {
             .map(|code| matches!(code, SubscribeReasonCode::Failure))
             .collect();
         let refused = refused_filters(&filters, &refusals)?;
+        if optional {
+            return Some(Vec::new());
+        }
         let mut outstanding = self.refused.lock().unwrap_or_else(|e| e.into_inner());
         for filter in &filters {
             outstanding.remove(filter);
@@ -175,6 +192,24 @@ mod tests {
         ask(&["b"]);
         subs.sent(3);
         subs.refused(3, &[ok]);
+        assert!(subs.complete());
+    }
+
+    #[test]
+    fn a_refused_optional_filter_is_not_asked_again_and_leaves_them_complete() {
+        let (client, _events) = client();
+        let subs = Subscriptions::default();
+        assert!(subs.request(&client, vec![("a".into(), QoS::AtLeastOnce)]));
+        assert!(subs.request_optional(&client, vec![("u".into(), QoS::AtLeastOnce)]));
+        subs.sent(1);
+        subs.sent(2);
+        let ok = SubscribeReasonCode::Success(QoS::AtLeastOnce);
+        assert_eq!(subs.refused(1, &[ok]), Some(vec![]));
+        assert!(!subs.complete(), "the optional SUBACK is awaited");
+        assert_eq!(
+            subs.refused(2, &[SubscribeReasonCode::Failure]),
+            Some(vec![])
+        );
         assert!(subs.complete());
     }
 
