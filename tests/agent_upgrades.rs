@@ -310,13 +310,49 @@ fn twenty_agents_upgrade_in_four_waves_and_report_the_new_version() {
         .windows(2)
         .map(|w| format!("{:.1}", (w[1] - w[0]).as_secs_f64()))
         .collect();
+    // Where a device's time went, from its own log: the request to the verified install,
+    // and the restart to healthy.
+    let mut install = Vec::new();
+    let mut restart = Vec::new();
+    for agent in &agents {
+        let log = agent.stderr_so_far();
+        let at = |needle: &str| {
+            log.iter()
+                .find(|l| l.contains(needle))
+                .and_then(|l| log_time(l))
+        };
+        if let (Some(asked), Some(installed), Some(healthy)) = (
+            at("downloading a new agent"),
+            at("installed; restarting into it"),
+            at("the new agent is healthy"),
+        ) {
+            install.push((installed - asked).as_seconds_f64());
+            restart.push((healthy - installed).as_seconds_f64());
+        }
+    }
+    assert_eq!(install.len(), 20, "every agent logged its steps");
     println!(
-        "20 agents in 4 waves of 5 on loopback ({} MiB binary): first wave done {:.1} s after the apply, then {} s per wave; all on {NEW_VERSION} {:.1} s after the apply",
+        "20 agents in 4 waves of 5 on loopback ({} MiB binary): first wave done {:.1} s after the apply, then {} s per wave; all on {NEW_VERSION} {:.1} s after the apply; per device, download to verified install {:.1} s and restart to healthy {:.1} s (medians)",
         body.len() / (1024 * 1024),
         wave_ends[0].as_secs_f64(),
         per_wave.join(", "),
-        applied.elapsed().as_secs_f64()
+        applied.elapsed().as_secs_f64(),
+        median(&mut install),
+        median(&mut restart),
     );
+}
+
+/// The timestamp at the start of an agent's log line.
+fn log_time(line: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    let stamp = line.split_whitespace().next()?;
+    chrono::DateTime::parse_from_rfc3339(stamp)
+        .ok()
+        .map(|t| t.with_timezone(&chrono::Utc))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or_default()
 }
 
 #[test]
@@ -546,19 +582,22 @@ fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_wit
         "-p",
         r#"{"spec":{"paused":false}}"#,
     ]);
-    let started = Instant::now();
-    let done = loop {
-        let object = get(&cp, ns, "propletupgrade", "roll").expect("rollout");
-        if object["status"]["phase"] == "Completed" {
-            break object;
+    let wait_rollout = |phase: &str| {
+        let started = Instant::now();
+        loop {
+            let object = get(&cp, ns, "propletupgrade", "roll").expect("rollout");
+            if object["status"]["phase"] == phase {
+                return object;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(300),
+                "not {phase}: {:#}",
+                object["status"]
+            );
+            std::thread::sleep(Duration::from_millis(500));
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "not completed: {:#}",
-            object["status"]
-        );
-        std::thread::sleep(Duration::from_millis(500));
     };
+    let done = wait_rollout("Completed");
     assert_eq!(done["status"]["healthy"], 4, "{:#}", done["status"]);
     let columns = cp.kubectl_ok(&["-n", ns, "get", "propletupgrades"]);
     assert!(
@@ -585,19 +624,7 @@ fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_wit
         "-p",
         r#"{"spec":{"revert":true}}"#,
     ]);
-    let started = Instant::now();
-    loop {
-        let object = get(&cp, ns, "propletupgrade", "roll").expect("rollout");
-        if object["status"]["phase"] == "Reverted" {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "not reverted: {:#}",
-            object["status"]
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    wait_rollout("Reverted");
     for name in &names {
         let started = Instant::now();
         while version_of(name) != old {

@@ -63,6 +63,18 @@ impl<T: Clone> OwnWrites<T> {
         );
     }
 
+    /// Remembers one write to the object read as `read` (its name and version), which
+    /// produced `version` and left `object`.
+    pub fn record_write(
+        &self,
+        read: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        version: Option<String>,
+        object: T,
+    ) {
+        let replaced = read.resource_version.clone().into_iter().collect();
+        self.record(ObjectName::from_meta(read), replaced, version, object);
+    }
+
     /// What this process last wrote to `name`, when the cache still shows `cached_version`,
     /// a version that write replaced; `None` (and forgotten) once the cache caught up.
     pub fn newest(&self, name: &ObjectName, cached_version: Option<&str>) -> Option<T> {

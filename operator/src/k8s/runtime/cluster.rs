@@ -81,17 +81,9 @@ impl Cluster for Shared {
     ) -> Result<(), BackendError> {
         let written = apply_proplet(&self.client, proplet, plan).await?;
         if let Some(written) = written {
-            self.proplet_writes.record(
-                ObjectName::of(proplet),
-                proplet
-                    .metadata
-                    .resource_version
-                    .clone()
-                    .into_iter()
-                    .collect(),
-                written.metadata.resource_version.clone(),
-                written,
-            );
+            let version = written.metadata.resource_version.clone();
+            self.proplet_writes
+                .record_write(&proplet.metadata, version, written);
         }
         Ok(())
     }

@@ -64,17 +64,8 @@ impl Cluster for Driver {
                 proplet.metadata.resource_version.as_deref(),
             )
             .await?;
-        self.proplet_writes.record(
-            name,
-            proplet
-                .metadata
-                .resource_version
-                .clone()
-                .into_iter()
-                .collect(),
-            version_of(&updated),
-            (),
-        );
+        self.proplet_writes
+            .record_write(&proplet.metadata, version_of(&updated), ());
         Ok(())
     }
 
