@@ -14,7 +14,7 @@ fn repo_root() -> PathBuf {
 }
 
 #[test]
-fn crd_prints_five_crds_identical_to_configs_crd() {
+fn crd_prints_six_crds_identical_to_configs_crd() {
     let out = propeller().arg("crd").output().expect("run propeller crd");
     assert!(
         out.status.success(),
@@ -43,7 +43,8 @@ fn crd_prints_five_crds_identical_to_configs_crd() {
             "Task",
             "PropellerJob",
             "FederatedJob",
-            "TrainingRound"
+            "TrainingRound",
+            "PropletUpgrade"
         ]
     );
 
@@ -54,6 +55,7 @@ fn crd_prints_five_crds_identical_to_configs_crd() {
         "propellerjobs",
         "federatedjobs",
         "trainingrounds",
+        "propletupgrades",
     ] {
         let path = repo_root()
             .join("configs/crd")
@@ -87,6 +89,7 @@ fn crd_out_dir_writes_the_same_files() {
         "propellerjobs",
         "federatedjobs",
         "trainingrounds",
+        "propletupgrades",
     ] {
         let written =
             std::fs::read_to_string(dir.join(format!("{plural}.yaml"))).expect("written file");

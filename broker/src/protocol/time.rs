@@ -348,16 +348,26 @@ mod tests {
             Err(DecodeError::InvalidValue { .. })
         ));
     }
+
+    #[test]
+    fn a_setting_of_too_many_seconds_is_refused() {
+        assert!(parse_setting_duration("1e300").is_err());
+        assert!(parse_setting_duration("-1").is_err());
+        assert!(parse_setting_duration("NaN").is_err());
+        assert_eq!(
+            parse_setting_duration("0.5"),
+            Ok(Duration::from_millis(500))
+        );
+    }
 }
 
 /// Parses a setting's duration: a bare number is seconds (`10`, `0.5`), anything else a
 /// Go-style duration (`10s`, `1h30m`). Both the agent and the operator accept this form.
 pub fn parse_setting_duration(text: &str) -> Result<Duration, String> {
     match text.trim().parse::<f64>() {
-        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => {
-            Ok(Duration::from_secs_f64(seconds))
-        }
-        Ok(_) => Err(format!("{text:?} is not a valid duration")),
+        // A number of seconds too large for a Duration (1e300) is refused, not a panic.
+        Ok(seconds) => Duration::try_from_secs_f64(seconds)
+            .map_err(|_| format!("{text:?} is not a valid duration")),
         Err(_) => parse_duration(text),
     }
 }
