@@ -570,18 +570,21 @@ fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_wit
             "{name} upgraded while paused: {held:#}"
         );
     }
+    let edit = |patch: &str| {
+        cp.kubectl_ok(&[
+            "-n",
+            ns,
+            "patch",
+            "propletupgrade",
+            "roll",
+            "--type",
+            "merge",
+            "-p",
+            patch,
+        ]);
+    };
     // Resumed by editing it.
-    cp.kubectl_ok(&[
-        "-n",
-        ns,
-        "patch",
-        "propletupgrade",
-        "roll",
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"paused":false}}"#,
-    ]);
+    edit(r#"{"spec":{"paused":false}}"#);
     let wait_rollout = |phase: &str| {
         let started = Instant::now();
         loop {
@@ -613,17 +616,7 @@ fn on_a_real_api_server_a_rollout_is_held_resumed_and_reverted_by_editing_it_wit
         }
     }
     // Reverted by editing it: every device goes back to the agent it ran before.
-    cp.kubectl_ok(&[
-        "-n",
-        ns,
-        "patch",
-        "propletupgrade",
-        "roll",
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"revert":true}}"#,
-    ]);
+    edit(r#"{"spec":{"revert":true}}"#);
     wait_rollout("Reverted");
     for name in &names {
         let started = Instant::now();

@@ -97,7 +97,8 @@ pub fn split_digest(url: &str) -> Result<(&str, Option<[u8; 32]>), FetchError> {
     Ok((base, Some(digest)))
 }
 
-fn to_hex(bytes: &[u8]) -> String {
+/// Lower-case hex of `bytes`.
+pub fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

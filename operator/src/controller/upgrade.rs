@@ -51,7 +51,9 @@ pub async fn reconcile<C: Cluster>(
         let reports: Vec<UpgradeProgressReport> = taken
             .iter()
             .filter_map(|(client, report)| {
-                let proplet = proplets.iter().find(|p| p.client_id() == client.as_str())?;
+                let proplet = cluster
+                    .proplet_by_client(client)
+                    .filter(|p| ObjectName::of(p.as_ref()).namespace == namespace)?;
                 Some(UpgradeProgressReport {
                     proplet: proplet.metadata.name.clone().unwrap_or_default(),
                     state: progress(report.state),
@@ -83,10 +85,7 @@ pub async fn reconcile<C: Cluster>(
                 }
                 UpgradeOrder::Revert { proplet } => (proplet, UpgradeAction::Revert, String::new()),
             };
-            let Some(proplet) = proplets
-                .iter()
-                .find(|p| p.metadata.name.as_ref() == Some(name))
-            else {
+            let Some(proplet) = cluster.proplet(&ObjectName::new(&namespace, name)) else {
                 continue;
             };
             let conn = &proplet.spec.connection_config;

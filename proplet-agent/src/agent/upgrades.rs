@@ -12,7 +12,7 @@ use propeller_broker::protocol::{
 };
 use tracing::{info, warn};
 
-use crate::fetch::{split_digest, HttpFetcher};
+use crate::fetch::{split_digest, to_hex, HttpFetcher};
 use crate::upgrade::{agent_dir, same_file, Binary, Selection, Trial, AGENT_VERSION};
 
 use super::Agent;
@@ -71,7 +71,7 @@ impl Agent {
             "downloading a new agent"
         );
         let digest = match split_digest(&request.url) {
-            Ok((_, Some(digest))) => hex(&digest),
+            Ok((_, Some(digest))) => to_hex(&digest),
             Ok((_, None)) => return Err("the URL pins no sha256 digest".into()),
             Err(e) => return Err(e.to_string()),
         };
@@ -319,8 +319,4 @@ async fn preflight(binary: &Path, version: &str) -> Result<(), String> {
         return Err(format!("`--version` says {:?}, not {version}", said.trim()));
     }
     Ok(())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
