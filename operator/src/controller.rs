@@ -14,7 +14,7 @@
 //!     │ reflector caches): one queue, never two reconciles of one object at once
 //!     ▼
 //!  proplet / task / jobs::reconcile ── reads the caches, plans with propeller-core
-//!     │ Cluster::{apply_proplet, apply_task, create_once, write_status, note}
+//!     │ Cluster::{apply_proplet, create_once, write_status, note}, executor::apply_task
 //!     ▼
 //!  API server | redb store  ──watch──▶ the driver's queue
 //! ```
@@ -39,11 +39,14 @@ use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::PropletPlan;
 use crate::decision::scheduler::SelectorView;
-use crate::decision::task::{Note, TaskPlan};
-use crate::executor::{BackendError, Dispatch, JobRunner, TaskApplyError};
+use crate::decision::task::Note;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
 use crate::proplet_index::Narrowed;
+use executor::{JobRunner, TaskApplyError};
 
 mod common;
+pub mod executor;
 #[cfg(test)]
 mod fake;
 pub mod finalizer;
@@ -141,16 +144,12 @@ pub trait Cluster: Backend + CacheReads + Signals {
         plan: &PropletPlan,
     ) -> impl Future<Output = Result<(), BackendError>> + Send;
 
-    /// Applies a Task plan through the shared executor (see [`crate::executor::apply_task`]).
-    fn apply_task(
-        &self,
-        task: &Task,
-        plan: &TaskPlan,
-    ) -> impl Future<Output = Result<Dispatch, TaskApplyError>> + Send;
-
     /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
     fn jobs(&self) -> Option<&Self::Jobs>;
 }
+
+/// An error of the object backend (API server or embedded store).
+pub type BackendError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The object backend (the API server, or the embedded store): reads that bypass the caches
 /// and writes conditional on the version an object was read at.
@@ -191,22 +190,42 @@ pub trait Backend: Send + Sync {
         object: &K,
     ) -> impl Future<Output = Result<(), BackendError>> + Send;
 
-    /// Replaces `object`'s status `old` (as written) with `new`, conditionally on the
-    /// version `object` was read at.
+    /// Replaces the status `old` (as written) of the `K` named by `meta` with `new`,
+    /// conditionally on `meta`'s resourceVersion; returns the new version.
     fn write_status<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         old: &Value,
         new: &Value,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
 
-    /// Sets `object`'s finalizers to exactly `finalizers`, conditionally on the version it
-    /// was read at; returns the new version.
+    /// Sets the finalizers of the `K` named by `meta` to exactly `finalizers`, conditionally
+    /// on `meta`'s resourceVersion; returns the new version.
     fn set_finalizers<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         finalizers: &[String],
     ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
+
+    /// Sets the finalizers, then replaces the status (see [`Backend::write_status`]), as one
+    /// write where the backend can (the embedded store's transaction; the API server needs
+    /// two calls, the second conditional on the first's version).
+    fn set_finalizers_and_status<K: Stored>(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        old: &Value,
+        new: &Value,
+    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send {
+        async move {
+            let version = self.set_finalizers::<K>(meta, finalizers).await?;
+            let written = ObjectMeta {
+                resource_version: version,
+                ..meta.clone()
+            };
+            self.write_status::<K>(&written, old, new).await
+        }
+    }
 }
 
 /// What the shells read from the driver's caches and indexes (never the backend).

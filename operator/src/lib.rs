@@ -1,5 +1,5 @@
 //! Propeller operator: the Kubernetes and standalone drivers of the core's plans
-//! (`propeller-core`, re-exported here as `crd` and `decision`), the Task executor, the image
+//! (`propeller-core`, re-exported here as `crd` and `decision`), the image
 //! puller and the validation of objects.
 
 pub use propeller_core::{crd, decision};
@@ -8,7 +8,6 @@ pub mod credentials;
 pub mod enrolment;
 pub mod enrolment_queue;
 pub mod errors;
-pub mod executor;
 pub mod inbox;
 pub mod k8s;
 pub mod key_delivery;

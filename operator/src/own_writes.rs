@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use propeller_core::object_name::ObjectName;
 
 use crate::state::lock;
@@ -44,16 +45,22 @@ impl<T> Default for OwnWrites<T> {
 }
 
 impl<T: Clone> OwnWrites<T> {
-    /// Remembers that writes to `name` replaced the versions `replaced` and produced
-    /// `version`, leaving `object`.
-    pub fn record(
-        &self,
-        name: ObjectName,
-        replaced: Vec<String>,
-        version: Option<String>,
-        object: T,
-    ) {
-        lock(&self.written).insert(
+    /// Remembers a write to the object read as `read` (its name and the version the write
+    /// was conditional on), which produced `version` and left `object`. A write that follows
+    /// this process's previous one (based on the version it produced) also supersedes what
+    /// that one replaced, so a cache still showing any of them is behind.
+    pub fn record_write(&self, read: &ObjectMeta, version: Option<String>, object: T) {
+        let name = ObjectName::from_meta(read);
+        let based_on = read.resource_version.clone();
+        let mut written = lock(&self.written);
+        let mut replaced = match written.remove(&name) {
+            Some(previous) if based_on.is_some() && previous.version == based_on => {
+                previous.replaced
+            }
+            _ => Vec::new(),
+        };
+        replaced.extend(based_on);
+        written.insert(
             name,
             Written {
                 replaced,
@@ -61,18 +68,6 @@ impl<T: Clone> OwnWrites<T> {
                 object,
             },
         );
-    }
-
-    /// Remembers one write to the object read as `read` (its name and version), which
-    /// produced `version` and left `object`.
-    pub fn record_write(
-        &self,
-        read: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-        version: Option<String>,
-        object: T,
-    ) {
-        let replaced = read.resource_version.clone().into_iter().collect();
-        self.record(ObjectName::from_meta(read), replaced, version, object);
     }
 
     /// What this process last wrote to `name`, when the cache still shows `cached_version`,
@@ -122,29 +117,40 @@ impl<T: Clone> OwnWrites<T> {
 mod tests {
     use super::*;
 
+    fn read(name: &str, version: &str) -> ObjectMeta {
+        ObjectMeta {
+            namespace: Some("ns".into()),
+            name: Some(name.into()),
+            resource_version: Some(version.into()),
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn a_write_is_the_newest_until_the_cache_shows_it_and_is_known_as_own_once() {
         let writes = OwnWrites::default();
         let name = ObjectName::new("ns", "p");
-        writes.record(
-            name.clone(),
-            vec!["1".into(), "2".into()],
-            Some("3".into()),
-            "three",
-        );
+        // Two writes of one apply: the second, based on the first's version, supersedes both.
+        writes.record_write(&read("p", "1"), Some("2".into()), "two");
+        writes.record_write(&read("p", "2"), Some("3".into()), "three");
         assert_eq!(writes.newest(&name, Some("1")), Some("three"));
         assert_eq!(writes.newest(&name, Some("2")), Some("three"));
         // The cache caught up: forgotten.
         assert_eq!(writes.newest(&name, Some("3")), None);
         assert!(writes.is_empty());
 
-        writes.record(name.clone(), vec!["3".into()], Some("4".into()), "four");
+        writes.record_write(&read("p", "3"), Some("4".into()), "four");
         assert!(!writes.is_own(&name, "5"));
         assert!(writes.is_own(&name, "4"));
         assert!(!writes.is_own(&name, "4"), "asked once");
 
-        writes.record(name.clone(), vec!["4".into()], Some("5".into()), "five");
-        writes.record(ObjectName::new("ns", "gone"), vec!["1".into()], None, "x");
+        // A write from a version this process did not produce starts afresh.
+        writes.record_write(&read("p", "9"), Some("10".into()), "ten");
+        writes.record_write(&read("p", "4"), Some("5".into()), "five");
+        assert_eq!(writes.newest(&name, Some("9")), None);
+
+        writes.record_write(&read("p", "4"), Some("5".into()), "five");
+        writes.record_write(&read("gone", "1"), None, "x");
         writes.prune(|n| (n.name == "p").then(|| "4".to_owned()));
         assert_eq!(writes.len(), 1);
         writes.prune(|_| Some("5".to_owned()));

@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
 use propeller_broker::protocol::{ResultValue, UpgradeReport};
-use propeller_broker::server::{BrokerEvent, EventKind, Publisher};
+use propeller_broker::server::{BrokerEvent, EventKind};
 use tracing::warn;
 
 use crate::crd::common::MetricsSample;
@@ -16,7 +16,6 @@ use crate::decision::liveness::heartbeat_can_wait;
 use crate::decision::proplet::PropletSettings;
 use crate::decision::scheduler::RoundRobinState;
 use crate::decision::task::{ReportedResult, TaskObservations};
-use crate::executor::TaskEffects;
 use crate::inbox::{DispatchLedger, LiveSessions, Queued, TaskInbox};
 use crate::observations::ObservationStore;
 
@@ -285,16 +284,6 @@ impl DriverState {
         let run = task.status.as_ref().and_then(|s| s.run_count).unwrap_or(0);
         observed.dispatched_at = self.ledger.dispatched_at(uid, run);
         observed.round_robin = lock(&self.round_robin).clone();
-    }
-
-    /// The executor's effects through `publisher`.
-    pub fn effects<'a>(&'a self, publisher: &'a Publisher) -> TaskEffects<'a> {
-        TaskEffects {
-            publisher,
-            ledger: &self.ledger,
-            inbox: &self.inbox,
-            sessions: &self.sessions,
-        }
     }
 
     /// Forgets what was heard for the task `uid` (results, metrics, starts sent): another

@@ -10,13 +10,13 @@ use k8s_openapi::api::core::v1::Secret;
 use propeller_broker::server::{CredentialStore, Publisher};
 use tracing::warn;
 
+use super::executor::TaskEffects;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::credentials::credential_table;
 use crate::decision::proplet::PropletSettings;
 use crate::decision::task::TaskSettings;
 use crate::enrolment_queue::Enrolments;
-use crate::executor::TaskEffects;
 use crate::key_delivery::KeyDelivery;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
@@ -102,7 +102,12 @@ impl Common {
 
     /// What the Task executor uses besides the backend.
     pub fn effects(&self) -> TaskEffects<'_> {
-        self.state.effects(&self.publisher)
+        TaskEffects {
+            publisher: &self.publisher,
+            ledger: &self.state.ledger,
+            inbox: &self.state.inbox,
+            sessions: &self.state.sessions,
+        }
     }
 }
 

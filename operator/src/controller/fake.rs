@@ -13,20 +13,21 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use propeller_broker::server::{BrokerConfig, CredentialStore, EmbeddedBroker};
 use serde_json::Value;
 
+use super::executor::NoJobs;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::{PropletPlan, PropletSettings};
 use crate::decision::scheduler::{SelectorView, Strategy};
-use crate::decision::task::{Note, TaskPlan, TaskSettings};
-use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, ObjectWriter, TaskApplyError};
+use crate::decision::task::{Note, TaskSettings};
 use crate::metrics::ControllerMetrics;
 use crate::proplet_index::Narrowed;
 use crate::state::lock;
 
 use super::{
-    Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
+    Backend, BackendError, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal,
+    Signals, Stored, Wake,
 };
 
 /// How the fake backend refuses a write.
@@ -43,7 +44,7 @@ pub enum FakeError {
 /// (kind, namespace, name).
 type Key = (String, String, String);
 
-/// The objects, shared by the backend and the Task writer.
+/// The objects, as JSON by kind and name.
 #[derive(Default)]
 struct Objects {
     by_key: Mutex<BTreeMap<Key, Value>>,
@@ -92,61 +93,10 @@ impl Objects {
     }
 }
 
-/// Writes Tasks into [`Objects`] for the shared Task executor.
-struct FakeTasks<'a>(&'a Objects);
-
 fn version_of(object: &Value) -> Option<String> {
     object["metadata"]["resourceVersion"]
         .as_str()
         .map(str::to_owned)
-}
-
-impl ObjectWriter for FakeTasks<'_> {
-    async fn set_finalizers(
-        &self,
-        meta: &ObjectMeta,
-        finalizers: &[String],
-        version: Option<&str>,
-    ) -> Result<Option<String>, BackendError> {
-        let written = self.0.update(Objects::key("Task", meta), version, |o| {
-            o["metadata"]["finalizers"] = serde_json::json!(finalizers);
-        })?;
-        Ok(version_of(&written))
-    }
-
-    async fn write_status(
-        &self,
-        meta: &ObjectMeta,
-        _old: &Value,
-        new: &Value,
-        version: Option<&str>,
-    ) -> Result<Option<String>, BackendError> {
-        let written = self.0.update(Objects::key("Task", meta), version, |o| {
-            o["status"] = new.clone();
-        })?;
-        Ok(version_of(&written))
-    }
-
-    async fn set_finalizers_and_status(
-        &self,
-        meta: &ObjectMeta,
-        finalizers: &[String],
-        _old: &Value,
-        new: &Value,
-        version: Option<&str>,
-    ) -> Result<Option<String>, BackendError> {
-        let written = self.0.update(Objects::key("Task", meta), version, |o| {
-            o["metadata"]["finalizers"] = serde_json::json!(finalizers);
-            o["status"] = new.clone();
-        })?;
-        Ok(version_of(&written))
-    }
-
-    type Jobs = NoJobs;
-
-    fn jobs(&self) -> Option<&NoJobs> {
-        None
-    }
 }
 
 /// An in-memory [`Cluster`] (see the module's documentation).
@@ -271,16 +221,6 @@ impl Cluster for FakeCluster {
         Ok(())
     }
 
-    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
-        apply_task(
-            &FakeTasks(&self.objects),
-            task,
-            plan,
-            &self.common.effects(),
-        )
-        .await
-    }
-
     fn jobs(&self) -> Option<&NoJobs> {
         None
     }
@@ -339,29 +279,46 @@ impl Backend for FakeCluster {
 
     async fn write_status<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         _old: &Value,
         new: &Value,
-    ) -> Result<(), BackendError> {
-        let meta = object.meta();
-        self.objects.update(
+    ) -> Result<Option<String>, BackendError> {
+        let written = self.objects.update(
             Objects::key(&K::kind(&()), meta),
             meta.resource_version.as_deref(),
             |o| o["status"] = new.clone(),
         )?;
-        Ok(())
+        Ok(version_of(&written))
     }
 
     async fn set_finalizers<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         finalizers: &[String],
     ) -> Result<Option<String>, BackendError> {
-        let meta = object.meta();
         let written = self.objects.update(
             Objects::key(&K::kind(&()), meta),
             meta.resource_version.as_deref(),
             |o| o["metadata"]["finalizers"] = serde_json::json!(finalizers),
+        )?;
+        Ok(version_of(&written))
+    }
+
+    /// One write, as the embedded store's transaction.
+    async fn set_finalizers_and_status<K: Stored>(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        _old: &Value,
+        new: &Value,
+    ) -> Result<Option<String>, BackendError> {
+        let written = self.objects.update(
+            Objects::key(&K::kind(&()), meta),
+            meta.resource_version.as_deref(),
+            |o| {
+                o["metadata"]["finalizers"] = serde_json::json!(finalizers);
+                o["status"] = new.clone();
+            },
         )?;
         Ok(version_of(&written))
     }

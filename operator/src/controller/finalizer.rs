@@ -36,7 +36,9 @@ pub async fn step<C: Cluster, K: Stored>(
         return Ok(Step::Apply(object));
     }
     finalizers.push(finalizer.to_owned());
-    let version = cluster.set_finalizers(&object, &finalizers).await?;
+    let version = cluster
+        .set_finalizers::<K>(object.meta(), &finalizers)
+        .await?;
     let mut object = object;
     object.meta_mut().finalizers = Some(finalizers);
     object.meta_mut().resource_version = version;
@@ -51,6 +53,8 @@ pub async fn release<C: Cluster, K: Stored>(
 ) -> Result<(), ReconcileError> {
     let mut finalizers = object.meta().finalizers.clone().unwrap_or_default();
     finalizers.retain(|f| f != finalizer);
-    cluster.set_finalizers(object, &finalizers).await?;
+    cluster
+        .set_finalizers::<K>(object.meta(), &finalizers)
+        .await?;
     Ok(())
 }

@@ -31,7 +31,9 @@ async fn write_if_changed<C: Cluster, K: Stored, S: Serialize + PartialEq>(
         return Ok(());
     }
     let json = |s: &S| serde_json::to_value(s).unwrap_or(Value::Null);
-    cluster.write_status(object, &json(old), &json(new)).await?;
+    cluster
+        .write_status::<K>(object.meta(), &json(old), &json(new))
+        .await?;
     Ok(())
 }
 

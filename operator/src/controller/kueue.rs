@@ -64,7 +64,7 @@ pub async fn admit<C: Cluster>(
         let old = workload.status.clone().unwrap_or_default();
         let json = |s| serde_json::to_value(s).unwrap_or_default();
         cluster
-            .write_status(workload, &json(&old), &json(new))
+            .write_status::<Workload>(&workload.metadata, &json(&old), &json(new))
             .await?;
     }
     Ok(plan)

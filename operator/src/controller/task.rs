@@ -9,6 +9,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 use propeller_broker::protocol::Channel;
 use tracing::{debug, info, warn};
 
+use super::executor::{apply_task, Dispatch, JobRunner};
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::decision::capacity::{reserve, Holder, Reservation};
@@ -16,7 +17,6 @@ use crate::decision::task::{
     awaits_job, could_take, observe_indexed, plan, proplet_scope, proplet_view, selector_of,
     stops_for_deleted, Note, PropletScope, PropletView, TaskObservations,
 };
-use crate::executor::{Dispatch, JobRunner};
 
 use super::{count, CacheReads, Cluster, Next, ObjectName, ReconcileError, Refusal, Signals, Wake};
 
@@ -76,7 +76,7 @@ async fn reconcile_once<C: Cluster>(
         debug!(task = %name, %proplet, ?holders, "the proplet is at its capacity; waiting for a slot");
         return Ok(Some(now + CAPACITY_WAIT));
     }
-    let dispatch = cluster.apply_task(task, &plan).await?;
+    let dispatch = apply_task(cluster, task, &plan).await?;
     if plan.resolve_image {
         match images {
             Some(images) => images.resolve(task),
@@ -136,8 +136,11 @@ async fn reserve_slots<C: Cluster>(
             let mut new = status;
             new.slots = slots;
             let new = serde_json::to_value(&new).map_err(|e| ReconcileError::Backend(e.into()))?;
-            match cluster.write_status(&proplet, &old, &new).await {
-                Ok(()) => break,
+            match cluster
+                .write_status::<Proplet>(&proplet.metadata, &old, &new)
+                .await
+            {
+                Ok(_) => break,
                 Err(e) => {
                     let error = ReconcileError::Backend(e);
                     let conflict = error.refusal::<C>() == Some(Refusal::Conflict);

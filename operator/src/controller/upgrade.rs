@@ -67,7 +67,7 @@ pub async fn reconcile<C: Cluster>(
         if old != plan.status {
             let json = |s: &_| serde_json::to_value(s).unwrap_or(Value::Null);
             if let Err(e) = cluster
-                .write_status(upgrade, &json(&old), &json(&plan.status))
+                .write_status::<PropletUpgrade>(&upgrade.metadata, &json(&old), &json(&plan.status))
                 .await
             {
                 state.restore_upgrade_reports(&id, taken);

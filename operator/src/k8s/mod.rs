@@ -9,5 +9,4 @@ pub mod proplet;
 pub mod pull_secrets;
 pub mod runtime;
 pub mod sharded_watch;
-pub mod task;
 pub mod task_job;

@@ -16,6 +16,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::Resource;
 
+use crate::controller::executor::JobRunner;
+use crate::controller::BackendError;
 use crate::crd::task::{RestartPolicy, Task};
 use crate::decision::names::child_name;
 use crate::decision::task::{start_request, JobOutcome};
@@ -336,15 +338,12 @@ impl KubeJobs {
     }
 }
 
-impl crate::executor::JobRunner for KubeJobs {
-    async fn create_task_job(&self, task: &Task) -> Result<(), crate::executor::BackendError> {
+impl JobRunner for KubeJobs {
+    async fn create_task_job(&self, task: &Task) -> Result<(), BackendError> {
         Ok(create(&self.0, task).await?)
     }
 
-    async fn observe_task_job(
-        &self,
-        task: &Task,
-    ) -> Result<Option<JobOutcome>, crate::executor::BackendError> {
+    async fn observe_task_job(&self, task: &Task) -> Result<Option<JobOutcome>, BackendError> {
         Ok(observe(&self.0, task).await?)
     }
 }

@@ -32,7 +32,6 @@ use super::store::{ObjectStore, StoreError};
 mod cluster;
 mod reconcile;
 mod routing;
-mod writer;
 
 use crate::own_writes::OwnWrites;
 use crate::standalone::kinds::PROPLET;

@@ -5,6 +5,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PostParams;
 use serde_json::Value;
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
 
 use crate::controller::{
-    Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
+    Backend, BackendError, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal,
+    Signals, Stored, Wake,
 };
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
@@ -23,13 +25,9 @@ use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::scheduler::SelectorView;
 use crate::decision::task::Note;
-use crate::decision::task::TaskPlan;
-use crate::executor::BackendError;
-use crate::executor::{Dispatch, TaskApplyError};
-use crate::k8s::patch::finalizers_patch;
+use crate::k8s::patch::{finalizers_patch, status_patch};
 use crate::k8s::proplet::apply as apply_proplet;
 use crate::k8s::runtime::shared::Shared;
-use crate::k8s::task::apply as apply_task;
 use crate::k8s::task_job::KubeJobs;
 use crate::proplet_index::Narrowed;
 
@@ -88,15 +86,6 @@ impl Cluster for Shared {
         Ok(())
     }
 
-    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
-        let (dispatch, writes) =
-            apply_task(&self.client, &self.jobs, task, plan, &self.common.effects()).await?;
-        if let Some(writes) = writes {
-            self.remember_task_writes(task, writes);
-        }
-        Ok(dispatch)
-    }
-
     fn jobs(&self) -> Option<&KubeJobs> {
         Some(&self.jobs)
     }
@@ -150,32 +139,26 @@ impl Backend for Shared {
 
     async fn write_status<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         old: &Value,
         new: &Value,
-    ) -> Result<(), BackendError> {
-        let meta = object.meta();
-        api::<K>(&self.client, meta)
+    ) -> Result<Option<String>, BackendError> {
+        let written: K = api::<K>(&self.client, meta)
             .patch_status(
                 meta.name.as_deref().unwrap_or_default(),
                 &PatchParams::default(),
-                &Patch::Merge(super::super::patch::status_patch(
-                    old,
-                    new,
-                    meta.resource_version.as_deref(),
-                )),
+                &Patch::Merge(status_patch(old, new, meta.resource_version.as_deref())),
             )
             .await?;
-        Ok(())
+        Ok(self.remember_write(meta, written))
     }
 
     async fn set_finalizers<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         finalizers: &[String],
     ) -> Result<Option<String>, BackendError> {
-        let meta = object.meta();
-        let updated = api::<K>(&self.client, meta)
+        let written: K = api::<K>(&self.client, meta)
             .patch(
                 meta.name.as_deref().unwrap_or_default(),
                 &PatchParams::default(),
@@ -185,7 +168,20 @@ impl Backend for Shared {
                 )),
             )
             .await?;
-        Ok(updated.meta().resource_version.clone())
+        Ok(self.remember_write(meta, written))
+    }
+}
+
+impl Shared {
+    /// Remembers a write to a Task until the watch shows it (see [`CacheReads::newest_task`]);
+    /// the version it produced.
+    fn remember_write<K: Stored>(&self, read: &ObjectMeta, written: K) -> Option<String> {
+        let version = written.meta().resource_version.clone();
+        if let Some(task) = (&written as &dyn Any).downcast_ref::<Task>() {
+            self.task_writes
+                .record_write(read, version.clone(), task.clone());
+        }
+        version
     }
 }
 
@@ -318,8 +314,8 @@ fn api_refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controller::executor::TaskApplyError;
     use crate::controller::ReconcileError;
-    use crate::executor::TaskApplyError;
 
     fn api_error(code: u16) -> BackendError {
         let status: kube::core::Status =

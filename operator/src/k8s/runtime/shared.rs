@@ -14,12 +14,10 @@ use tracing::debug;
 
 use crate::controller::kinds::Wakers;
 use crate::controller::Common;
-use crate::controller::ObjectName;
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
 use crate::credentials::RefreshGate;
 use crate::decision::task::Note;
-use crate::k8s::task::TaskWrites;
 use crate::k8s::task_job::KubeJobs;
 use crate::metrics::ControllerMetrics;
 use crate::own_writes::OwnWrites;
@@ -171,17 +169,6 @@ impl Shared {
         if let Err(e) = recorder.publish(&event, reference).await {
             debug!(%e, reason = note.reason, "could not record an event");
         }
-    }
-
-    /// What this driver last wrote to each Task, recorded after an apply.
-    pub(super) fn remember_task_writes(&self, task: &Task, writes: TaskWrites) {
-        let version = writes.latest.metadata.resource_version.clone();
-        self.task_writes.record(
-            ObjectName::of(task),
-            writes.superseded,
-            version,
-            writes.latest,
-        );
     }
 
     /// Rebuilds the broker's credential table and the client index from the cached

@@ -2,6 +2,8 @@
 //! wait for the group commit off the runtime's threads), reads from the [`ObjectCache`],
 //! wakes into the work queue, notes into the event log.
 
+use crate::controller::executor::NoJobs;
+use crate::controller::BackendError;
 use crate::controller::{
     Backend, CacheReads, Cluster, ClusterScoped, Common, ObjectName, Refusal, Signals, Stored, Wake,
 };
@@ -11,18 +13,17 @@ use crate::decision::dag::Graph;
 use crate::decision::liveness::DeploymentObservation;
 use crate::decision::proplet::PropletPlan;
 use crate::decision::scheduler::SelectorView;
-use crate::decision::task::{Note, TaskPlan};
-use crate::executor::{apply_task, BackendError, Dispatch, NoJobs, TaskApplyError};
+use crate::decision::task::Note;
 use crate::proplet_index::Narrowed;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
 use crate::crd::proplet::Proplet;
-use crate::standalone::driver::writer::{version_of, StoreTasks};
 use crate::standalone::kinds::PROPLET;
 use crate::standalone::store::StoreError;
 
@@ -67,11 +68,6 @@ impl Cluster for Driver {
         self.proplet_writes
             .record_write(&proplet.metadata, version_of(&updated), ());
         Ok(())
-    }
-
-    async fn apply_task(&self, task: &Task, plan: &TaskPlan) -> Result<Dispatch, TaskApplyError> {
-        let writer = StoreTasks { store: &self.store };
-        apply_task(&writer, task, plan, &self.common.effects()).await
     }
 
     fn jobs(&self) -> Option<&NoJobs> {
@@ -125,41 +121,72 @@ impl Backend for Driver {
 
     async fn write_status<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         _old: &Value,
         new: &Value,
-    ) -> Result<(), BackendError> {
-        let name = ObjectName::of(object);
-        self.store
+    ) -> Result<Option<String>, BackendError> {
+        let name = ObjectName::from_meta(meta);
+        let written = self
+            .store
             .write_status_async(
                 &K::kind(&()),
                 &name.namespace,
                 &name.name,
                 new.clone(),
-                object.meta().resource_version.as_deref(),
+                meta.resource_version.as_deref(),
             )
             .await?;
-        Ok(())
+        Ok(version_of(&written))
     }
 
     async fn set_finalizers<K: Stored>(
         &self,
-        object: &K,
+        meta: &ObjectMeta,
         finalizers: &[String],
     ) -> Result<Option<String>, BackendError> {
-        let name = ObjectName::of(object);
-        let updated = self
+        let name = ObjectName::from_meta(meta);
+        let written = self
             .store
             .set_finalizers_async(
                 &K::kind(&()),
                 &name.namespace,
                 &name.name,
                 finalizers.to_vec(),
-                object.meta().resource_version.as_deref(),
+                meta.resource_version.as_deref(),
             )
             .await?;
-        Ok(version_of(&updated))
+        Ok(version_of(&written))
     }
+
+    /// One store transaction.
+    async fn set_finalizers_and_status<K: Stored>(
+        &self,
+        meta: &ObjectMeta,
+        finalizers: &[String],
+        _old: &Value,
+        new: &Value,
+    ) -> Result<Option<String>, BackendError> {
+        let name = ObjectName::from_meta(meta);
+        let written = self
+            .store
+            .set_finalizers_and_status_async(
+                &K::kind(&()),
+                &name.namespace,
+                &name.name,
+                finalizers.to_vec(),
+                new.clone(),
+                meta.resource_version.as_deref(),
+            )
+            .await?;
+        Ok(version_of(&written))
+    }
+}
+
+/// The resourceVersion of a stored object.
+fn version_of(object: &Value) -> Option<String> {
+    object["metadata"]["resourceVersion"]
+        .as_str()
+        .map(str::to_owned)
 }
 
 impl CacheReads for Driver {
@@ -257,6 +284,7 @@ fn store_refusal(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controller::executor::TaskApplyError;
     use crate::controller::ReconcileError;
 
     #[test]

@@ -1,5 +1,5 @@
-//! The Task executor, shared by both drivers: applies a [`TaskPlan`] through an
-//! [`ObjectWriter`] (kube-rs or the embedded store) and the broker.
+//! The Task executor, shared by both drivers: applies a [`TaskPlan`] through the driver's
+//! [`Backend`](super::Backend) (kube-rs or the embedded store), its Jobs and the broker.
 //!
 //! Order matters for idempotent dispatch: the assignment is written (conditionally on the
 //! resourceVersion) before any start is published, and a start is published at most once per
@@ -7,7 +7,6 @@
 
 use std::future::Future;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use propeller_broker::protocol::{Channel, TopicError};
 use propeller_broker::server::{BrokerError, Publisher};
 use serde_json::Value;
@@ -16,51 +15,7 @@ use crate::crd::task::{Task, TASK_FINALIZER};
 use crate::decision::task::{FinalizerChange, JobOutcome, TaskPlan};
 use crate::inbox::{DispatchLedger, LiveSessions, TaskInbox};
 
-/// An error of the object backend (API server or embedded store).
-pub type BackendError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The writes an executor needs from a backend, each conditional on `version` when given
-/// and returning the object's new resourceVersion.
-pub trait ObjectWriter: Sync {
-    /// Sets `metadata.finalizers` to exactly `finalizers`.
-    fn set_finalizers(
-        &self,
-        meta: &ObjectMeta,
-        finalizers: &[String],
-        version: Option<&str>,
-    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
-
-    /// Replaces the status `old` (as written) with `new`.
-    fn write_status(
-        &self,
-        meta: &ObjectMeta,
-        old: &Value,
-        new: &Value,
-        version: Option<&str>,
-    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
-
-    /// Sets the finalizers, then replaces the status, as one step where the backend can
-    /// (the embedded store writes both in one transaction; the API server needs two calls).
-    fn set_finalizers_and_status(
-        &self,
-        meta: &ObjectMeta,
-        finalizers: &[String],
-        old: &Value,
-        new: &Value,
-        version: Option<&str>,
-    ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send {
-        async move {
-            let version = self.set_finalizers(meta, finalizers, version).await?;
-            self.write_status(meta, old, new, version.as_deref()).await
-        }
-    }
-
-    /// Runs `k8s` proplets' tasks as Jobs, for a backend that can.
-    type Jobs: JobRunner;
-
-    /// The backend's Job runner; `None` where there are no Jobs (the embedded store).
-    fn jobs(&self) -> Option<&Self::Jobs>;
-}
+use super::{BackendError, Cluster};
 
 /// Running a task as a Kubernetes Job: a capability of the API-server backend only.
 pub trait JobRunner: Sync {
@@ -132,17 +87,18 @@ fn json<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).unwrap_or(Value::Null)
 }
 
-/// Applies `plan` to `task`: finalizer, status, Job or starts, stops, and finally the
-/// finalizer's removal.
-pub async fn apply_task<W: ObjectWriter>(
-    writer: &W,
+/// Applies `plan` to `task` through `cluster`: finalizer, status, Job or starts, stops, and
+/// finally the finalizer's removal. Each write is conditional on the version the previous
+/// one left.
+pub async fn apply_task<C: Cluster>(
+    cluster: &C,
     task: &Task,
     plan: &TaskPlan,
-    fx: &TaskEffects<'_>,
 ) -> Result<Dispatch, TaskApplyError> {
-    let meta = &task.metadata;
-    let uid = meta.uid.as_deref().unwrap_or_default();
-    let mut version = meta.resource_version.clone();
+    let fx = cluster.common().effects();
+    let uid = task.metadata.uid.as_deref().unwrap_or_default();
+    // The name and the version the next write is conditional on.
+    let mut meta = task.metadata.clone();
     let mut finalizers = meta.finalizers.clone().unwrap_or_default();
     let mut current = task.status.clone().unwrap_or_default();
 
@@ -150,22 +106,20 @@ pub async fn apply_task<W: ObjectWriter>(
     if adds_finalizer {
         finalizers.push(TASK_FINALIZER.to_owned());
         if plan.status.is_none() {
-            version = writer
-                .set_finalizers(meta, &finalizers, version.as_deref())
+            meta.resource_version = cluster
+                .set_finalizers::<Task>(&meta, &finalizers)
                 .await
                 .map_err(TaskApplyError::Backend)?;
         }
     }
     if let Some(status) = &plan.status {
         let (old, new) = (json(&current), json(status));
-        version = if adds_finalizer {
-            writer
-                .set_finalizers_and_status(meta, &finalizers, &old, &new, version.as_deref())
+        meta.resource_version = if adds_finalizer {
+            cluster
+                .set_finalizers_and_status::<Task>(&meta, &finalizers, &old, &new)
                 .await
         } else {
-            writer
-                .write_status(meta, &old, &new, version.as_deref())
-                .await
+            cluster.write_status::<Task>(&meta, &old, &new).await
         }
         .map_err(TaskApplyError::Backend)?;
         current = status.clone();
@@ -176,7 +130,7 @@ pub async fn apply_task<W: ObjectWriter>(
         fx.inbox.consume(uid, plan.consumed_results, metrics);
     }
     if plan.create_job {
-        let jobs = writer
+        let jobs = cluster
             .jobs()
             .ok_or_else(|| TaskApplyError::NoJobs(meta.name.clone().unwrap_or_default()))?;
         jobs.create_task_job(task)
@@ -212,8 +166,8 @@ pub async fn apply_task<W: ObjectWriter>(
     }
     if plan.finalizer == Some(FinalizerChange::Remove) {
         finalizers.retain(|f| f != TASK_FINALIZER);
-        writer
-            .set_finalizers(meta, &finalizers, version.as_deref())
+        cluster
+            .set_finalizers::<Task>(&meta, &finalizers)
             .await
             .map_err(TaskApplyError::Backend)?;
         fx.ledger.forget(uid);
