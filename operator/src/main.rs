@@ -127,6 +127,8 @@ enum Command {
     /// Encrypt a Wasm module for an encrypted task (its key goes into the Key Broker
     /// Service at the task's kbsResourcePath).
     Encrypt(commands::encrypt::EncryptArgs),
+    /// Print what a task printed: `logs task/NAME [-f] [--tail N] [--since 5m]`.
+    Logs(commands::logs::LogsArgs),
     /// Delete one resource (and what it owns).
     Delete {
         /// Kind.
@@ -257,6 +259,7 @@ fn main() -> anyhow::Result<()> {
                 &client, &kind, &name, &namespace,
             ))?;
         }
+        Command::Logs(args) => block_on(commands::logs::run(&args))?,
         Command::Run(cmd) => {
             commands::logging::init_with(cmd.log_format);
             block_on(commands::run::run(*cmd))?;

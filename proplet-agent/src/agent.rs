@@ -33,6 +33,7 @@ use crate::finished::FinishedRuns;
 use crate::outgoing_http::OutgoingHttp;
 use crate::spool::Spool;
 use crate::system::SystemProbe;
+use crate::task_log::LogQueue;
 use crate::telemetry::AgentMetrics;
 use crate::wasm::{Compiled, Limits, StopFlag, WasmRuntime};
 
@@ -40,6 +41,7 @@ mod chunks;
 mod encrypted;
 mod heartbeats;
 mod login_keys;
+mod logs;
 mod options;
 mod results;
 mod rotation;
@@ -75,6 +77,9 @@ const FINISHED_RUNS_KEPT: usize = 4096;
 /// Wait before subscribing again after the broker refused a subscription.
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
 
+/// Captured lines waiting for the log spool at most (the newest are kept).
+const LOG_QUEUE_LINES: usize = 100_000;
+
 /// Starts whose result is awaited that the turnaround timing keeps track of at most.
 const MAX_TRACKED_ARRIVALS: usize = 10_000;
 
@@ -92,6 +97,10 @@ pub struct Agent {
     client: AsyncClient,
     runtime: Arc<WasmRuntime>,
     spool: Arc<Spool>,
+    /// Batches of task output waiting to be sent (a ring).
+    log_spool: Arc<Spool>,
+    /// Lines runs printed, not yet in the log spool.
+    log_queue: Arc<LogQueue>,
     /// Runs finished here with their results; updated under the `running` lock.
     finished: FinishedRuns,
     probe: Arc<SystemProbe>,
@@ -156,6 +165,10 @@ impl Agent {
             .with_context(|| {
                 format!("opening the result spool in {}", config.state_dir.display())
             })?;
+        let log_spool = Spool::open(&config.state_dir.join("logs"), config.log_spool_max_batches)
+            .with_context(|| {
+            format!("opening the log spool in {}", config.state_dir.display())
+        })?;
         let finished =
             FinishedRuns::open(&config.state_dir, FINISHED_RUNS_KEPT).with_context(|| {
                 format!(
@@ -174,6 +187,8 @@ impl Agent {
             client,
             runtime: Arc::new(runtime),
             spool: Arc::new(spool),
+            log_spool: Arc::new(log_spool),
+            log_queue: Arc::new(LogQueue::new(LOG_QUEUE_LINES)),
             finished,
             probe: Arc::new(SystemProbe::new(
                 &config,
@@ -235,6 +250,7 @@ impl Agent {
             tokio::spawn(self.clone().proplet_metrics()),
             tokio::spawn(self.clone().send_spooled(ack_rx)),
             tokio::spawn(self.clone().start_upgrades()),
+            tokio::spawn(self.clone().spool_logs()),
         ];
         let mut sessions = 0u64;
         let mut backoff = Backoff::default();

@@ -23,12 +23,12 @@ use wasmtime::component::{
 };
 use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::bindings::sync::CommandPre;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{I32Exit, WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::sandbox::limits::{Limiter, RunError, StopFlag};
-use crate::sandbox::values::{command_output, root_cause};
+use crate::sandbox::output::Pipes;
+use crate::sandbox::values::root_cause;
 use crate::sandbox::{Invocation, Outcome, Sandbox};
 
 /// The export that makes a component an HTTP server.
@@ -115,26 +115,14 @@ impl WasiHttpView for ComponentHost {
     }
 }
 
-/// The captured output of one run.
-pub(crate) struct Pipes {
-    pub stdout: MemoryOutputPipe,
-    pub stderr: MemoryOutputPipe,
-}
-
 /// A store for one run of a component, and its output pipes.
 pub(crate) fn new_store(
     sandbox: &Sandbox,
     invocation: &Invocation,
     stop: &StopFlag,
 ) -> Result<(Store<ComponentHost>, Pipes), RunError> {
-    let cap = sandbox.limits().max_output_bytes;
-    let pipes = Pipes {
-        stdout: MemoryOutputPipe::new(cap),
-        stderr: MemoryOutputPipe::new(cap),
-    };
-    let wasi = sandbox
-        .wasi_builder(invocation, &pipes.stdout, &pipes.stderr)?
-        .build();
+    let pipes = Pipes::new(sandbox.limits().max_output_bytes, invocation);
+    let wasi = sandbox.wasi_builder(invocation, &pipes)?.build();
     let host = ComponentHost {
         wasi,
         table: ResourceTable::new(),
@@ -236,7 +224,7 @@ pub(crate) fn run(
         };
         let command = command.instantiate(&mut store).map_err(classify)?;
         match command.wasi_cli_run().call_run(&mut store) {
-            Ok(Ok(())) => command_output(&pipes.stdout, &pipes.stderr),
+            Ok(Ok(())) => pipes.command_output(),
             Ok(Err(())) => {
                 return Err(RunError::Exit {
                     code: 1,
@@ -244,7 +232,7 @@ pub(crate) fn run(
                 })
             }
             Err(e) if matches!(e.downcast_ref::<I32Exit>(), Some(I32Exit(0))) => {
-                command_output(&pipes.stdout, &pipes.stderr)
+                pipes.command_output()
             }
             Err(e) => return Err(classify(e)),
         }

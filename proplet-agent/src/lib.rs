@@ -15,6 +15,7 @@ pub mod outgoing_http;
 pub mod sandbox;
 pub mod spool;
 pub mod system;
+pub mod task_log;
 pub mod telemetry;
 pub mod upgrade;
 pub mod wasm;

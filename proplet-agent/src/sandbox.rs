@@ -8,14 +8,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use wasmtime::{Engine, ResourceLimiter, Store, StoreLimitsBuilder, Trap, UpdateDeadline};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
 pub mod limits;
+pub mod output;
 pub mod values;
 
 use limits::{current_thread_id, Limiter, Limits, RunError, StopFlag, TaskGauge, WASM_STACK_BYTES};
+use output::{Output, Pipes};
 use values::{root_cause, trap_site, INTERRUPTED};
+
+use crate::task_log::LogTap;
 
 /// What to run.
 #[derive(Debug, Clone, Default)]
@@ -34,6 +37,8 @@ pub struct Invocation {
     pub preopens: Vec<PathBuf>,
     /// Where the run publishes its live figures.
     pub gauge: Arc<TaskGauge>,
+    /// The task log its stdout and stderr are written to, line by line (`None`: not logged).
+    pub log: Option<LogTap>,
 }
 
 /// A successful run.
@@ -75,8 +80,7 @@ impl Sandbox {
     pub(crate) fn wasi_builder(
         &self,
         invocation: &Invocation,
-        stdout: &MemoryOutputPipe,
-        stderr: &MemoryOutputPipe,
+        pipes: &Pipes,
     ) -> Result<WasiCtxBuilder, RunError> {
         let mut builder = WasiCtxBuilder::new();
         let mut argv = vec![invocation.function.clone()];
@@ -84,8 +88,8 @@ impl Sandbox {
         builder
             .args(&argv)
             .envs(&invocation.env)
-            .stdout(stdout.clone())
-            .stderr(stderr.clone());
+            .stdout(pipes.stdout.clone())
+            .stderr(pipes.stderr.clone());
         for dir in &invocation.preopens {
             if !self
                 .limits
@@ -170,7 +174,7 @@ impl Sandbox {
         error: wasmtime::Error,
         invocation: &Invocation,
         stop: &StopFlag,
-        stderr: &MemoryOutputPipe,
+        stderr: &Output,
     ) -> RunError {
         if let Some(I32Exit(code)) = error.downcast_ref::<I32Exit>() {
             return RunError::Exit {

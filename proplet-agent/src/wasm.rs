@@ -20,17 +20,17 @@ use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 use wasmtime::{Config, Engine, Linker, Module, Val};
 use wasmtime_wasi::p1::WasiP1Ctx;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::I32Exit;
 
 mod cache;
 
+use crate::sandbox::output::Pipes;
 use cache::ModuleCache;
 
 use crate::sandbox::limits::Limiter;
 pub use crate::sandbox::limits::{Limits, RunError, StopFlag, TaskGauge, WASM_STACK_BYTES};
 pub use crate::sandbox::values::is_component;
-pub(crate) use crate::sandbox::values::{command_output, root_cause};
+pub(crate) use crate::sandbox::values::root_cause;
 use crate::sandbox::values::{
     convert_inputs, create_private_dir, format_value, memory_size, resolve_export,
 };
@@ -252,14 +252,9 @@ impl WasmRuntime {
         let needs_wasi = module.imports().any(|i| {
             i.module().starts_with("wasi_snapshot_preview1") || i.module() == "wasi_unstable"
         });
-        let stdout = MemoryOutputPipe::new(self.limits().max_output_bytes);
-        let stderr = MemoryOutputPipe::new(self.limits().max_output_bytes);
+        let pipes = Pipes::new(self.limits().max_output_bytes, invocation);
         let wasi = if needs_wasi {
-            Some(
-                self.sandbox
-                    .wasi_builder(invocation, &stdout, &stderr)?
-                    .build_p1(),
-            )
+            Some(self.sandbox.wasi_builder(invocation, &pipes)?.build_p1())
         } else {
             None
         };
@@ -290,7 +285,7 @@ impl WasmRuntime {
             .map_err(|e| RunError::Link(e.clone()))?;
         let classify = |error: wasmtime::Error| {
             self.sandbox
-                .classify_error(error, invocation, stop, &stderr)
+                .classify_error(error, invocation, stop, &pipes.stderr)
         };
         let instance = match linker.instantiate(&mut store, module) {
             Ok(i) => i,
@@ -319,7 +314,7 @@ impl WasmRuntime {
             },
         }
         let output = if is_command || results.is_empty() && needs_wasi {
-            command_output(&stdout, &stderr)
+            pipes.command_output()
         } else {
             results.first().map(format_value).unwrap_or_default()
         };

@@ -83,6 +83,7 @@ fn device_subjects(client_id: &str, scope: Option<&ChannelScope>) -> (Vec<String
         "results",
         "invoke_results",
         "upgrade",
+        "logs",
     ]
     .iter()
     .map(|leaf| format!("{prefix}.control.proplet.{leaf}"))

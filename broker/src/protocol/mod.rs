@@ -18,6 +18,7 @@ pub mod enrolment;
 mod error;
 mod fields;
 mod fl;
+mod logs;
 mod registry;
 mod reports;
 pub mod sealed_grant;
@@ -36,6 +37,7 @@ pub use control::{
 };
 pub use error::{ChunkError, DecodeError, TopicError};
 pub use fl::{round_number, FlRoundId, FlRoundStart, FlUpdate, FlUpdateMessage};
+pub use logs::{LogLine, LogStream, TaskLogs, MAX_LINE_BYTES as MAX_LOG_LINE_BYTES};
 pub use registry::{
     split_into_chunks, ChunkAssembler, ChunkIter, ChunkProgress, RegistryChunk, RegistryRequest,
     DEFAULT_RAW_CHUNK_SIZE,
@@ -80,6 +82,8 @@ pub enum Inbound {
     InvokeResult(InvokeResult),
     /// From `control/proplet/upgrade`.
     UpgradeReport(UpgradeReport),
+    /// From `control/proplet/logs`.
+    Logs(TaskLogs),
     /// From `control/manager/start` (boxed: by far the largest message).
     Start(Box<StartRequest>),
     /// From `control/manager/stop`.
@@ -109,6 +113,7 @@ impl Inbound {
             Self::Result(_) => TopicKind::Results,
             Self::InvokeResult(_) => TopicKind::InvokeResults,
             Self::UpgradeReport(_) => TopicKind::UpgradeReport,
+            Self::Logs(_) => TopicKind::Logs,
             Self::Upgrade(_) => TopicKind::Upgrade,
             Self::Start(_) => TopicKind::Start,
             Self::Stop(_) => TopicKind::Stop,
@@ -134,6 +139,7 @@ impl Inbound {
             Self::Result(m) => m.encode(),
             Self::InvokeResult(m) => m.encode(),
             Self::UpgradeReport(m) => m.encode(),
+            Self::Logs(m) => m.encode(),
             Self::Upgrade(m) => m.encode(),
             Self::Start(m) => m.encode(),
             Self::Stop(m) => m.encode(),
@@ -160,6 +166,7 @@ impl Inbound {
             Self::InvokeResult(m) => m.proplet_id.as_deref(),
             Self::FlUpdate(m) => Some(m.proplet_id.as_str()),
             Self::UpgradeReport(m) => Some(&m.proplet_id),
+            Self::Logs(m) => Some(&m.proplet_id),
             Self::Upgrade(_)
             | Self::Start(_)
             | Self::Stop(_)
@@ -212,6 +219,7 @@ impl Decoder {
             TopicKind::Results => Inbound::Result(TaskResult::from_fields(f)?),
             TopicKind::InvokeResults => Inbound::InvokeResult(InvokeResult::from_fields(f)?),
             TopicKind::UpgradeReport => Inbound::UpgradeReport(UpgradeReport::from_fields(f)?),
+            TopicKind::Logs => Inbound::Logs(TaskLogs::from_fields(f)?),
             TopicKind::Upgrade => Inbound::Upgrade(UpgradeRequest::from_fields(f)?),
             TopicKind::Start => Inbound::Start(Box::new(StartRequest::from_fields(f)?)),
             TopicKind::Stop => Inbound::Stop(StopRequest::from_fields(f)?),

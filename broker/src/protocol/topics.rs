@@ -68,6 +68,8 @@ pub enum TopicKind {
     InvokeResults,
     /// `control/proplet/upgrade`: how far an agent got with an upgrade.
     UpgradeReport,
+    /// `control/proplet/logs`: lines tasks printed.
+    Logs,
     /// `control/manager/start`: start a task.
     Start,
     /// `control/manager/stop`: stop a task.
@@ -93,7 +95,7 @@ pub enum TopicKind {
 
 impl TopicKind {
     /// Every kind with a fixed path (all but [`TopicKind::FlUpdate`]).
-    pub const FIXED: [TopicKind; 14] = [
+    pub const FIXED: [TopicKind; 15] = [
         TopicKind::Discovery,
         TopicKind::Alive,
         TopicKind::PropletMetrics,
@@ -101,6 +103,7 @@ impl TopicKind {
         TopicKind::Results,
         TopicKind::InvokeResults,
         TopicKind::UpgradeReport,
+        TopicKind::Logs,
         TopicKind::Start,
         TopicKind::Stop,
         TopicKind::Invoke,
@@ -120,6 +123,7 @@ impl TopicKind {
             Self::Results => "control/proplet/results",
             Self::InvokeResults => "control/proplet/invoke_results",
             Self::UpgradeReport => "control/proplet/upgrade",
+            Self::Logs => "control/proplet/logs",
             Self::Start => "control/manager/start",
             Self::Stop => "control/manager/stop",
             Self::Invoke => "control/manager/invoke",
@@ -145,6 +149,7 @@ impl TopicKind {
                 "results" => Self::Results,
                 "invoke_results" => Self::InvokeResults,
                 "upgrade" => Self::UpgradeReport,
+                "logs" => Self::Logs,
                 _ => return None,
             },
             ["control", "manager", leaf] => match *leaf {
@@ -315,6 +320,11 @@ impl Channel {
     /// `…/control/proplet/upgrade`.
     pub fn upgrade_report(&self) -> String {
         self.topic(&TopicKind::UpgradeReport)
+    }
+
+    /// `…/control/proplet/logs`.
+    pub fn logs(&self) -> String {
+        self.topic(&TopicKind::Logs)
     }
 
     /// Binary request topic (`registry/proplet`).

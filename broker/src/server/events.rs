@@ -3,7 +3,7 @@
 use crate::protocol::enrolment::EnrolRequest;
 use crate::protocol::{
     Discovery, FlUpdateMessage, Heartbeat, Inbound, InvokeResult, OfflineNotice, PropletMetrics,
-    RegistryRequest, TaskMetrics, TaskResult, UpgradeReport,
+    RegistryRequest, TaskLogs, TaskMetrics, TaskResult, UpgradeReport,
 };
 
 /// One thing a client told the broker, tagged with the client that was authenticated on the
@@ -52,6 +52,8 @@ pub enum EventKind {
     InvokeResult(InvokeResult),
     /// `control/proplet/upgrade`: how far an agent upgrade got.
     Upgrade(UpgradeReport),
+    /// `control/proplet/logs`: lines a task printed.
+    Logs(TaskLogs),
     /// `registry/proplet`: a binary was asked for.
     RegistryRequest(RegistryRequest),
     /// A federated-learning update (prefixed or unprefixed topic).
@@ -73,6 +75,7 @@ impl EventKind {
             Inbound::Result(m) => Self::Result(m),
             Inbound::InvokeResult(m) => Self::InvokeResult(m),
             Inbound::UpgradeReport(m) => Self::Upgrade(m),
+            Inbound::Logs(m) => Self::Logs(m),
             Inbound::RegistryRequest(m) => Self::RegistryRequest(m),
             Inbound::FlUpdate(m) => Self::FlUpdate(m),
             Inbound::Start(_)
@@ -96,6 +99,7 @@ impl EventKind {
             Self::Result(_) => "result",
             Self::InvokeResult(_) => "invoke_result",
             Self::Upgrade(_) => "upgrade",
+            Self::Logs(_) => "logs",
             Self::RegistryRequest(_) => "registry_request",
             Self::FlUpdate(_) => "fl_update",
             Self::EnrolmentRequest(_) => "enrolment_request",

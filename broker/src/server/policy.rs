@@ -74,6 +74,7 @@ pub fn is_agent_report(kind: &TopicKind) -> bool {
             | TopicKind::Results
             | TopicKind::InvokeResults
             | TopicKind::UpgradeReport
+            | TopicKind::Logs
             | TopicKind::RegistryRequest
             | TopicKind::FlUpdate { .. }
     )

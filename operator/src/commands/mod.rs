@@ -8,6 +8,7 @@ pub mod encrypt;
 pub mod external_args;
 pub mod image_args;
 pub mod logging;
+pub mod logs;
 pub mod random;
 pub mod reconcile_args;
 pub mod run;

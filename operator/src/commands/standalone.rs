@@ -234,6 +234,9 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
         events: events_log,
         metrics,
         changes: ChangeLog::attach(&store).context("watching the store")?,
+        logs: propeller_operator::controller::Cluster::common(&*driver)
+            .logs
+            .clone(),
     });
     let api_task = tokio::spawn(api::serve(api_listener, api_state.clone()));
     println!("propeller standalone: data in {}", cmd.data_dir.display());

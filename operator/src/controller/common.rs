@@ -21,6 +21,7 @@ use crate::key_delivery::KeyDelivery;
 use crate::metrics::ControllerMetrics;
 use crate::oci::Images;
 use crate::state::{lock, DriverState};
+use crate::task_logs::{LogSettings, LogStore};
 
 use super::kinds::Wake;
 use super::ownership::{self, Ownership};
@@ -57,6 +58,8 @@ pub struct Common {
     pub logins: OnceLock<Arc<CredentialStore>>,
     /// Proplets woken because their load changed, merged per [`LOAD_WAKE_INTERVAL`].
     pub load_wakes: LoadWakes,
+    /// What tasks printed, as their agents sent it.
+    pub logs: Arc<LogStore>,
     /// Kueue admits the PropellerJobs labelled with a queue name (`propeller run --kueue`);
     /// without it such a job is held with a condition that says so.
     pub kueue: std::sync::atomic::AtomicBool,
@@ -83,6 +86,7 @@ impl Common {
             logins: OnceLock::new(),
             kueue: Default::default(),
             load_wakes: LoadWakes::default(),
+            logs: Arc::new(LogStore::new(LogSettings::default())),
         }
     }
 

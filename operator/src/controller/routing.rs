@@ -2,8 +2,9 @@
 //! the reconcile of the object it concerns; the MQTT side never writes an object itself.
 
 use chrono::Utc;
-use propeller_broker::server::BrokerEvent;
-use tracing::debug;
+use propeller_broker::protocol::TaskLogs;
+use propeller_broker::server::{BrokerEvent, EventKind};
+use tracing::{debug, warn};
 
 use crate::crd::proplet::Proplet;
 use crate::crd::task::Task;
@@ -31,6 +32,10 @@ pub fn route_event<C: Cluster>(cluster: &C, event: &BrokerEvent) {
         .and_then(|logins| common.keys.due(logins, &event.client_id))
     {
         crate::key_delivery::KeyDelivery::send(&common.publisher, rotation);
+    }
+    if let EventKind::Logs(batch) = &event.kind {
+        keep_logs(cluster, &event.client_id, batch);
+        return;
     }
     let now = Utc::now();
     match common.state.record(event, now) {
@@ -88,4 +93,36 @@ fn wake_tasks_on<C: CacheReads + Signals>(cluster: &C, proplet: &Proplet) {
     for task in cluster.tasks_on(proplet) {
         cluster.wake(Wake::of::<Task>(ObjectName::new(&namespace, &task)));
     }
+}
+
+/// Keeps the lines a device sent for a task it runs; lines for any other task are dropped
+/// (the broker already dropped those sent under another device's name).
+fn keep_logs<C: Cluster>(cluster: &C, client_id: &str, batch: &TaskLogs) {
+    let Some(task) = cluster.task_by_uid(&batch.task_id) else {
+        debug!(task_id = %batch.task_id, "task output for a task not known here; dropped");
+        return;
+    };
+    let task = cluster.newest_task(task);
+    let Some(proplet) = cluster.proplet_by_client(client_id) else {
+        debug!(client = %client_id, "task output from a client with no Proplet; dropped");
+        return;
+    };
+    let (task_name, proplet_name) = (ObjectName::of(&*task), ObjectName::of(&*proplet));
+    let runs_it = task_name.namespace == proplet_name.namespace
+        && task.status.as_ref().is_some_and(|s| {
+            s.assigned_proplet.as_deref() == Some(proplet_name.name.as_str())
+                || s.broadcast_proplets.contains(&proplet_name.name)
+        });
+    if !runs_it {
+        warn!(
+            client = %client_id,
+            task = %task_name,
+            "task output from a device the task is not assigned to; dropped"
+        );
+        return;
+    }
+    cluster
+        .common()
+        .logs
+        .append(&task_name, &batch.task_id, &proplet_name.name, &batch.lines);
 }

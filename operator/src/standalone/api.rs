@@ -19,11 +19,15 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 
 use crate::controller::kinds::kind_names;
+use crate::controller::ObjectName;
+use crate::crd::task::Task;
 use crate::decision::kueue::QUEUE_NAME_LABEL;
+use crate::log_endpoint::{FindTask, LogParams};
+use crate::task_logs::LogStore;
 use crate::validation::Admission;
 
 use super::events::EventLog;
-use super::kinds::{CONFIG_MAP, SECRET};
+use super::kinds::{CONFIG_MAP, SECRET, TASK};
 use super::store::{Deleted, ObjectStore, StoreError};
 use super::watch::{ChangeLog, Filter, Watch};
 
@@ -59,6 +63,8 @@ pub struct ApiState {
     pub metrics: MetricsText,
     /// Recent changes, for watches.
     pub changes: Arc<ChangeLog>,
+    /// What tasks printed.
+    pub logs: Arc<LogStore>,
 }
 
 /// Renders the process's metrics as OpenMetrics text when `/metrics` is asked for.
@@ -381,6 +387,29 @@ async fn watch(
         .into_response())
 }
 
+/// `GET /v1/logs/{namespace}/{name}`: what the Task printed (see [`crate::log_endpoint`]).
+async fn task_log(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(params): Query<LogParams>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let store = state.store.clone();
+    let find: FindTask = Arc::new(move |name: &ObjectName| {
+        store
+            .get_typed::<Task>(TASK, &name.namespace, &name.name)
+            .ok()
+            .flatten()
+    });
+    Ok(crate::log_endpoint::respond(
+        state.logs.clone(),
+        find,
+        ObjectName::new(&namespace, &name),
+        params,
+    ))
+}
+
 /// The API's routes.
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
@@ -393,6 +422,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         )
         .route("/v1/events/{kind}/{namespace}/{name}", get(events_of))
         .route("/v1/watch/{kind}", get(watch))
+        .route("/v1/logs/{namespace}/{name}", get(task_log))
         .with_state(state)
 }
 

@@ -47,6 +47,7 @@ impl Api {
             events: Arc::new(EventLog::new()),
             metrics: Arc::new(String::new),
             changes,
+            logs: Arc::new(crate::task_logs::LogStore::default()),
         });
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -1,5 +1,6 @@
-//! Results on their way out: the spool sender (QoS 1, matched to broker acknowledgements),
-//! result messages and how they enter the spool.
+//! Results on their way out: the spool sender (QoS 1, matched to broker acknowledgements)
+//! of the result spool and, after it, the log spool; result messages and how they enter
+//! the spool.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -18,9 +19,10 @@ use crate::spool::Entry;
 use super::{AckSignal, Agent, ACK_TIMEOUT, RESULTS_IN_FLIGHT};
 
 impl Agent {
-    /// Sends spooled results oldest first, up to [`RESULTS_IN_FLIGHT`] awaiting their PUBACK
-    /// at once, deleting each on its own PUBACK. Sending one at a time capped delivery at one
-    /// result per round trip: on a link with 600 ms of round trip, 1.6 results a second.
+    /// Sends spooled results oldest first, then spooled task logs, up to
+    /// [`RESULTS_IN_FLIGHT`] awaiting their PUBACK at once, deleting each on its own PUBACK.
+    /// Sending one at a time capped delivery at one result per round trip: on a link with
+    /// 600 ms of round trip, 1.6 results a second.
     pub(super) async fn send_spooled(
         self: Arc<Self>,
         mut acks: mpsc::UnboundedReceiver<AckSignal>,
@@ -37,19 +39,25 @@ impl Agent {
             };
             // What this session has not sent yet, oldest first, as far as the window allows.
             let room = RESULTS_IN_FLIGHT - window.len();
-            let fresh: Vec<Entry> = if room == 0 {
-                Vec::new()
-            } else {
-                self.spool
-                    .oldest_n(RESULTS_IN_FLIGHT)
-                    .into_iter()
-                    .filter(|e| !window.holds(e))
-                    .take(room)
-                    .collect()
-            };
+            let mut fresh: Vec<Sent> = Vec::new();
+            for (from, spool) in [(From::Results, &self.spool), (From::Logs, &self.log_spool)] {
+                let room = room - fresh.len();
+                if room == 0 {
+                    break;
+                }
+                fresh.extend(
+                    spool
+                        .oldest_n(RESULTS_IN_FLIGHT)
+                        .into_iter()
+                        .map(|entry| Sent { from, entry })
+                        .filter(|sent| !window.holds(sent))
+                        .take(room),
+                );
+            }
             let mut queue_full = false;
-            for entry in fresh {
-                let sent = {
+            for outgoing in fresh {
+                let entry = &outgoing.entry;
+                let queued = {
                     let _gate = self.lock_spool_gate();
                     if *session.borrow() != Some(current) {
                         break;
@@ -61,12 +69,12 @@ impl Agent {
                         entry.payload.clone().into_bytes(),
                     )
                 };
-                if sent.is_err() {
+                if queued.is_err() {
                     queue_full = true;
                     break;
                 }
                 self.time_turnaround(&entry.topic, &entry.payload);
-                window.published(entry);
+                window.published(outgoing);
             }
             if queue_full {
                 // The request queue is full: try again shortly.
@@ -78,12 +86,15 @@ impl Agent {
                 signal = acks.recv() => match signal {
                     Some(AckSignal::Sent(pkid)) => window.numbered(pkid),
                     Some(AckSignal::Acked(pkid)) => {
-                        if let Some(entry) = window.acked(pkid) {
-                            let spool = self.spool.clone();
+                        if let Some(Sent { from, entry }) = window.acked(pkid) {
+                            let spool = match from {
+                                From::Results => self.spool.clone(),
+                                From::Logs => self.log_spool.clone(),
+                            };
                             match tokio::task::spawn_blocking(move || spool.remove(&entry)).await {
                                 Ok(Ok(())) => {}
                                 Ok(Err(e)) => {
-                                    warn!(%e, "cannot record a delivered result in the spool")
+                                    warn!(%e, "cannot record a delivered message in its spool")
                                 }
                                 Err(_) => return,
                             }
@@ -101,9 +112,10 @@ impl Agent {
                     window.clear();
                     while acks.try_recv().is_ok() {}
                 }
-                // Nothing in flight: wait for a new result. A push between the look and this
-                // wait is not missed: it left a permit.
+                // Nothing in flight: wait for a new result or log batch. A push between the
+                // look and this wait is not missed: it left a permit.
                 _ = self.spool.added(), if window.is_empty() => {}
+                _ = self.log_spool.added(), if window.is_empty() => {}
                 _ = sleep_until(oldest_due), if oldest_due.is_some() => {
                     debug!("no PUBACK in time; sending the unacknowledged results again");
                     window.clear();
@@ -199,15 +211,29 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-/// The spooled results published in the current session and not acknowledged yet. The spool
-/// sender is the agent's only QoS 1 publisher, so the client numbers its publishes in the
-/// order they were made: the n-th packet id reported belongs to the n-th entry published.
+/// Which spool an entry came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum From {
+    Results,
+    Logs,
+}
+
+/// A spooled entry published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sent {
+    from: From,
+    entry: Entry,
+}
+
+/// The spooled entries published in the current session and not acknowledged yet. The
+/// spool sender is the agent's only QoS 1 publisher, so the client numbers its publishes in
+/// the order they were made: the n-th packet id reported belongs to the n-th entry published.
 #[derive(Default)]
 struct Window {
     /// Published, waiting for the client to report its packet id.
-    unnumbered: VecDeque<(Entry, Instant)>,
+    unnumbered: VecDeque<(Sent, Instant)>,
     /// Numbered, waiting for the PUBACK.
-    numbered: HashMap<u16, (Entry, Instant)>,
+    numbered: HashMap<u16, (Sent, Instant)>,
 }
 
 impl Window {
@@ -219,12 +245,12 @@ impl Window {
         self.len() == 0
     }
 
-    fn holds(&self, entry: &Entry) -> bool {
+    fn holds(&self, entry: &Sent) -> bool {
         self.unnumbered.iter().any(|(e, _)| e == entry)
             || self.numbered.values().any(|(e, _)| e == entry)
     }
 
-    fn published(&mut self, entry: Entry) {
+    fn published(&mut self, entry: Sent) {
         self.unnumbered.push_back((entry, Instant::now()));
     }
 
@@ -237,7 +263,7 @@ impl Window {
     }
 
     /// The entry the broker acknowledged with `pkid`, if it is one of ours.
-    fn acked(&mut self, pkid: u16) -> Option<Entry> {
+    fn acked(&mut self, pkid: u16) -> Option<Sent> {
         self.numbered.remove(&pkid).map(|(entry, _)| entry)
     }
 
@@ -260,11 +286,18 @@ impl Window {
 mod tests {
     use super::*;
 
-    fn entry(spool: &crate::spool::Spool, n: usize) -> Vec<Entry> {
+    fn entry(spool: &crate::spool::Spool, n: usize) -> Vec<Sent> {
         for i in 0..n {
             spool.push("t", &format!("{i}")).expect("push");
         }
-        spool.oldest_n(n)
+        spool
+            .oldest_n(n)
+            .into_iter()
+            .map(|entry| Sent {
+                from: From::Results,
+                entry,
+            })
+            .collect()
     }
 
     #[test]

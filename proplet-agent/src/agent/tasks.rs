@@ -245,6 +245,7 @@ impl Agent {
             timeout: (!request.daemon).then_some(self.config.task_timeout),
             preopens,
             gauge: Arc::new(TaskGauge::default()),
+            log: self.log_tap(&request.id),
         }
     }
 

@@ -81,6 +81,10 @@ pub struct Config {
     pub task_fuel: Option<u64>,
     /// Spool bound.
     pub spool_max_results: usize,
+    /// How much of each task run's output is logged (`None`: none).
+    pub task_log: Option<crate::task_log::LogLimits>,
+    /// Log spool bound, in batches.
+    pub log_spool_max_batches: usize,
     /// Chunk wait.
     pub chunk_timeout: Duration,
     /// Largest task binary accepted: a larger one fails its task before it is compiled, and
@@ -192,6 +196,7 @@ impl Config {
     /// Checks the stacked settings and fills in the defaults. `brokers` were read from
     /// `settings.mqtt_address` with the name of their source.
     fn complete(s: Settings, brokers: Option<BrokerAddresses>) -> Result<Self, ConfigError> {
+        let task_log = task_log_limits(&s);
         let brokers = brokers.unwrap_or_else(|| {
             BrokerAddresses::single(BrokerAddress {
                 host: "localhost".into(),
@@ -301,6 +306,8 @@ impl Config {
             task_timeout: interval(s.task_timeout, 300),
             task_fuel: s.task_fuel.map(|Size(n)| n),
             spool_max_results: size(s.spool_max_results, 10_000),
+            task_log,
+            log_spool_max_batches: size(s.log_spool_max_batches, 2048),
             chunk_timeout: interval(s.chunk_timeout, 60),
             max_module_size,
             telemetry: s
@@ -360,4 +367,19 @@ fn tls_files(
         }
     };
     Ok(Some(TlsFiles { ca_cert, client }))
+}
+
+/// The task log's limits from `settings` (`None`: a rate of 0 turns logging off).
+fn task_log_limits(settings: &Settings) -> Option<crate::task_log::LogLimits> {
+    let defaults = crate::task_log::LogLimits::default();
+    let rate = settings
+        .log_lines_per_second
+        .map_or(u64::from(defaults.lines_per_second), |Size(n)| n);
+    (rate > 0).then(|| crate::task_log::LogLimits {
+        lines_per_second: u32::try_from(rate).unwrap_or(u32::MAX),
+        run_bytes: settings
+            .log_run_bytes
+            .map_or(defaults.run_bytes, |Size(n)| n),
+        ..defaults
+    })
 }

@@ -145,6 +145,18 @@ settings! {
         /// Results kept on disk while the broker is unreachable.
         #[arg(long, env = "PROPLET_SPOOL_MAX_RESULTS")]
         pub spool_max_results: Option<Size>,
+        /// Lines a second each task run may log, bursting to twice that (`100`; `0`: task
+        /// output is not logged).
+        #[arg(long, env = "PROPLET_LOG_LINES_PER_SECOND")]
+        pub log_lines_per_second: Option<Size>,
+        /// Bytes of output each task run may log (`1Mi`); a line past them says the rest
+        /// was not logged.
+        #[arg(long, env = "PROPLET_LOG_RUN_BYTES")]
+        pub log_run_bytes: Option<Size>,
+        /// Batches of task log lines kept on disk while the broker is unreachable (`2048`);
+        /// past them the oldest batch goes.
+        #[arg(long, env = "PROPLET_LOG_SPOOL_MAX_BATCHES")]
+        pub log_spool_max_batches: Option<Size>,
         /// How long to wait for registry chunks (`60s`).
         #[arg(long, env = "PROPLET_CHUNK_TIMEOUT")]
         pub chunk_timeout: Option<Interval>,

@@ -2,7 +2,6 @@
 //! outputs, and describing traps and captured output.
 
 use wasmtime::{Extern, Func, Instance, Store, Val, ValType};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use super::limits::RunError;
 
@@ -131,16 +130,6 @@ pub(crate) fn format_value(value: &Val) -> String {
         Val::F64(bits) => f64::from_bits(*bits).to_string(),
         _ => String::new(),
     }
-}
-
-pub(crate) fn command_output(stdout: &MemoryOutputPipe, stderr: &MemoryOutputPipe) -> String {
-    let mut text = String::from_utf8_lossy(&stdout.contents()).into_owned();
-    let err = stderr.contents();
-    if !err.is_empty() {
-        text.push('\n');
-        text.push_str(&String::from_utf8_lossy(&err));
-    }
-    text
 }
 
 pub(crate) fn memory_size<T>(store: &mut Store<T>, instance: &Instance) -> usize {
