@@ -1549,3 +1549,112 @@ fn base64_of(text: &str) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(text)
 }
+
+/// `propeller logs --endpoint` against `propeller run`'s log endpoint; (success, stdout,
+/// stderr).
+fn logs_through_endpoint(
+    port: u16,
+    ca: &Path,
+    token: &str,
+    args: &[&str],
+) -> (bool, String, String) {
+    let out = binary("propeller")
+        .arg("logs")
+        .args(args)
+        .args(["--endpoint", &format!("127.0.0.1:{port}"), "--ca-cert"])
+        .arg(ca)
+        .args(["--token", token])
+        .output()
+        .expect("run propeller logs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The HTTP status curl gets from the log endpoint with `token` (none: no header).
+fn endpoint_status(port: u16, ca: &Path, token: Option<&str>, path: &str) -> String {
+    let mut curl = std::process::Command::new("curl");
+    curl.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert"])
+        .arg(ca)
+        .arg(format!("https://127.0.0.1:{port}{path}"));
+    if let Some(token) = token {
+        curl.args(["-H", &format!("Authorization: Bearer {token}")]);
+    }
+    let out = curl.output().expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn task_logs_are_served_only_to_callers_the_api_server_allows() {
+    let ns = "logs";
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
+    let tls = cp.scratch().join("logs-tls");
+    let port = free_port();
+    let (operator, mqtt, _) = start_operator_with(
+        &kubeconfig,
+        "operator-a",
+        &[
+            "--logs-listen",
+            &format!("127.0.0.1:{port}"),
+            "--logs-tls-dir",
+            &tls.display().to_string(),
+        ],
+    );
+    operator.stderr_line_within("task log endpoint listening", Duration::from_secs(30));
+    cp.kubectl_ok(&["create", "namespace", ns]);
+    let _agent = device(&cp, ns, "printer", mqtt);
+    wait_phase(&cp, ns, "proplet", "printer", "Running");
+    let file = support::printer_module();
+    apply(
+        &cp,
+        ns,
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: chatty\nspec:\n  name: chatty\n  functionName: print\n  file: {file}\n  inputs: [5, 100]\n"
+        ),
+    );
+    wait_phase(&cp, ns, "task", "chatty", "completed");
+    // A reader allowed `get tasks/log` in the namespace, and a stranger with no role.
+    apply(
+        &cp,
+        ns,
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: reader\n---\n\
+apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: stranger\n---\n\
+apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata:\n  name: task-log-reader\nrules:\n- apiGroups: [propeller.propeller.absmach.eu]\n  resources: [tasks/log]\n  verbs: [get]\n---\n\
+apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata:\n  name: task-log-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: Role\n  name: task-log-reader\nsubjects:\n- kind: ServiceAccount\n  name: reader\n  namespace: logs\n",
+    );
+    let reader = cp.kubectl_ok(&["-n", ns, "create", "token", "reader"]);
+    let stranger = cp.kubectl_ok(&["-n", ns, "create", "token", "stranger"]);
+    let (reader, stranger) = (reader.trim(), stranger.trim());
+    support::secret(reader);
+    support::secret(stranger);
+    let ca = tls.join("ca.pem");
+    let path = format!("/v1/logs/{ns}/chatty");
+    assert_eq!(endpoint_status(port, &ca, None, &path), "401", "no token");
+    assert_eq!(
+        endpoint_status(port, &ca, Some("not-a-token"), &path),
+        "401"
+    );
+    assert_eq!(endpoint_status(port, &ca, Some(stranger), &path), "403");
+    let expected: Vec<String> = (0..=5).map(|i| format!("line {i}")).collect();
+    let started = std::time::Instant::now();
+    loop {
+        let (ok, out, err) = logs_through_endpoint(port, &ca, reader, &["task/chatty", "-n", ns]);
+        assert!(ok, "{err}");
+        let lines: Vec<String> = out.lines().map(str::to_owned).collect();
+        if lines == expected {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the reader got {lines:?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (ok, _, err) = logs_through_endpoint(port, &ca, stranger, &["task/chatty", "-n", ns]);
+    assert!(!ok && err.contains("may not get tasks/log"), "{err}");
+    println!("task logs through the endpoint: 401 without a valid token, 403 without the role, the lines with it");
+}

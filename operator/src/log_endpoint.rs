@@ -11,6 +11,7 @@ use axum::body::Body;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
+use futures::future::BoxFuture;
 use propeller_core::object_name::ObjectName;
 use serde::Deserialize;
 use tokio::sync::broadcast;
@@ -23,7 +24,7 @@ use crate::task_logs::{LogQuery, LogStore, StoredLine};
 /// last lines a moment after its result.
 pub const FOLLOW_SETTLE: Duration = Duration::from_secs(3);
 /// How often a follow looks whether its task finished or was deleted.
-const FOLLOW_LOOK: Duration = Duration::from_millis(500);
+const FOLLOW_LOOK: Duration = Duration::from_secs(1);
 
 /// The query string of a log request.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -54,18 +55,18 @@ impl LogParams {
     }
 }
 
-/// Finds a Task by name (in a cache or a store).
-pub type FindTask = Arc<dyn Fn(&ObjectName) -> Option<Task> + Send + Sync>;
+/// Finds a Task by name (in a store or through the API server).
+pub type FindTask = Arc<dyn Fn(ObjectName) -> BoxFuture<'static, Option<Task>> + Send + Sync>;
 
 /// The answer to a log request for the Task `name`.
-pub fn respond(
+pub async fn respond(
     logs: Arc<LogStore>,
     find: FindTask,
     name: ObjectName,
     params: LogParams,
 ) -> Response {
     let query = params.query();
-    let Some(task) = find(&name) else {
+    let Some(task) = find(name.clone()).await else {
         let kept = logs.read(&name, &query);
         if kept.is_empty() {
             let message = format!("task {name} not found");
@@ -151,7 +152,7 @@ impl Follow {
                 },
                 _ = tokio::time::sleep_until(self.next_look) => {
                     self.next_look = Instant::now() + FOLLOW_LOOK;
-                    let task = (self.find)(&self.name)?;
+                    let task = (self.find)(self.name.clone()).await?;
                     let finished = task.status.as_ref().is_some_and(|s| s.phase.is_terminal());
                     if finished && self.last_line.elapsed() >= FOLLOW_SETTLE {
                         return None;

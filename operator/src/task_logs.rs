@@ -120,6 +120,15 @@ struct Logs {
 /// How often appends drop the logs past their retention (more often when it is shorter).
 const PRUNE_EVERY: chrono::Duration = chrono::Duration::seconds(60);
 
+impl std::fmt::Debug for LogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogStore")
+            .field("settings", &self.settings)
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}
+
 impl LogStore {
     /// Empty logs kept by `settings`.
     pub fn new(settings: LogSettings) -> Self {

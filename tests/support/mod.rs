@@ -559,6 +559,61 @@ pub fn fl_module() -> Vec<u8> {
 /// The add(i32, i32) module of the samples, exported as `add`, base64.
 pub const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 
+/// A module whose `print(count, gap_ms)` writes `line 0` … `line {count-1}` to stdout,
+/// `gap_ms` apart, then `line {count}` to stderr, and returns `count`.
+pub fn printer_module() -> String {
+    use base64::Engine;
+    let wasm = wat::parse_str(
+        r#"(module
+             (import "wasi_snapshot_preview1" "fd_write"
+               (func $write (param i32 i32 i32 i32) (result i32)))
+             (import "wasi_snapshot_preview1" "clock_time_get"
+               (func $clock (param i32 i64 i32) (result i32)))
+             (memory (export "memory") 1)
+             (data (i32.const 64) "line ")
+             (func $now (result i64)
+               (drop (call $clock (i32.const 1) (i64.const 1) (i32.const 0)))
+               (i64.load (i32.const 0)))
+             (func $line (param $fd i32) (param $n i32)
+               (local $tmp i32) (local $digits i32) (local $i i32)
+               (local.set $tmp (local.get $n))
+               (local.set $digits (i32.const 1))
+               (block $done (loop $count
+                 (br_if $done (i32.lt_u (local.get $tmp) (i32.const 10)))
+                 (local.set $tmp (i32.div_u (local.get $tmp) (i32.const 10)))
+                 (local.set $digits (i32.add (local.get $digits) (i32.const 1)))
+                 (br $count)))
+               (local.set $tmp (local.get $n))
+               (local.set $i (local.get $digits))
+               (loop $emit
+                 (local.set $i (i32.sub (local.get $i) (i32.const 1)))
+                 (i32.store8 (i32.add (i32.const 69) (local.get $i))
+                   (i32.add (i32.const 48) (i32.rem_u (local.get $tmp) (i32.const 10))))
+                 (local.set $tmp (i32.div_u (local.get $tmp) (i32.const 10)))
+                 (br_if $emit (i32.gt_u (local.get $i) (i32.const 0))))
+               (i32.store8 (i32.add (i32.const 69) (local.get $digits)) (i32.const 10))
+               (i32.store (i32.const 16) (i32.const 64))
+               (i32.store (i32.const 20) (i32.add (local.get $digits) (i32.const 6)))
+               (drop (call $write (local.get $fd) (i32.const 16) (i32.const 1) (i32.const 32))))
+             (func (export "print") (param $count i32) (param $gap i32) (result i32)
+               (local $k i32) (local $until i64)
+               (block $end (loop $each
+                 (br_if $end (i32.ge_u (local.get $k) (local.get $count)))
+                 (call $line (i32.const 1) (local.get $k))
+                 (local.set $until (i64.add (call $now)
+                   (i64.mul (i64.extend_i32_u (local.get $gap)) (i64.const 1000000))))
+                 (block $waited (loop $wait
+                   (br_if $waited (i64.ge_u (call $now) (local.get $until)))
+                   (br $wait)))
+                 (local.set $k (i32.add (local.get $k) (i32.const 1)))
+                 (br $each)))
+               (call $line (i32.const 2) (local.get $count))
+               (local.get $count)))"#,
+    )
+    .expect("valid WAT");
+    base64::engine::general_purpose::STANDARD.encode(wasm)
+}
+
 /// An external Proplet `name` on channel d1/c1 with the Secret holding its key
 /// `<name>-secret`, as one manifest.
 pub fn device_manifest(name: &str, mqtt_port: impl std::fmt::Display) -> String {

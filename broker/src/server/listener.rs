@@ -43,7 +43,7 @@ pub struct TlsSettings {
 
 /// Builds the TLS acceptor, with rustls on the `ring` provider chosen explicitly (the process
 /// also hosts kube's TLS stack, so nothing is left to a process-wide default).
-pub(crate) fn tls_acceptor(settings: &TlsSettings) -> Result<TlsAcceptor, BrokerError> {
+pub fn tls_acceptor(settings: &TlsSettings) -> Result<TlsAcceptor, BrokerError> {
     let tls_error = |what: &str, path: &PathBuf, detail: String| BrokerError::Tls {
         message: format!("{what} {}: {detail}", path.display()),
     };

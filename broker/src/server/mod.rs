@@ -51,7 +51,7 @@ pub use auth::{
     TokenCredential, Transport, TOKEN_FAILURES_BEFORE_LOCK, TOKEN_LOCK,
 };
 pub use events::{BrokerEvent, EventKind, OfflineCause};
-pub use listener::TlsSettings;
+pub use listener::{tls_acceptor, TlsSettings};
 pub use metrics::{BrokerMetrics, KindLabel};
 pub use policy::{
     is_agent_report, judge_publish, may_access_topic, may_subscribe, may_subscribe_as, DropReason,
@@ -59,7 +59,7 @@ pub use policy::{
 };
 
 use guard::{Guard, Shared};
-use listener::{serve, tls_acceptor, Front, Intake};
+use listener::{serve, Front, Intake};
 
 /// Large enough for a 512 KiB raw registry chunk in base64 (~700 KB) inside its JSON.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;

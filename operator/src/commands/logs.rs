@@ -7,6 +7,8 @@ use clap::Args;
 use propeller_broker::protocol::parse_setting_duration;
 use serde_json::Value;
 
+use propeller_operator::standalone::client::ApiClient;
+
 use super::standalone::ClientArgs;
 
 /// What `propeller logs` is asked.
@@ -32,6 +34,15 @@ pub struct LogsArgs {
     /// Prefix each line with the proplet that printed it (always, for a broadcast task).
     #[arg(long)]
     pub prefix: bool,
+    /// Read from `propeller run`'s log endpoint at HOST:PORT (HTTPS) instead of
+    /// standalone's API; the token (--token) must be one the API server accepts, for a user
+    /// allowed `get` on `tasks/log`.
+    #[arg(long, env = "PROPELLER_LOGS_ENDPOINT")]
+    pub endpoint: Option<String>,
+    /// The CA certificate (PEM) the endpoint's certificate is verified with (`ca.pem` in
+    /// its --logs-tls-dir when propeller made it).
+    #[arg(long, env = "PROPELLER_LOGS_CA_CERT", requires = "endpoint")]
+    pub ca_cert: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub client: ClientArgs,
 }
@@ -45,16 +56,25 @@ pub async fn run(args: &LogsArgs) -> anyhow::Result<()> {
         }
         None => args.what.as_str(),
     };
-    let api = args.client.client()?;
-    let task = api
-        .request(
-            "GET",
-            &format!("/v1/objects/task/{}/{name}", args.namespace),
-            None,
-        )
-        .await
-        .with_context(|| format!("reading task {}/{name}", args.namespace))?;
-    let prefix = args.prefix || task["spec"]["broadcast"].as_bool().unwrap_or(false);
+    let (api, broadcast) = match &args.endpoint {
+        Some(endpoint) => (endpoint_client(args, endpoint)?, false),
+        None => {
+            let api = args.client.client()?;
+            let task = api
+                .request(
+                    "GET",
+                    &format!("/v1/objects/task/{}/{name}", args.namespace),
+                    None,
+                )
+                .await
+                .with_context(|| format!("reading task {}/{name}", args.namespace))?;
+            (api, task["spec"]["broadcast"].as_bool().unwrap_or(false))
+        }
+    };
+    // Through the endpoint the task is not read: lines are prefixed once a second proplet
+    // shows up.
+    let mut prefix = args.prefix || broadcast;
+    let mut first_proplet: Option<String> = None;
     let mut path = format!("/v1/logs/{}/{name}?follow={}", args.namespace, args.follow);
     if let Some(tail) = args.tail {
         path.push_str(&format!("&tailLines={tail}"));
@@ -72,10 +92,37 @@ pub async fn run(args: &LogsArgs) -> anyhow::Result<()> {
     while let Some(line) = lines.next_line().await? {
         let line: Value = serde_json::from_str(&line)
             .with_context(|| format!("a log line is not JSON: {line}"))?;
+        let proplet = line["proplet"].as_str().unwrap_or_default();
+        match &first_proplet {
+            None if !proplet.is_empty() => first_proplet = Some(proplet.to_owned()),
+            Some(first) if !proplet.is_empty() && first != proplet => prefix = true,
+            _ => {}
+        }
         writeln!(stdout, "{}", render(&line, prefix)).context("writing to stdout")?;
         stdout.flush().context("writing to stdout")?;
     }
     Ok(())
+}
+
+/// The client of `propeller run`'s log endpoint at `endpoint`.
+fn endpoint_client(args: &LogsArgs, endpoint: &str) -> anyhow::Result<ApiClient> {
+    let token = args.client.token.clone().ok_or_else(|| {
+        anyhow::anyhow!(
+            "--endpoint needs --token (or PROPELLER_TOKEN): a token the API server accepts, such as `kubectl create token NAME`"
+        )
+    })?;
+    let ca = args.ca_cert.as_ref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "--endpoint needs --ca-cert: the CA certificate the endpoint's is verified with"
+        )
+    })?;
+    let pem = std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?;
+    let host = endpoint
+        .rsplit_once(':')
+        .map_or(endpoint, |(host, _)| host)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    Ok(ApiClient::https(endpoint, host, &pem, token)?)
 }
 
 /// One line as printed: its text, after `[proplet]` when prefixed; the agent's own notes

@@ -7,6 +7,7 @@ pub mod device_broker;
 pub mod encrypt;
 pub mod external_args;
 pub mod image_args;
+pub mod log_endpoint_args;
 pub mod logging;
 pub mod logs;
 pub mod random;

@@ -23,12 +23,14 @@ use propeller_operator::k8s::sharded_watch::{
     check_api_server_filters, shard_selector_layer, ShardedWatchError,
 };
 use propeller_operator::metrics::ControllerMetrics;
+use propeller_operator::task_logs::LogStore;
 use tracing::{info, warn};
 
 use super::broker::{watch_credentials, BrokerArgs};
 use super::device_broker::{DeviceBroker, Logins};
 use super::external_args::ExternalBrokerArgs;
 use super::image_args::ImageArgs;
+use super::log_endpoint_args::LogEndpointArgs;
 use super::logging::LogFormat;
 use super::reconcile_args::ReconcileArgs;
 use propeller_operator::k8s::pull_secrets::ApiPullSecrets;
@@ -55,6 +57,8 @@ pub struct RunCommand {
     pub channel_id: Option<String>,
     #[command(flatten)]
     pub reconcile: ReconcileArgs,
+    #[command(flatten)]
+    pub log_endpoint: LogEndpointArgs,
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "PROPELLER_METRICS_LISTEN", default_value = "0.0.0.0:8080")]
     pub metrics_listen: SocketAddr,
@@ -428,6 +432,10 @@ async fn serve(
         .context("broker event stream unavailable")?;
     let events = filter_events(raw_events, cmd.domain_id.clone(), cmd.channel_id.clone());
     let watch_namespace = cmd.watch_namespace.clone().filter(|s| !s.is_empty());
+    let logs = Arc::new(LogStore::default());
+    if let Some(addr) = cmd.log_endpoint.start(client.clone(), logs.clone()).await? {
+        info!(%addr, "task log endpoint listening (https)");
+    }
     let settings = Settings {
         token_namespace: cmd
             .token_namespace
@@ -438,6 +446,7 @@ async fn serve(
         kueue: cmd.kueue,
         proplet: cmd.reconcile.proplet(),
         task: cmd.reconcile.task(FinalizerTiming::WhileRunning),
+        logs,
     };
     let rt = Runtime {
         client,

@@ -3,6 +3,7 @@
 
 pub use crate::decision::deployment;
 pub mod fence;
+pub mod log_access;
 pub mod membership;
 pub mod patch;
 pub mod proplet;

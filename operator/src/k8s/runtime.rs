@@ -34,6 +34,7 @@ use crate::decision::propeller_job::JOB_LABEL;
 use crate::decision::task::TaskSettings;
 use crate::proplet_index::SharedPropletIndex;
 use crate::task_index::SharedTaskIndex;
+use crate::task_logs::LogStore;
 
 use super::sharded_watch::Watches;
 use crate::controller::kinds::{for_each_kind, wake_queues};
@@ -81,6 +82,8 @@ pub struct Settings {
     pub proplet: PropletSettings,
     /// Task plan settings.
     pub task: TaskSettings,
+    /// Where the lines tasks print are kept (the log endpoint reads the same).
+    pub logs: Arc<LogStore>,
 }
 
 /// The readiness figures of a proplet's Deployment.

@@ -396,18 +396,20 @@ async fn task_log(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let store = state.store.clone();
-    let find: FindTask = Arc::new(move |name: &ObjectName| {
-        store
+    let find: FindTask = Arc::new(move |name: ObjectName| {
+        let task = store
             .get_typed::<Task>(TASK, &name.namespace, &name.name)
             .ok()
-            .flatten()
+            .flatten();
+        Box::pin(std::future::ready(task))
     });
     Ok(crate::log_endpoint::respond(
         state.logs.clone(),
         find,
         ObjectName::new(&namespace, &name),
         params,
-    ))
+    )
+    .await)
 }
 
 /// The API's routes.

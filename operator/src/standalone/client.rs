@@ -36,11 +36,30 @@ pub enum ClientError {
     },
 }
 
-/// Talks to `propeller standalone` over loopback.
-#[derive(Debug, Clone)]
+/// Talks to `propeller standalone` over loopback, or to an HTTPS endpoint of propeller (the
+/// task log endpoint of `propeller run`).
+#[derive(Clone)]
 pub struct ApiClient {
     addr: String,
     token: String,
+    tls: Option<Tls>,
+}
+
+/// How an HTTPS endpoint is reached: the server name its certificate must carry and the
+/// roots it is verified with.
+#[derive(Clone)]
+struct Tls {
+    connector: tokio_rustls::TlsConnector,
+    name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for ApiClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiClient")
+            .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A response whose body is still arriving (a watch).
@@ -79,7 +98,47 @@ impl ApiClient {
         Self {
             addr: addr.into(),
             token: token.into(),
+            tls: None,
         }
+    }
+
+    /// A client of the HTTPS endpoint at `addr` (`host:port`), whose certificate is for
+    /// `host` and is verified with the CA certificates in `ca_pem` (PEM).
+    pub fn https(
+        addr: impl Into<String>,
+        host: &str,
+        ca_pem: &[u8],
+        token: impl Into<String>,
+    ) -> Result<Self, ClientError> {
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem) {
+            let cert = cert.map_err(|e| ClientError::Protocol(format!("CA certificate: {e}")))?;
+            roots
+                .add(cert)
+                .map_err(|e| ClientError::Protocol(format!("CA certificate: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(ClientError::Protocol(
+                "no CA certificate in the file given".into(),
+            ));
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| ClientError::Protocol(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| ClientError::Protocol(format!("server name {host}: {e}")))?;
+        Ok(Self {
+            addr: addr.into(),
+            token: token.into(),
+            tls: Some(Tls {
+                connector: tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)),
+                name,
+            }),
+        })
     }
 
     /// Sends one request over a new connection; the status and the body still arriving.
@@ -97,11 +156,17 @@ impl ApiClient {
                     source,
                 })?;
         let _ = stream.set_nodelay(true);
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .map_err(|e| ClientError::Protocol(e.to_string()))?;
-        tokio::spawn(connection);
+        let mut sender = match &self.tls {
+            None => open(stream).await?,
+            Some(tls) => {
+                let stream = tls
+                    .connector
+                    .connect(tls.name.clone(), stream)
+                    .await
+                    .map_err(|e| ClientError::Protocol(format!("TLS with {}: {e}", self.addr)))?;
+                open(stream).await?
+            }
+        };
         let request = hyper::Request::builder()
             .method(method)
             .uri(path)
@@ -147,6 +212,21 @@ impl ApiClient {
             buffer: Vec::new(),
         })
     }
+}
+
+/// An HTTP/1.1 exchange over `io`, its connection driven in the background.
+async fn open<IO>(
+    io: IO,
+) -> Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>, ClientError>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+            .await
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+    tokio::spawn(connection);
+    Ok(sender)
 }
 
 /// The whole body as JSON (`null` when empty).

@@ -299,6 +299,7 @@ impl Harness {
                 running_write_delay: std::time::Duration::from_secs(1),
                 finalizer: Default::default(),
             },
+            logs: Default::default(),
         };
         let (wakers, mut queues) = propeller_operator::controller::kinds::wake_queues();
         let wakes = Wakes {

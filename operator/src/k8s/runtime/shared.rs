@@ -111,7 +111,10 @@ impl Shared {
             ),
             jobs: KubeJobs::new(client.clone()),
             client,
-            common: Common::new(publisher, settings.proplet, settings.task, metrics),
+            common: Common {
+                logs: settings.logs.clone(),
+                ..Common::new(publisher, settings.proplet, settings.task, metrics)
+            },
             credential_gate: caches.credential_gate,
             proplets: caches.proplets,
             proplet_index: caches.proplet_index,
