@@ -640,12 +640,7 @@ fn the_books_upgrade_steps_run_as_written() {
     assert_eq!(blocks.len(), 2, "apply, then follow: {blocks:#?}");
     let body = new_agent();
     let server = FileServer::start(body, None);
-    let dir = tempfile::tempdir().expect("temp dir");
-    let work = dir.path();
-    let root = support::repo_root();
-    std::os::unix::fs::symlink(root.join("target"), work.join("target")).expect("symlink");
-    let data = work.join("propeller-data");
-    std::fs::create_dir_all(&data).expect("data dir");
+    let (_dir, work, data) = support::book_workdir();
     let (_server, api, port) = start_standalone(&data, &[]);
     let names = ["book-0".to_owned(), "book-1".to_owned()];
     let _agents = devices(&api, &data, &port, &names);
@@ -657,18 +652,7 @@ fn the_books_upgrade_steps_run_as_written() {
             "URL=https://downloads.example/proplet-$VERSION-$ARCH",
             &format!("URL={}", server.url),
         );
-    let out = std::process::Command::new("timeout")
-        .args(["60", "bash", "-c", &format!("set -euo pipefail\n{script}")])
-        .current_dir(work)
-        .env("PROPELLER_API", &api)
-        .output()
-        .expect("run bash");
-    let printed = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{printed}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let printed = support::run_book_script(&work, &api, &script);
     assert!(
         printed.contains("WAVE") && printed.contains(NEW_VERSION),
         "{printed}"

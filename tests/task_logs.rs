@@ -280,12 +280,7 @@ fn a_device_cannot_log_lines_for_another_devices_task() {
 fn the_books_log_steps_run_as_written() {
     let blocks = support::doc_blocks("task-logs");
     assert_eq!(blocks.len(), 2, "tail, then follow: {blocks:#?}");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let work = dir.path();
-    let root = support::repo_root();
-    std::os::unix::fs::symlink(root.join("target"), work.join("target")).expect("symlink");
-    let data = work.join("propeller-data");
-    std::fs::create_dir_all(&data).expect("data dir");
+    let (_dir, work, data) = support::book_workdir();
     let (_server, api, port) = start_standalone(&data, &[]);
     let _agent = device(&api, &data, &port, "printer", &[]);
     apply_text(
@@ -295,18 +290,7 @@ fn the_books_log_steps_run_as_written() {
         &printer_task("book", "printer", 8, 300),
     );
     let script = blocks.concat().replace("TASK=hello", "TASK=book");
-    let out = std::process::Command::new("timeout")
-        .args(["60", "bash", "-c", &format!("set -euo pipefail\n{script}")])
-        .current_dir(work)
-        .env("PROPELLER_API", &api)
-        .output()
-        .expect("run bash");
-    let printed = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{printed}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let printed = support::run_book_script(&work, &api, &script);
     // The follow printed every line and ended with the task.
     assert!(
         printed.ends_with(&format!("{}\n", numbered(8).join("\n"))),

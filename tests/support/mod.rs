@@ -690,3 +690,33 @@ pub fn federated_job_manifest(http_addr: &str) -> String {
         "apiVersion: propeller.propeller.absmach.eu/v1\nkind: FederatedJob\nmetadata:\n  name: fl\nspec:\n  experimentId: fl-e2e\n  taskWasmImage: http://{http_addr}/train.wasm\n  participants:\n  - propletId: a\n  - propletId: bb\n  rounds:\n    total: 2\n  kOfN: 2\n  aggregator:\n    algorithm: fedavg\n"
     )
 }
+
+/// A directory to follow the book in, as a user's checkout: `target` links to this one's,
+/// and `propeller-data` is standalone's data directory; (the directory, its path, the data
+/// directory).
+pub fn book_workdir() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let work = dir.path().to_owned();
+    std::os::unix::fs::symlink(repo_root().join("target"), work.join("target")).expect("symlink");
+    let data = work.join("propeller-data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    (dir, work, data)
+}
+
+/// Runs the book's `script` as a user types it: bash with `set -euo pipefail`, in `work`,
+/// against the standalone API at `api`, for at most a minute; its stdout, once it succeeded.
+pub fn run_book_script(work: &std::path::Path, api: &str, script: &str) -> String {
+    let out = Command::new("timeout")
+        .args(["60", "bash", "-c", &format!("set -euo pipefail\n{script}")])
+        .current_dir(work)
+        .env("PROPELLER_API", api)
+        .output()
+        .expect("run bash");
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{printed}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    printed
+}

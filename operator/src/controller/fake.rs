@@ -142,6 +142,21 @@ impl FakeCluster {
         }
     }
 
+    /// Applies `change` to the `K` named by `meta`, conditionally on its version; the new
+    /// version.
+    fn write<K: Stored>(
+        &self,
+        meta: &ObjectMeta,
+        change: impl FnOnce(&mut Value),
+    ) -> Result<Option<String>, BackendError> {
+        let written = self.objects.update(
+            Objects::key(&K::kind(&()), meta),
+            meta.resource_version.as_deref(),
+            change,
+        )?;
+        Ok(version_of(&written))
+    }
+
     /// Stores `object` as a user's create would (a version, a UID); what was stored.
     pub fn put<K: Stored>(&self, object: &K) -> K {
         let mut value = serde_json::to_value(object).unwrap_or(Value::Null);
@@ -283,12 +298,7 @@ impl Backend for FakeCluster {
         _old: &Value,
         new: &Value,
     ) -> Result<Option<String>, BackendError> {
-        let written = self.objects.update(
-            Objects::key(&K::kind(&()), meta),
-            meta.resource_version.as_deref(),
-            |o| o["status"] = new.clone(),
-        )?;
-        Ok(version_of(&written))
+        self.write::<K>(meta, |o| o["status"] = new.clone())
     }
 
     async fn set_finalizers<K: Stored>(
@@ -296,12 +306,9 @@ impl Backend for FakeCluster {
         meta: &ObjectMeta,
         finalizers: &[String],
     ) -> Result<Option<String>, BackendError> {
-        let written = self.objects.update(
-            Objects::key(&K::kind(&()), meta),
-            meta.resource_version.as_deref(),
-            |o| o["metadata"]["finalizers"] = serde_json::json!(finalizers),
-        )?;
-        Ok(version_of(&written))
+        self.write::<K>(meta, |o| {
+            o["metadata"]["finalizers"] = serde_json::json!(finalizers)
+        })
     }
 
     /// One write, as the embedded store's transaction.
@@ -312,15 +319,10 @@ impl Backend for FakeCluster {
         _old: &Value,
         new: &Value,
     ) -> Result<Option<String>, BackendError> {
-        let written = self.objects.update(
-            Objects::key(&K::kind(&()), meta),
-            meta.resource_version.as_deref(),
-            |o| {
-                o["metadata"]["finalizers"] = serde_json::json!(finalizers);
-                o["status"] = new.clone();
-            },
-        )?;
-        Ok(version_of(&written))
+        self.write::<K>(meta, |o| {
+            o["metadata"]["finalizers"] = serde_json::json!(finalizers);
+            o["status"] = new.clone();
+        })
     }
 }
 
