@@ -70,6 +70,7 @@ async fn two_rounds_of_fedavg_through_the_standalone_driver() {
             finalizer: Default::default(),
         },
         sweep: Duration::from_secs(10),
+        logs: Default::default(),
     };
     let (driver, queue) = Driver::new(
         store.clone(),

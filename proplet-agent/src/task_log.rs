@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use propeller_broker::protocol::{LogLine, LogStream, MAX_LOG_LINE_BYTES};
 use tokio::sync::Notify;
@@ -15,8 +15,12 @@ use tokio::sync::Notify;
 pub struct LogLimits {
     /// Lines a second a run may log on average; it may burst to twice that.
     pub lines_per_second: u32,
-    /// Bytes one run may log in all; past them the rest of the run is not logged.
+    /// Bytes one run may log per `bytes_window`; past them the rest of the window is not
+    /// logged (for most runs, the rest of the run).
     pub run_bytes: u64,
+    /// The window `run_bytes` counts over (an hour): a daemon or an HTTP component that runs
+    /// for days logs again each hour rather than falling silent for good.
+    pub bytes_window: Duration,
     /// Lines longer than this are cut (and say so).
     pub line_bytes: usize,
 }
@@ -26,6 +30,7 @@ impl Default for LogLimits {
         Self {
             lines_per_second: 100,
             run_bytes: 1024 * 1024,
+            bytes_window: Duration::from_secs(3600),
             line_bytes: 4096,
         }
     }
@@ -106,11 +111,13 @@ struct Budget {
     /// Lines that may be logged now (a token bucket refilled at the rate).
     tokens: f64,
     refilled: Instant,
-    /// Bytes logged so far.
+    /// Bytes logged in the current window.
     bytes: u64,
+    /// When the current window began.
+    window: Instant,
     /// Lines dropped by the rate since the last line that went through.
     rate_dropped: u64,
-    /// The run passed its byte limit (said once).
+    /// The run passed its byte limit in the current window (said once).
     truncated: bool,
 }
 
@@ -125,6 +132,7 @@ impl LogTap {
                 tokens: f64::from(limits.lines_per_second) * 2.0,
                 refilled: Instant::now(),
                 bytes: 0,
+                window: Instant::now(),
                 rate_dropped: 0,
                 truncated: false,
             })),
@@ -148,6 +156,11 @@ impl LogTap {
             text.push_str(&format!(" [cut: the line had {} bytes]", bytes.len()));
         }
         let mut budget = self.budget.lock().unwrap_or_else(|e| e.into_inner());
+        if budget.window.elapsed() >= self.limits.bytes_window {
+            budget.window = Instant::now();
+            budget.bytes = 0;
+            budget.truncated = false;
+        }
         if budget.truncated {
             return;
         }
@@ -157,7 +170,7 @@ impl LogTap {
             drop(budget);
             self.emit(
                 LogStream::Agent,
-                format!("output over {run_bytes} bytes: the rest of this run is not logged"),
+                format!("output over {run_bytes} bytes this hour: the rest of it is not logged"),
             );
             return;
         }
@@ -333,6 +346,7 @@ mod tests {
             lines_per_second: 1000,
             run_bytes: 45,
             line_bytes: 8,
+            ..LogLimits::default()
         };
         let tap = LogTap::new("t", limits, queue.clone());
         let mut out = tap.writer(LogStream::Stdout);
@@ -344,10 +358,34 @@ mod tests {
             lines[2],
             (
                 LogStream::Agent,
-                "output over 45 bytes: the rest of this run is not logged".to_owned()
+                "output over 45 bytes this hour: the rest of it is not logged".to_owned()
             )
         );
         assert_eq!(lines.len(), 3);
+    }
+
+    #[test]
+    fn a_long_run_logs_again_in_the_next_window() {
+        let queue = Arc::new(LogQueue::new(100));
+        let limits = LogLimits {
+            run_bytes: 10,
+            bytes_window: Duration::from_millis(50),
+            ..LogLimits::default()
+        };
+        let tap = LogTap::new("t", limits, queue.clone());
+        let mut out = tap.writer(LogStream::Stdout);
+        out.write(b"123456\n789012\n");
+        std::thread::sleep(Duration::from_millis(60));
+        out.write(b"again\n");
+        let lines: Vec<String> = texts(&queue).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(
+            lines,
+            [
+                "123456",
+                "output over 10 bytes this hour: the rest of it is not logged",
+                "again"
+            ]
+        );
     }
 
     #[test]

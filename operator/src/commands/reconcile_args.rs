@@ -7,6 +7,7 @@ use propeller_broker::protocol::parse_setting_duration;
 use propeller_operator::decision::proplet::PropletSettings;
 use propeller_operator::decision::scheduler::Strategy;
 use propeller_operator::decision::task::{FinalizerTiming, TaskSettings};
+use propeller_operator::task_logs::LogSettings;
 
 /// Liveness, status-write and scheduling flags; each also reads a `PROPELLER_*` variable.
 #[derive(Args, Debug, Clone)]
@@ -40,6 +41,15 @@ pub struct ReconcileArgs {
     /// Time limit of tasks without spec.timeoutSeconds (daemons are exempt).
     #[arg(long, env = "PROPELLER_TASK_TIMEOUT", default_value = "1h", value_parser = parse_setting_duration)]
     pub task_timeout: Duration,
+    /// How long a task's output is kept after its last line (`propeller logs`).
+    #[arg(long, env = "PROPELLER_TASK_LOG_RETENTION", default_value = "1h", value_parser = parse_setting_duration)]
+    pub task_log_retention: Duration,
+    /// Bytes of output kept per task (its newest lines).
+    #[arg(long, env = "PROPELLER_TASK_LOG_BYTES", default_value_t = 256 * 1024)]
+    pub task_log_bytes: usize,
+    /// Bytes of task output kept in all; past them the logs quiet the longest go first.
+    #[arg(long, env = "PROPELLER_TASK_LOG_TOTAL_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub task_log_total_bytes: usize,
 }
 
 impl ReconcileArgs {
@@ -49,6 +59,15 @@ impl ReconcileArgs {
             last_seen_threshold: self.last_seen_threshold,
             status_flush_interval: self.status_flush_interval,
             routine_writes_per_second: self.heartbeat_writes_per_second,
+        }
+    }
+
+    /// How much task output is kept.
+    pub fn logs(&self) -> LogSettings {
+        LogSettings {
+            task_bytes: self.task_log_bytes,
+            retention: self.task_log_retention,
+            total_bytes: self.task_log_total_bytes,
         }
     }
 

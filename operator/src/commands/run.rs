@@ -432,7 +432,7 @@ async fn serve(
         .context("broker event stream unavailable")?;
     let events = filter_events(raw_events, cmd.domain_id.clone(), cmd.channel_id.clone());
     let watch_namespace = cmd.watch_namespace.clone().filter(|s| !s.is_empty());
-    let logs = Arc::new(LogStore::default());
+    let logs = Arc::new(LogStore::new(cmd.reconcile.logs()));
     if let Some(addr) = cmd.log_endpoint.start(client.clone(), logs.clone()).await? {
         info!(%addr, "task log endpoint listening (https)");
     }

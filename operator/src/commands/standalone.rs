@@ -187,6 +187,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
             .reconcile
             .last_seen_threshold
             .max(cmd.reconcile.liveliness_interval),
+        logs: cmd.reconcile.logs(),
     };
     let events_log = Arc::new(EventLog::new());
     let controller_metrics = Arc::new(ControllerMetrics::default());

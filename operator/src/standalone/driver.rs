@@ -35,6 +35,7 @@ mod routing;
 
 use crate::own_writes::OwnWrites;
 use crate::standalone::kinds::PROPLET;
+use crate::task_logs::{LogSettings, LogStore};
 
 /// Secrets are watched here, so the table only needs an age limit as a safety net.
 const CREDENTIAL_MAX_AGE: Duration = Duration::from_secs(300);
@@ -48,6 +49,8 @@ pub struct StandaloneSettings {
     pub task: TaskSettings,
     /// How often every proplet is looked at without events.
     pub sweep: Duration,
+    /// How much task output is kept.
+    pub logs: LogSettings,
 }
 
 /// The standalone reconcilers and their shared state.
@@ -86,7 +89,10 @@ impl Driver {
         let cache = ObjectCache::attach(&store)?;
         let driver = Arc::new(Self {
             store,
-            common: Common::new(publisher, settings.proplet, settings.task, metrics),
+            common: Common {
+                logs: Arc::new(LogStore::new(settings.logs)),
+                ..Common::new(publisher, settings.proplet, settings.task, metrics)
+            },
             sweep: settings.sweep,
             credentials,
             wakers,

@@ -149,8 +149,8 @@ settings! {
         /// output is not logged).
         #[arg(long, env = "PROPLET_LOG_LINES_PER_SECOND")]
         pub log_lines_per_second: Option<Size>,
-        /// Bytes of output each task run may log (`1Mi`); a line past them says the rest
-        /// was not logged.
+        /// Bytes of output each task run may log per hour (`1Mi`); a line past them says the
+        /// rest of the hour was not logged.
         #[arg(long, env = "PROPLET_LOG_RUN_BYTES")]
         pub log_run_bytes: Option<Size>,
         /// Batches of task log lines kept on disk while the broker is unreachable (`2048`);
