@@ -51,6 +51,11 @@ pub(crate) struct HeartbeatArgs {
     /// The reconnections of a storm are spread evenly over this many milliseconds.
     #[arg(long, default_value_t = 1000)]
     storm_spread_ms: u64,
+    /// Milliseconds between one proplet's task-log batches, each one line for every task
+    /// propeller started on it (0: no logs): a Task pinned to each proplet makes a fleet of
+    /// devices printing a line per interval, as real agents send it (QoS 1).
+    #[arg(long, default_value_t = 0)]
+    log_every_ms: u64,
 }
 
 /// Connects `id`, retrying a few times; returns once the CONNACK accepted it.
@@ -119,9 +124,18 @@ async fn simulated_proplet(
         metrics: None,
     }
     .encode();
+    let channel = propeller_broker::protocol::Channel::new(&args.domain, &args.channel)
+        .map_err(|e| anyhow::anyhow!("channel: {e}"))?;
+    let started: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let permit = connecting.acquire().await.context("connect gate")?;
     let (mut client, mut eventloop) = connect_proplet(&args, &id, i).await?;
     drop(permit);
+    if args.log_every_ms > 0 {
+        client
+            .subscribe(channel.start(), QoS::AtLeastOnce)
+            .await
+            .context("subscribe to starts")?;
+    }
     let _ = signals.connected.send(());
     let mut stop = signals.stop.clone();
     let mut storm = signals.storm.clone();
@@ -134,7 +148,17 @@ async fn simulated_proplet(
             let alive = alive.clone();
             let beat = beat.clone();
             let interval = Duration::from_secs(args.interval_secs.max(1));
+            let logger = (args.log_every_ms > 0).then(|| {
+                print_lines(
+                    client.clone(),
+                    channel.logs(),
+                    id.clone(),
+                    started.clone(),
+                    Duration::from_millis(args.log_every_ms),
+                )
+            });
             tokio::spawn(async move {
+                let _logger = logger.map(AbortOnDrop);
                 let mut tick = tokio::time::interval(interval);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -152,12 +176,24 @@ async fn simulated_proplet(
         };
         let storm_now = loop {
             tokio::select! {
-                polled = eventloop.poll() => {
-                    if let Err(e) = polled {
+                polled = eventloop.poll() => match polled {
+                    Err(e) => {
                         publisher.abort();
                         bail!("{id}: connection lost: {e}");
                     }
-                }
+                    Ok(Event::Incoming(Packet::Publish(publish))) => {
+                        let start = propeller_broker::protocol::decode(
+                            &propeller_broker::protocol::TopicKind::Start,
+                            &publish.payload,
+                        );
+                        if let Ok(propeller_broker::protocol::Inbound::Start(start)) = start {
+                            if start.proplet_id.as_deref() == Some(id.as_str()) {
+                                started.lock().unwrap_or_else(|e| e.into_inner()).push(start.id);
+                            }
+                        }
+                    }
+                    Ok(_) => {}
+                },
                 _ = stop.changed() => break false,
                 changed = storm.changed(), if !stormed => {
                     if changed.is_ok() && *storm.borrow() {
@@ -302,4 +338,47 @@ pub(crate) async fn heartbeats(args: HeartbeatArgs) -> anyhow::Result<()> {
         bail!("{failed} simulated proplets failed");
     }
     Ok(())
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Publishes, every `every`, one log line for each task in `started`, as proplet `id`.
+fn print_lines(
+    client: AsyncClient,
+    topic: String,
+    id: String,
+    started: Arc<std::sync::Mutex<Vec<String>>>,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n = 0u64;
+        loop {
+            tick.tick().await;
+            let tasks = started.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            for task_id in tasks {
+                n += 1;
+                let batch = propeller_broker::protocol::TaskLogs {
+                    task_id,
+                    proplet_id: id.clone(),
+                    lines: vec![propeller_broker::protocol::LogLine {
+                        at_ms: chrono::Utc::now().timestamp_millis(),
+                        stream: propeller_broker::protocol::LogStream::Stdout,
+                        text: format!("line {n} from {id}: the device is fine"),
+                    }],
+                };
+                let _ = client
+                    .publish(&topic, QoS::AtLeastOnce, false, batch.encode())
+                    .await;
+            }
+        }
+    })
 }
