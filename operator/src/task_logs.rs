@@ -84,7 +84,9 @@ struct TaskLog {
     /// When the last line arrived.
     last: DateTime<Utc>,
     /// Followers of this log.
-    follow: broadcast::Sender<StoredLine>,
+    /// Followers of this log, once one came: a channel holds its whole backlog from the
+    /// start (made for each of a thousand printing tasks, they took 180 MiB).
+    follow: Option<broadcast::Sender<StoredLine>>,
 }
 
 /// Lines a slow follower may fall behind by before it misses some (and is told).
@@ -97,7 +99,7 @@ impl TaskLog {
             lines: VecDeque::new(),
             bytes: 0,
             last: now,
-            follow: broadcast::channel(FOLLOW_BACKLOG).0,
+            follow: None,
         }
     }
 }
@@ -168,8 +170,10 @@ impl LogStore {
             };
             log.bytes += stored.size();
             logs.bytes += stored.size();
-            // No follower is no failure.
-            let _ = log.follow.send(stored.clone());
+            if let Some(follow) = &log.follow {
+                // Followers that went away are no failure.
+                let _ = follow.send(stored.clone());
+            }
             log.lines.push_back(stored);
         }
         log.last = now;
@@ -208,7 +212,11 @@ impl LogStore {
             .by_task
             .entry(task.clone())
             .or_insert_with(|| TaskLog::new(uid, now));
-        (select(log, query), log.follow.subscribe())
+        let receiver = log
+            .follow
+            .get_or_insert_with(|| broadcast::channel(FOLLOW_BACKLOG).0)
+            .subscribe();
+        (select(log, query), receiver)
     }
 
     /// Forgets the logs quiet for longer than the retention and followed by no one.
@@ -217,7 +225,8 @@ impl LogStore {
             chrono::Duration::from_std(self.settings.retention).unwrap_or(chrono::Duration::MAX);
         let mut freed = 0;
         logs.by_task.retain(|_, log| {
-            let keep = now - log.last <= retention || log.follow.receiver_count() > 0;
+            let followed = log.follow.as_ref().is_some_and(|f| f.receiver_count() > 0);
+            let keep = now - log.last <= retention || followed;
             if !keep {
                 freed += log.bytes;
             }
