@@ -85,7 +85,7 @@ struct TaskLog {
     last: DateTime<Utc>,
     /// Followers of this log.
     /// Followers of this log, once one came: a channel holds its whole backlog from the
-    /// start (made for each of a thousand printing tasks, they took 180 MiB).
+    /// start (made for each of a thousand printing tasks, they took about 100 MiB).
     follow: Option<broadcast::Sender<StoredLine>>,
 }
 
