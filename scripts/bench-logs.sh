@@ -15,14 +15,8 @@ scripts/build-release.sh
 BIN=target/release
 PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 N=${1:-1000}
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 source scripts/lib/harness.sh
+scratch_workspace
 export PROPELLER_MAX_CONNECTIONS=$(( N + 100 ))
 RUST_LOG=warn,rumqttd=off start_standalone "$PROPELLER" "$WORK/data" "$WORK/standalone.log" \
   --liveliness-interval 10s --last-seen-threshold 30s --status-flush-interval 5s
