@@ -152,6 +152,23 @@ impl Spool {
         Ok(dropped)
     }
 
+    /// Appends `payloads` on `topic` and returns once all are durable, with one sync for
+    /// them all; how many of the oldest entries a full spool discarded for them.
+    pub fn push_all(&self, topic: &str, payloads: &[String]) -> io::Result<usize> {
+        let mut dropped = 0;
+        let mut appended = 0;
+        for payload in payloads {
+            let (gone, at) = self.append(topic, payload)?;
+            dropped += usize::from(gone.is_some());
+            appended = at;
+        }
+        if !payloads.is_empty() {
+            self.sync_through(appended)?;
+            self.added.notify_one();
+        }
+        Ok(dropped)
+    }
+
     /// The oldest entry, if any.
     pub fn oldest(&self) -> Option<Entry> {
         self.lock_journal()
@@ -455,6 +472,17 @@ mod tests {
         fs::metadata(dir.join(JOURNAL))
             .unwrap_or_else(|e| panic!("{e}"))
             .len()
+    }
+
+    #[test]
+    fn push_all_keeps_the_newest_of_a_full_spool_and_counts_what_it_discarded() {
+        let dir = tempfile::tempdir().expect("dir");
+        let spool = Spool::open(dir.path(), 2).expect("spool");
+        let payloads: Vec<String> = (0..3).map(|i| i.to_string()).collect();
+        assert_eq!(spool.push_all("t", &payloads).expect("push"), 1);
+        let kept: Vec<String> = spool.oldest_n(5).into_iter().map(|e| e.payload).collect();
+        assert_eq!(kept, ["1", "2"]);
+        assert_eq!(spool.push_all("t", &[]).expect("nothing"), 0);
     }
 
     #[test]

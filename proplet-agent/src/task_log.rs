@@ -80,16 +80,6 @@ impl LogQueue {
         lines.drain(..).collect()
     }
 
-    /// Lines waiting.
-    pub fn len(&self) -> usize {
-        self.lines.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Whether none waits.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Resolves when a line was queued since the last call (or now, if one is waiting).
     pub async fn added(&self) {
         self.added.notified().await;

@@ -42,16 +42,8 @@ impl Agent {
                 .map(|batch| String::from_utf8_lossy(&batch.encode()).into_owned())
                 .collect();
             let spool = self.log_spool.clone();
-            let stored = tokio::task::spawn_blocking(move || {
-                let mut dropped = 0usize;
-                for payload in payloads {
-                    if spool.push(&topic, &payload)?.is_some() {
-                        dropped += 1;
-                    }
-                }
-                Ok::<_, std::io::Error>(dropped)
-            })
-            .await;
+            let stored =
+                tokio::task::spawn_blocking(move || spool.push_all(&topic, &payloads)).await;
             match stored {
                 Ok(Ok(0)) => {}
                 Ok(Ok(dropped)) => warn!(
