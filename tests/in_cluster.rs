@@ -10,147 +10,19 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use support::chart::{
+    build_images, operator_pods, readme_steps, stage, Workspace, NAMESPACE, RESULT_WORKLOAD,
+};
 use support::image;
 use support::knode::{self, Node};
 use support::{repo_root, Running};
-
-const NAMESPACE: &str = "propeller-system";
-const RESULT_WORKLOAD: &str = "localhost/propeller-job-result:t1";
 /// The devices' agents, cross-built by `scripts/build-agent-cross.sh` (profile dev here).
 const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"];
-
-/// The commands between `<!-- in-cluster:NAME:begin -->` and its end marker in the book's
-/// Kubernetes page (`docs/src/kubernetes.md`).
-fn readme_steps(name: &str) -> String {
-    support::doc_blocks(&format!("in-cluster:{name}")).concat()
-}
-
-/// Where helm and kubectl run: a scratch directory that sees the repository's `configs/`.
-struct Workspace {
-    dir: tempfile::TempDir,
-    helm: PathBuf,
-}
-
-impl Workspace {
-    fn new(helm: PathBuf) -> Self {
-        let dir = tempfile::tempdir().expect("scratch dir");
-        std::os::unix::fs::symlink(repo_root().join("configs"), dir.path().join("configs"))
-            .expect("link configs");
-        Workspace { dir, helm }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// Runs shell commands (the book's steps) with kubectl and helm on the node.
-    fn run(&self, node: &Node, script: &str) -> String {
-        let helm_dir = self.helm.parent().expect("helm dir");
-        let path = format!(
-            "{}:{}",
-            helm_dir.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let home = self.path().join("helm-home");
-        let out = Command::new("bash")
-            .args(["-euo", "pipefail", "-c", script])
-            .current_dir(self.path())
-            .env("KUBECONFIG", &node.kubeconfig)
-            .env("PATH", path)
-            .env("HELM_CACHE_HOME", home.join("cache"))
-            .env("HELM_CONFIG_HOME", home.join("config"))
-            .env("HELM_DATA_HOME", home.join("data"))
-            .output()
-            .expect("run bash");
-        assert!(
-            out.status.success(),
-            "these steps failed:\n{script}\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-}
-
-/// A stage of the run, printed with its duration.
-fn stage<T>(name: &str, f: impl FnOnce() -> T) -> T {
-    eprintln!("=== {name}");
-    let began = Instant::now();
-    let value = f();
-    eprintln!("=== {name}: done in {:.1} s", began.elapsed().as_secs_f64());
-    value
-}
-
-/// Builds the three images from the binaries the test run uses and imports them.
-fn build_images(node: &Node, scratch: &Path) {
-    let kit = knode::kit();
-    let bin = |name: &str| {
-        let mut dir = std::env::current_exe().expect("test path");
-        dir.pop();
-        if dir.ends_with("deps") {
-            dir.pop();
-        }
-        dir.join(name)
-    };
-    let empty = scratch.join("empty-dir");
-    std::fs::create_dir_all(&empty).expect("empty dir");
-    let images: [(&str, &str, BTreeMap<&str, PathBuf>); 2] = [
-        (
-            "configs/docker/propeller.Dockerfile",
-            "localhost/propeller:t1",
-            BTreeMap::from([("/out/propeller", bin("propeller"))]),
-        ),
-        (
-            "configs/docker/proplet.Dockerfile",
-            "localhost/proplet:t1",
-            BTreeMap::from([("/out/proplet", bin("proplet")), ("/out/state", empty)]),
-        ),
-    ];
-    for (dockerfile, reference, sources) in images {
-        let archive = scratch.join(format!("{}.tar", reference.replace(['/', ':'], "_")));
-        image::build(
-            &kit,
-            &repo_root().join(dockerfile),
-            &sources,
-            reference,
-            &archive,
-        )
-        .unwrap_or_else(|e| panic!("building {reference}: {e}"));
-        node.import_image(&archive);
-        let _ = std::fs::remove_file(&archive);
-    }
-    // The Job pods' workload: a test program, not one of ours to ship.
-    let archive = scratch.join("job-result.tar");
-    image::build_program(
-        &kit,
-        &bin("propeller-job-result"),
-        RESULT_WORKLOAD,
-        &archive,
-    )
-    .unwrap_or_else(|e| panic!("building {RESULT_WORKLOAD}: {e}"));
-    node.import_image(&archive);
-}
-
-/// The pod names of the operator, newest first.
-fn operator_pods(node: &Node) -> Vec<String> {
-    let names = node.kubectl_ok(&[
-        "-n",
-        NAMESPACE,
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/component=operator",
-        "--sort-by=.metadata.creationTimestamp",
-        "-o",
-        "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
-    ]);
-    names.lines().rev().map(str::to_owned).collect()
-}
 
 /// The host pid of the container process whose command line starts with `program`.
 fn container_process(program: &str, args: &str) -> Option<u32> {

@@ -13,7 +13,7 @@
 //! `CI=true` a missing binary fails the test instead.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -943,6 +943,8 @@ impl NatsNode {
 pub struct NatsCluster {
     nodes: Vec<NatsNode>,
     dir: tempfile::TempDir,
+    /// The address every node's MQTT listener is bound to.
+    mqtt_host: IpAddr,
 }
 
 impl NatsCluster {
@@ -954,6 +956,22 @@ impl NatsCluster {
     /// JetStream consumers), retrying. `None` (after one SKIPPED line) when nats-server is
     /// not installed, outside CI; panics when the cluster does not come up.
     pub fn start(authorization: &str, warm_user: &str, warm_password: &str) -> Option<Self> {
+        Self::start_on(
+            IpAddr::from([127, 0, 0, 1]),
+            authorization,
+            warm_user,
+            warm_password,
+        )
+    }
+
+    /// [`NatsCluster::start`] with the MQTT listeners on `mqtt_host` instead of loopback
+    /// (a host address that pods reach); routes and monitoring stay on loopback.
+    pub fn start_on(
+        mqtt_host: IpAddr,
+        authorization: &str,
+        warm_user: &str,
+        warm_password: &str,
+    ) -> Option<Self> {
         let Some(binary) = find_binary("nats-server", &["/usr/sbin", "/usr/bin"]) else {
             return skip(
                 "NATS",
@@ -962,13 +980,16 @@ impl NatsCluster {
             );
         };
         Some(launch_with_retries("NATS cluster", || {
-            Self::launch(&binary, authorization, warm_user, warm_password)
+            Self::launch(&binary, mqtt_host, authorization, warm_user, warm_password)
         }))
     }
 
     /// The MQTT listener of each node, in node order.
     pub fn mqtt_addrs(&self) -> Vec<SocketAddr> {
-        self.nodes.iter().map(|n| loopback(n.mqtt)).collect()
+        self.nodes
+            .iter()
+            .map(|n| SocketAddr::new(self.mqtt_host, n.mqtt))
+            .collect()
     }
 
     /// The file every node `include`s for its `authorization` block.
@@ -1042,6 +1063,39 @@ impl NatsCluster {
         }
     }
 
+    /// The filter subject of every JetStream consumer the first live node reports: one per
+    /// QoS 1 subscription of an MQTT session, connected or not (NATS keeps a session's
+    /// consumers until a clean-session connect with its client id ends it).
+    pub fn consumer_filters(&self) -> Vec<String> {
+        let node = self
+            .nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .expect("a live NATS node");
+        let answer = http_get(
+            loopback(node.http),
+            "/jsz?accounts=true&streams=true&consumers=true&config=true",
+        )
+        .unwrap_or_else(|e| panic!("{}'s /jsz: {e}", node.name));
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let jsz: serde_json::Value = serde_json::from_str(body)
+            .unwrap_or_else(|e| panic!("{}'s /jsz is not JSON ({e}): {answer}", node.name));
+        let mut filters = Vec::new();
+        for account in jsz["account_details"].as_array().into_iter().flatten() {
+            for stream in account["stream_detail"].as_array().into_iter().flatten() {
+                for consumer in stream["consumer_detail"].as_array().into_iter().flatten() {
+                    filters.push(
+                        consumer["config"]["filter_subject"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                    );
+                }
+            }
+        }
+        filters
+    }
+
     /// `kill -9` of node `index` (0-based) by pid; the node stays dead.
     pub fn kill_node(&mut self, index: usize) {
         let node = self
@@ -1065,6 +1119,7 @@ impl NatsCluster {
 
     fn launch(
         binary: &Path,
+        mqtt_host: IpAddr,
         authorization: &str,
         warm_user: &str,
         warm_password: &str,
@@ -1083,6 +1138,7 @@ impl NatsCluster {
         let mut cluster = NatsCluster {
             nodes: Vec::new(),
             dir,
+            mqtt_host,
         };
         for i in 0..3 {
             let name = format!("n{}", i + 1);
@@ -1098,10 +1154,11 @@ impl NatsCluster {
                      http: 127.0.0.1:{http}\n\
                      cluster {{\n  name: mqc\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n\
                      jetstream {{\n  store_dir: \"{js}\"\n  max_memory_store: 64MB\n  max_file_store: 512MB\n}}\n\
-                     mqtt {{\n  listen: 127.0.0.1:{mqtt}\n}}\n\
+                     mqtt {{\n  listen: \"{mqtt_listen}\"\n}}\n\
                      include \"../authorization.conf\"\n",
                     route = route(i),
                     js = js.display(),
+                    mqtt_listen = SocketAddr::new(mqtt_host, mqtt),
                 ),
             );
             let mut node = NatsNode {
@@ -1165,7 +1222,7 @@ impl NatsCluster {
                 attempt += 1;
                 let id = format!("warm-{}-{attempt}-{}", node.name, std::process::id());
                 let result = mqtt_connack(
-                    loopback(node.mqtt),
+                    SocketAddr::new(mqtt_host, node.mqtt),
                     &id,
                     warm_user,
                     warm_password,

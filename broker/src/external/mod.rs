@@ -102,6 +102,8 @@ pub fn report_filters(domain: Option<&str>, channel: Option<&str>) -> Vec<String
 /// A running client session on an external broker; dropping it ends the session's task
 /// (the broker keeps the session for the next connect with the same client id).
 pub struct ExternalBroker {
+    config: ExternalConfig,
+    tls: Option<Arc<rustls::ClientConfig>>,
     events: Option<UnboundedReceiver<BrokerEvent>>,
     publisher: Publisher,
     metrics: ExternalMetrics,
@@ -139,8 +141,8 @@ impl ExternalBroker {
         let (ready_tx, ready_rx) = watch::channel(false);
         let decoder = Decoder::new(config.max_payload_bytes);
         let session = session::Session {
-            config,
-            tls,
+            config: config.clone(),
+            tls: tls.clone(),
             eventloop,
             devices,
             decoder,
@@ -150,6 +152,8 @@ impl ExternalBroker {
         };
         let task = tokio::spawn(session.run());
         Ok(Self {
+            config,
+            tls,
             events: Some(event_rx),
             publisher: Publisher::external(client),
             metrics,
@@ -182,6 +186,59 @@ impl ExternalBroker {
     pub fn shutdown(&mut self) {
         if let Some(task) = self.task.take() {
             task.abort();
+        }
+    }
+
+    /// Ends the session task and the session on the cluster too: a clean-session connect with
+    /// the same client id, then a DISCONNECT, on the first node that accepts it, so the broker
+    /// drops the session's subscriptions and stops keeping reports for it. For a client id
+    /// that is never used again (a sharded replica's names its pod). Gives up after `limit`.
+    pub async fn end_session(&mut self, limit: Duration) -> Result<(), BrokerError> {
+        self.shutdown();
+        let config = &self.config;
+        let tls = &self.tls;
+        let attempt = async {
+            let mut last = String::from("no address");
+            for index in 0..config.addresses.len() {
+                let mut options = options_for(config, index, tls.clone());
+                options.set_clean_session(true);
+                let (client, mut eventloop) = AsyncClient::new(options, 4);
+                match end_on(&client, &mut eventloop).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => last = format!("{}: {e}", config.addresses[index]),
+                }
+            }
+            Err(BrokerError::Config(format!(
+                "ending the session {} on the cluster: {last}",
+                config.client_id
+            )))
+        };
+        tokio::time::timeout(limit, attempt).await.map_err(|_| {
+            BrokerError::Config(format!(
+                "ending the session {} on the cluster took over {limit:?}",
+                config.client_id
+            ))
+        })?
+    }
+}
+
+/// Connects (the options say clean session), then disconnects once the broker accepted.
+async fn end_on(
+    client: &AsyncClient,
+    eventloop: &mut rumqttc::EventLoop,
+) -> Result<(), rumqttc::ConnectionError> {
+    use rumqttc::{Event, Outgoing, Packet};
+    loop {
+        if let Event::Incoming(Packet::ConnAck(_)) = eventloop.poll().await? {
+            break;
+        }
+    }
+    // The request queue is empty and sized 4: this cannot fail for want of room.
+    let _ = client.try_disconnect();
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => return Ok(()),
+            Ok(_) => {}
         }
     }
 }

@@ -58,11 +58,19 @@ pub async fn print(cmd: BrokerConfigCommand) -> anyhow::Result<()> {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let proplets = proplets
-        .list(&ListParams::default())
-        .await
-        .context("listing Proplets")?
-        .items;
+    let proplets = match proplets.list(&ListParams::default()).await {
+        Ok(list) => list.items,
+        // Before the chart (or configs/crd) is installed there is no Proplet kind: the
+        // rendering then holds the service clients alone, enough for propeller to log in.
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            eprintln!(
+                "warning: this cluster has no Proplet kind yet (its CRDs are not installed): \
+                 rendering the service clients only; run this again once Proplets exist"
+            );
+            Vec::new()
+        }
+        Err(e) => return Err(e).context("listing Proplets"),
+    };
     let mut secrets: HashMap<(String, String), Secret> = HashMap::new();
     for proplet in &proplets {
         let Some(ClientKeySource::Secret(selector)) = proplet.spec.connection_config.key_source()

@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use prometheus_client::registry::Registry;
@@ -19,6 +20,9 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::external_args::{DeviceAuth, ExternalPlan};
+
+/// How long a leaving replica tries to end its session on the cluster.
+const LEAVE_LIMIT: Duration = Duration::from_secs(5);
 
 /// Where devices connect.
 pub enum DeviceBroker {
@@ -210,6 +214,19 @@ impl DeviceBroker {
             Self::Embedded(broker) => broker.tcp_addr().map(|a| format!("tcp://{a}")),
             Self::External { addresses, .. } => Some(addresses.clone()),
         }
+    }
+
+    /// Stops like [`DeviceBroker::shutdown`], and on an external cluster ends the session
+    /// there as well (for a sharded replica, whose client id is never used again); what
+    /// fails is logged, and the cluster then keeps the session until it expires there.
+    pub async fn leave(&mut self) {
+        if let Self::External { session, .. } = self {
+            match session.end_session(LEAVE_LIMIT).await {
+                Ok(()) => info!("ended this replica's session on the MQTT cluster"),
+                Err(e) => warn!(error = %e, "the MQTT cluster keeps this replica's session"),
+            }
+        }
+        self.shutdown();
     }
 
     /// Stops listening or ends the session.

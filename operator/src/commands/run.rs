@@ -90,6 +90,11 @@ pub struct RunCommand {
         default_value = "propeller-member"
     )]
     pub shard_group: String,
+    /// With --shard: the UID of this replica's pod (the chart sets it from the downward API).
+    /// Its Lease then names the pod as its owner, and the garbage collector removes the
+    /// Lease of a pod that is gone, also when the replica could not delete it itself.
+    #[arg(long, env = "PROPELLER_POD_UID")]
+    pub pod_uid: Option<String>,
     /// How long a member's Lease lasts without a renewal: a stopped replica's share is taken
     /// over this long after its last renewal (at once when it stops cleanly).
     #[arg(long, env = "PROPELLER_SHARD_LEASE_DURATION", default_value = "15s", value_parser = parse_setting_duration)]
@@ -299,6 +304,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
                 .unwrap_or_else(|| client.default_namespace().to_owned()),
             identity: identity.clone(),
             lease_duration: cmd.shard_lease_duration,
+            pod_uid: cmd.pod_uid.clone().filter(|uid| !uid.is_empty()),
         };
         // Each replica keeps its own persistent session on the cluster, under the login all
         // replicas share (by default the client id they were given, not their own).
@@ -448,6 +454,8 @@ async fn serve(
         task: cmd.reconcile.task(FinalizerTiming::WhileRunning),
         logs,
     };
+    // A sharded replica's client id names its pod: its session is never resumed.
+    let session_ends_with_replica = shard.is_some();
     let rt = Runtime {
         client,
         settings,
@@ -481,7 +489,11 @@ async fn serve(
     }));
     runtime::run(rt, stop).await;
     health.ready.store(false, Ordering::Relaxed);
-    broker.shutdown();
+    if session_ends_with_replica {
+        broker.leave().await;
+    } else {
+        broker.shutdown();
+    }
     Ok(())
 }
 

@@ -53,6 +53,10 @@ pub struct MembershipSettings {
     pub identity: String,
     /// How long a Lease lasts without a renewal.
     pub lease_duration: Duration,
+    /// The UID of this replica's pod (its name is `identity`): the Lease names the pod as its
+    /// owner, so the garbage collector removes it once the pod is gone, even when the
+    /// replica could not (killed, or its RBAC uninstalled before it left).
+    pub pod_uid: Option<String>,
 }
 
 impl MembershipSettings {
@@ -73,7 +77,7 @@ async fn renew(
     view: &View,
 ) -> Result<Instant, kube::Error> {
     let sent = Instant::now();
-    let lease = json!({
+    let mut lease = json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
@@ -87,6 +91,14 @@ async fn renew(
             "renewTime": Utc::now().to_rfc3339_opts(SecondsFormat::Micros, true),
         },
     });
+    if let Some(uid) = &settings.pod_uid {
+        lease["metadata"]["ownerReferences"] = json!([{
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": settings.identity,
+            "uid": uid,
+        }]);
+    }
     api.patch(
         &settings.lease_name(),
         &PatchParams::apply(MANAGER).force(),

@@ -1,0 +1,527 @@
+//! The scaled-out install as users deploy it, on a real single-node cluster
+//! (`../shared/envtest/node`): a 3-node NATS cluster, the chart with three sharded replicas
+//! installed with the book's steps ("Scaling out"), an agent pod the operator runs and a
+//! device outside the cluster through a NodePort, bursts of tasks split over the replicas
+//! while a replica's pod is deleted and the release is scaled to five and then two, and the
+//! uninstall.
+//!
+//! The NATS servers are processes on the node's host, listening on the node's address, and
+//! the pods reach them through Services without a selector whose EndpointSlices name that
+//! address: the node kit can build images only from files on this machine (`support::image`),
+//! and a host process is what `support::mqtt_cluster` already starts, stops by pid and reads
+//! the logs of. Without the node kit, root or nats-server it prints one SKIPPED line, except
+//! under `CI=true`, where that is a failure.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use support::chart::{build_images, operator_pods, readme_steps, stage, Workspace, NAMESPACE};
+use support::external::{add_task, device_agent, device_manifest, AgentLog, PROPELLER_USER};
+use support::knode::{self, Node};
+use support::mqtt_cluster::NatsCluster;
+
+/// The device outside the cluster, on its own channel.
+const DEVICE: &str = "edge-1";
+/// The agent the operator runs as a pod.
+const POD_PROPLET: &str = "pod-proplet";
+/// The NATS nodes as the pods address them (the book's install step names them).
+const NATS_ADDRESSES: &str =
+    "mqtt://nats-0.nats:1883,mqtt://nats-1.nats:1883,mqtt://nats-2.nats:1883";
+const SHARD_LEASES: &str = "propeller.absmach.eu/shard-group=propeller";
+
+/// Services `nats-0`..`nats-2` in namespace `nats` (port 1883, each to one node's MQTT
+/// listener) and the NodePort Service `nats-devices` (to all three) for devices outside.
+fn nats_services(nodes: &[SocketAddr]) -> String {
+    let mut docs = vec!["apiVersion: v1\nkind: Namespace\nmetadata:\n  name: nats\n".to_owned()];
+    let slice = |service: &str, index: usize, node: &SocketAddr| {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {service}-{index}\n  namespace: nats\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: mqtt\n  port: {port}\n  protocol: TCP\nendpoints:\n- addresses: [\"{ip}\"]\n",
+            port = node.port(),
+            ip = node.ip(),
+        )
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        let service = format!("nats-{i}");
+        docs.push(format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {service}\n  namespace: nats\nspec:\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
+        ));
+        docs.push(slice(&service, i, node));
+        docs.push(slice("nats-devices", i, node));
+    }
+    docs.push(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: nats-devices\n  namespace: nats\nspec:\n  type: NodePort\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
+            .to_owned(),
+    );
+    docs.join("---\n")
+}
+
+/// A Proplet of type `k8s` on a channel of its own: the operator runs its agent as a pod
+/// that dials the NATS nodes by their Services.
+fn pod_proplet() -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {POD_PROPLET}-key\n  namespace: default\nstringData:\n  key: {POD_PROPLET}-secret\n---\n\
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {POD_PROPLET}\n  namespace: default\nspec:\n  type: k8s\n  k8s:\n    image: localhost/proplet:t1\n    replicas: 1\n    logLevel: info\n  resources:\n    cpu: 100m\n    memory: 128Mi\n  connectionConfig:\n    domainId: {domain}\n    channelId: {POD_PROPLET}\n    clientId: {POD_PROPLET}\n    clientKeySecretRef: {{name: {POD_PROPLET}-key, key: key}}\n    mqttAddress: \"{NATS_ADDRESSES}\"\n",
+        domain = support::external::DOMAIN,
+    )
+}
+
+/// The phase of every Task of namespace `default` whose name starts with `prefix`.
+fn phases(node: &Node, prefix: &str) -> BTreeMap<String, String> {
+    node.kubectl_ok(&[
+        "-n",
+        "default",
+        "get",
+        "tasks",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} {.status.phase} {.status.results}{\"\\n\"}{end}",
+    ])
+    .lines()
+    .filter(|l| l.starts_with(prefix))
+    .map(|l| {
+        let mut words = l.split_whitespace();
+        let name = words.next().unwrap_or_default().to_owned();
+        let rest: Vec<&str> = words.collect();
+        (name, rest.join(" "))
+    })
+    .collect()
+}
+
+/// Applies `count` add tasks named `{prefix}-{i}` (1 + 2 each).
+fn burst(node: &Node, prefix: &str, count: usize) {
+    let manifests: Vec<String> = (0..count)
+        .map(|i| add_task(&format!("{prefix}-{i}"), 1, 2, ""))
+        .collect();
+    node.apply(&manifests.join("---\n"));
+}
+
+/// Waits until every task of the burst completed with 3; panics on a failure or after `limit`.
+fn wait_burst(node: &Node, prefix: &str, count: usize, limit: Duration) -> Duration {
+    let began = Instant::now();
+    loop {
+        let now = phases(node, prefix);
+        let failed: Vec<_> = now
+            .iter()
+            .filter(|(_, p)| p.starts_with("failed"))
+            .collect();
+        assert!(failed.is_empty(), "{prefix} tasks failed: {failed:?}");
+        let done = now.values().filter(|p| p.as_str() == "completed 3").count();
+        if done == count {
+            return began.elapsed();
+        }
+        assert!(
+            began.elapsed() < limit,
+            "{done} of {count} {prefix} tasks completed within {limit:?}: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The operator pods' IP addresses by pod name.
+fn pod_ips(node: &Node) -> BTreeMap<String, String> {
+    node.kubectl_ok(&[
+        "-n",
+        NAMESPACE,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/component=operator",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}{\"\\n\"}{end}",
+    ])
+    .lines()
+    .filter_map(|l| {
+        let (name, ip) = l.split_once(' ')?;
+        (!ip.is_empty()).then(|| (name.to_owned(), ip.to_owned()))
+    })
+    .collect()
+}
+
+/// The sum of the samples of `series` (name and labels as written, e.g.
+/// `propeller_shard_owned{kind="Task"}`) on a pod's `/metrics`; `None` when it does not answer.
+fn metric(ip: &str, series: &str) -> Option<f64> {
+    let out = Command::new("curl")
+        .args(["-sf", "--max-time", "5"])
+        .arg(format!("http://{ip}:8080/metrics"))
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with(series))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum(),
+    )
+}
+
+/// The holders of the group's member Leases.
+fn member_leases(node: &Node) -> Vec<String> {
+    node.kubectl_ok(&[
+        "-n",
+        NAMESPACE,
+        "get",
+        "lease",
+        "-l",
+        SHARD_LEASES,
+        "-o",
+        "jsonpath={.items[*].spec.holderIdentity}",
+    ])
+    .split_whitespace()
+    .map(str::to_owned)
+    .collect()
+}
+
+/// Waits until the group has `count` member Leases, each held by a live operator pod, and
+/// every pod's `/metrics` says it acts with `count` members.
+fn wait_members(node: &Node, count: usize, limit: Duration) -> Duration {
+    let began = Instant::now();
+    loop {
+        let leases = member_leases(node);
+        let pods = pod_ips(node);
+        let settled = leases.len() == count
+            && pods.len() == count
+            && pods
+                .values()
+                .all(|ip| metric(ip, "propeller_shard_members") == Some(count as f64));
+        if settled {
+            return began.elapsed();
+        }
+        assert!(
+            began.elapsed() < limit,
+            "not {count} members within {limit:?}: Leases {leases:?}, pods {pods:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Tasks each replica owns, by pod (`propeller_shard_owned{kind="Task"}`), once the
+/// replicas' gauges (refreshed every few seconds) add up to `total`.
+fn owned_tasks(node: &Node, total: usize) -> BTreeMap<String, f64> {
+    let began = Instant::now();
+    loop {
+        let owned: BTreeMap<String, f64> = pod_ips(node)
+            .into_iter()
+            .map(|(pod, ip)| {
+                let owned = metric(&ip, "propeller_shard_owned{kind=\"Task\"}").unwrap_or(-1.0);
+                (pod, owned)
+            })
+            .collect();
+        if owned.values().sum::<f64>() == total as f64 {
+            return owned;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "the replicas' owned Tasks do not add up to {total}: {owned:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The agent pod's log so far, and its restarts.
+fn pod_agent_log(node: &Node) -> (Vec<String>, String) {
+    let selector = format!("app.kubernetes.io/instance={POD_PROPLET}");
+    let log = node.kubectl_ok(&["-n", "default", "logs", "-l", &selector, "--tail=-1"]);
+    let restarts = node.kubectl_ok(&[
+        "-n",
+        "default",
+        "get",
+        "pods",
+        "-l",
+        &selector,
+        "-o",
+        "jsonpath={.items[*].status.containerStatuses[*].restartCount}",
+    ]);
+    (log.lines().map(str::to_owned).collect(), restarts)
+}
+
+/// Starts the agent a task ran with, by task id, from log lines ("task accepted task_id=...").
+fn accepted(lines: &[String], runs: &mut BTreeMap<String, usize>) {
+    for line in lines.iter().filter(|l| l.contains("task accepted")) {
+        if let Some(id) = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("task_id="))
+        {
+            *runs.entry(id.trim_matches('"').to_owned()).or_default() += 1;
+        }
+    }
+}
+
+#[test]
+fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node() {
+    if let Some(why) = knode::unavailable() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true needs the in-cluster suite: {why}"
+        );
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let Some(helm) = support::envtest::helm_binary() else {
+        assert!(std::env::var("CI").is_err(), "CI=true needs helm");
+        eprintln!("SKIPPED: no helm (neither on PATH nor ../shared/envtest/helm.xz)");
+        return;
+    };
+    let work = Workspace::new(helm);
+    let node = stage("node up", Node::start);
+    stage("images from the Dockerfiles", || {
+        build_images(&node, work.path())
+    });
+
+    // The book's steps 1 and 2: propeller's login, and NATS's authorization from it.
+    stage("propeller's login and the rendered authorization", || {
+        work.run(&node, &readme_steps("scale-out-login"));
+        work.run(&node, &readme_steps("scale-out-render"));
+    });
+    let read = |file: &str| {
+        std::fs::read_to_string(work.path().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
+    };
+    let password = read("propeller-mqtt.password").trim().to_owned();
+    let node_ip: IpAddr = node.node_ip.parse().expect("the node's address");
+    let Some(nats) = stage("a 3-node NATS cluster on the node's address", || {
+        NatsCluster::start_on(
+            node_ip,
+            &read("authorization.conf"),
+            PROPELLER_USER,
+            &password,
+        )
+    }) else {
+        return;
+    };
+    node.apply(&nats_services(&nats.mqtt_addrs()));
+
+    // Step 3, with the local image instead of a registry's.
+    let install = readme_steps("scale-out-install");
+    let local = install
+        .replace(
+            "image.repository=propeller",
+            "image.repository=localhost/propeller",
+        )
+        .replace("image.tag=latest", "image.tag=t1");
+    assert_ne!(local, install, "the book's step names no image to replace");
+    assert!(install.contains(NATS_ADDRESSES), "{install}");
+    let began = Instant::now();
+    stage("helm install: three replicas Ready, a Lease each", || {
+        work.run(&node, &local);
+        let pods = operator_pods(&node);
+        assert_eq!(pods.len(), 3, "{pods:?}");
+        let settled = wait_members(&node, 3, Duration::from_secs(120));
+        eprintln!(
+            "three replicas Ready {:.1} s after helm install, members settled {:.1} s later",
+            (began.elapsed() - settled).as_secs_f64(),
+            settled.as_secs_f64()
+        );
+        let mut holders = member_leases(&node);
+        holders.sort();
+        let mut pods = pods;
+        pods.sort();
+        assert_eq!(holders, pods, "one Lease per replica, held by it");
+    });
+
+    // The fleet: an agent pod and a device through the NodePort; then step 2 again.
+    let node_port = node.kubectl_ok(&[
+        "-n",
+        "nats",
+        "get",
+        "service",
+        "nats-devices",
+        "-o",
+        "jsonpath={.spec.ports[0].nodePort}",
+    ]);
+    let device_address = format!("mqtt://{}:{node_port}", node.node_ip);
+    let state = tempfile::tempdir().expect("agent state");
+    let mut device = stage("an agent pod and a device outside: both Running", || {
+        node.apply(&pod_proplet());
+        node.apply(&device_manifest(DEVICE, &device_address));
+        work.run(&node, &readme_steps("scale-out-render"));
+        let rendered = read("authorization.conf");
+        assert!(
+            rendered.contains(&format!("user: \"{DEVICE}\""))
+                && rendered.contains(&format!("user: \"{POD_PROPLET}\"")),
+            "the devices are not in the rendered authorization:\n{rendered}"
+        );
+        nats.reload_authorization(&rendered);
+        let device = AgentLog::new(device_agent(DEVICE, &device_address, state.path()));
+        for proplet in [DEVICE, POD_PROPLET] {
+            node.wait_for(
+                &["-n", "default", "proplet", proplet],
+                "{.status.phase}",
+                Duration::from_secs(180),
+                |p| p == "Running",
+            );
+        }
+        device
+    });
+
+    stage("200 tasks split over the three replicas", || {
+        burst(&node, "spread", 200);
+        let took = wait_burst(&node, "spread", 200, Duration::from_secs(300));
+        let owned = owned_tasks(&node, 200);
+        eprintln!(
+            "200 tasks completed in {:.1} s; Tasks owned by replica: {owned:?}",
+            took.as_secs_f64()
+        );
+        assert!(owned.values().all(|n| *n > 0.0), "{owned:?}");
+    });
+
+    stage("a replica's pod deleted during a burst", || {
+        burst(&node, "deleted", 100);
+        node.wait_for(
+            &["-n", "default", "task", "deleted-5"],
+            "{.status.phase}",
+            Duration::from_secs(120),
+            |p| p == "completed",
+        );
+        let pods = pod_ips(&node);
+        let victim = pods.keys().next().expect("a replica").clone();
+        let survivors: Vec<String> = pods
+            .iter()
+            .filter(|(pod, _)| **pod != victim)
+            .map(|(_, ip)| ip.clone())
+            .collect();
+        let handoffs = |ip: &str| metric(ip, "propeller_shard_handoffs_total").unwrap_or(0.0);
+        let before: Vec<f64> = survivors.iter().map(|ip| handoffs(ip)).collect();
+        let deleted = Instant::now();
+        node.kubectl_ok(&["-n", NAMESPACE, "delete", "pod", &victim, "--wait=false"]);
+        loop {
+            let now: Vec<f64> = survivors.iter().map(|ip| handoffs(ip)).collect();
+            if now.iter().zip(&before).all(|(n, b)| n > b) {
+                break;
+            }
+            assert!(
+                deleted.elapsed() < Duration::from_secs(60),
+                "the survivors did not take {victim}'s share within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!(
+            "{victim}'s share taken by both survivors {:.1} s after kubectl delete pod",
+            deleted.elapsed().as_secs_f64()
+        );
+        wait_burst(&node, "deleted", 100, Duration::from_secs(300));
+        let back = wait_members(&node, 3, Duration::from_secs(120));
+        eprintln!(
+            "the Deployment's new pod a member {:.1} s after the burst completed",
+            back.as_secs_f64()
+        );
+    });
+
+    let resize = readme_steps("scale-out-resize");
+    assert!(resize.contains("--set replicas=5"), "{resize}");
+    for (replicas, prefix, total) in [(5, "five", 400), (2, "two", 500)] {
+        stage(
+            &format!("helm upgrade to {replicas} replicas during a burst"),
+            || {
+                burst(&node, prefix, 100);
+                let began = Instant::now();
+                work.run(
+                    &node,
+                    &resize.replace("--set replicas=5", &format!("--set replicas={replicas}")),
+                );
+                let settled = wait_members(&node, replicas, Duration::from_secs(180));
+                eprintln!(
+                    "{replicas} members {:.1} s after helm upgrade",
+                    (began.elapsed() - settled).as_secs_f64() + settled.as_secs_f64()
+                );
+                wait_burst(&node, prefix, 100, Duration::from_secs(300));
+                let owned = owned_tasks(&node, total);
+                eprintln!("Tasks owned by replica with {replicas}: {owned:?}");
+                assert_eq!(owned.len(), replicas, "{owned:?}");
+                assert!(owned.values().all(|n| *n > 0.0), "{owned:?}");
+            },
+        );
+    }
+
+    stage("every task ran once; no agent reconnected", || {
+        let mut runs = device.runs();
+        let (pod_log, restarts) = pod_agent_log(&node);
+        accepted(&pod_log, &mut runs);
+        let total: usize = runs.values().sum();
+        let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+        eprintln!("{total} task starts on the two agents for 500 tasks");
+        assert!(twice.is_empty(), "tasks run twice: {twice:?}");
+        assert_eq!(total, 500, "task starts on the agents");
+        assert_eq!(device.sessions(), 1, "the device reconnected");
+        let pod_sessions = pod_log
+            .iter()
+            .filter(|l| l.contains("connected to the broker"))
+            .count();
+        assert_eq!(pod_sessions, 1, "the agent pod reconnected");
+        assert_eq!(restarts, "0", "the agent pod restarted");
+        let filters = nats.consumer_filters();
+        let replicas = filters
+            .iter()
+            .filter(|f| f.contains("control.proplet"))
+            .count();
+        eprintln!(
+            "NATS holds {} consumers, {replicas} of them replicas' report subscriptions: {filters:?}",
+            filters.len()
+        );
+        // One per live replica: those that left ended their sessions as they stopped.
+        assert_eq!(replicas, 2, "replicas' report subscriptions: {filters:?}");
+    });
+
+    stage("the book's uninstall leaves nothing of the release", || {
+        work.run(&node, &readme_steps("scale-out-uninstall"));
+        // The replicas' pods take up to their grace period to go.
+        let began = Instant::now();
+        loop {
+            let left = node.kubectl_ok(&[
+                "get",
+                "deployments,services,serviceaccounts,roles,rolebindings,configmaps,secrets,leases,poddisruptionbudgets,pods",
+                "-n",
+                NAMESPACE,
+                "-o",
+                "name",
+            ]);
+            let left: Vec<&str> = left
+                .lines()
+                .filter(|l| {
+                    // Kubernetes' own: every namespace has these.
+                    !l.ends_with("/default")
+                        && !l.ends_with("/kube-root-ca.crt")
+                        && !l.contains("openshift-service-ca")
+                })
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "left in {NAMESPACE}: {left:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let cluster_wide = node.kubectl_ok(&[
+            "get",
+            "clusterroles,clusterrolebindings",
+            "-l",
+            "app.kubernetes.io/instance=propeller",
+            "-o",
+            "name",
+        ]);
+        assert!(cluster_wide.is_empty(), "left: {cluster_wide}");
+        for file in ["propeller-mqtt.password", "propeller-login.toml"] {
+            assert!(!work.path().join(file).exists(), "{file} left");
+        }
+        // The replicas' sessions on the cluster: their report subscriptions (devices never
+        // subscribe to `control/proplet`) are JetStream consumers that would keep every
+        // report for a client id no pod will use again.
+        let replica_consumers: Vec<String> = nats
+            .consumer_filters()
+            .into_iter()
+            .filter(|f| f.contains("control.proplet"))
+            .collect();
+        assert!(
+            replica_consumers.is_empty(),
+            "the replicas' sessions outlived the release: {replica_consumers:?}"
+        );
+    });
+    drop(device);
+    drop(nats);
+}
