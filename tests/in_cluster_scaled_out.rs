@@ -1,16 +1,17 @@
 //! The scaled-out install as users deploy it, on a real single-node cluster
-//! (`../shared/envtest/node`): a 3-node NATS cluster, the chart with three sharded replicas
+//! (`../shared/envtest/node`): a 3-node MQTT cluster (NATS, then RabbitMQ asking the
+//! replicas' callbacks through their Service), the chart with three sharded replicas
 //! installed with the book's steps ("Scaling out"), an agent pod the operator runs and a
 //! device outside the cluster through a NodePort, bursts of tasks split over the replicas
 //! while a replica's pod is deleted and the release is scaled to five and then two, and the
 //! uninstall.
 //!
-//! The NATS servers are processes on the node's host, listening on the node's address, and
-//! the pods reach them through Services without a selector whose EndpointSlices name that
+//! The brokers are processes on the node's host, listening on the node's address, and the
+//! pods reach them through Services without a selector whose EndpointSlices name that
 //! address: the node kit can build images only from files on this machine (`support::image`),
-//! and a host process is what `support::mqtt_cluster` already starts, stops by pid and reads
-//! the logs of. Without the node kit, root or nats-server it prints one SKIPPED line, except
-//! under `CI=true`, where that is a failure.
+//! and host processes are what `support::mqtt_cluster` already starts, stops by pid and
+//! reads the logs of. Without the node kit, root or the broker it prints one SKIPPED line,
+//! except under `CI=true`, where that is a failure.
 
 mod support;
 
@@ -22,50 +23,119 @@ use std::time::{Duration, Instant};
 use support::chart::{build_images, operator_pods, readme_steps, stage, Workspace, NAMESPACE};
 use support::external::{add_task, device_agent, device_manifest, AgentLog, PROPELLER_USER};
 use support::knode::{self, Node};
-use support::mqtt_cluster::NatsCluster;
+use support::mqtt_cluster::{NatsCluster, RabbitCluster};
 
 /// The device outside the cluster, on its own channel.
 const DEVICE: &str = "edge-1";
 /// The agent the operator runs as a pod.
 const POD_PROPLET: &str = "pod-proplet";
-/// The NATS nodes as the pods address them (the book's install step names them).
-const NATS_ADDRESSES: &str =
-    "mqtt://nats-0.nats:1883,mqtt://nats-1.nats:1883,mqtt://nats-2.nats:1883";
 const SHARD_LEASES: &str = "propeller.absmach.eu/shard-group=propeller";
 
-/// Services `nats-0`..`nats-2` in namespace `nats` (port 1883, each to one node's MQTT
-/// listener) and the NodePort Service `nats-devices` (to all three) for devices outside.
-fn nats_services(nodes: &[SocketAddr]) -> String {
-    let mut docs = vec!["apiVersion: v1\nkind: Namespace\nmetadata:\n  name: nats\n".to_owned()];
+/// The MQTT cluster under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    Nats,
+    RabbitMq,
+}
+
+impl Engine {
+    /// The namespace of its Services, and their names' prefix.
+    fn name(self) -> &'static str {
+        match self {
+            Engine::Nats => "nats",
+            Engine::RabbitMq => "rabbitmq",
+        }
+    }
+
+    /// The nodes as the pods address them (the book's install steps name them).
+    fn addresses(self) -> String {
+        let name = self.name();
+        (0..3)
+            .map(|i| format!("mqtt://{name}-{i}.{name}:1883"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The book's install step for it.
+    fn install_step(self) -> &'static str {
+        match self {
+            Engine::Nats => "scale-out-install",
+            Engine::RabbitMq => "scale-out-rabbitmq-install",
+        }
+    }
+}
+
+/// A running cluster of either engine.
+enum Cluster {
+    Nats(NatsCluster),
+    Rabbit(RabbitCluster),
+}
+
+impl Cluster {
+    fn mqtt_addrs(&self) -> Vec<SocketAddr> {
+        match self {
+            Cluster::Nats(c) => c.mqtt_addrs(),
+            Cluster::Rabbit(c) => c.mqtt_addrs(),
+        }
+    }
+
+    /// What the cluster keeps of the replicas' sessions: on NATS their report subscriptions'
+    /// JetStream consumers (devices never subscribe to `control/proplet`), on RabbitMQ their
+    /// queues (`mqtt-subscription-propeller-<pod>qos1`).
+    fn replica_sessions(&self) -> Vec<String> {
+        match self {
+            Cluster::Nats(c) => c
+                .consumer_filters()
+                .into_iter()
+                .filter(|f| f.contains("control.proplet"))
+                .collect(),
+            Cluster::Rabbit(c) => c
+                .queues()
+                .into_iter()
+                .filter(|q| q.starts_with("mqtt-subscription-propeller-"))
+                .collect(),
+        }
+    }
+}
+
+/// Services `{engine}-0`..`{engine}-2` in namespace `{engine}` (port 1883, each to one
+/// node's MQTT listener) and the NodePort Service `{engine}-devices` (to all three) for
+/// devices outside.
+fn broker_services(engine: Engine, nodes: &[SocketAddr]) -> String {
+    let ns = engine.name();
+    let mut docs = vec![format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {ns}\n"
+    )];
     let slice = |service: &str, index: usize, node: &SocketAddr| {
         format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {service}-{index}\n  namespace: nats\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: mqtt\n  port: {port}\n  protocol: TCP\nendpoints:\n- addresses: [\"{ip}\"]\n",
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {service}-{index}\n  namespace: {ns}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: mqtt\n  port: {port}\n  protocol: TCP\nendpoints:\n- addresses: [\"{ip}\"]\n",
             port = node.port(),
             ip = node.ip(),
         )
     };
+    let devices = format!("{ns}-devices");
     for (i, node) in nodes.iter().enumerate() {
-        let service = format!("nats-{i}");
+        let service = format!("{ns}-{i}");
         docs.push(format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {service}\n  namespace: nats\nspec:\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {service}\n  namespace: {ns}\nspec:\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
         ));
         docs.push(slice(&service, i, node));
-        docs.push(slice("nats-devices", i, node));
+        docs.push(slice(&devices, i, node));
     }
-    docs.push(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: nats-devices\n  namespace: nats\nspec:\n  type: NodePort\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
-            .to_owned(),
-    );
+    docs.push(format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {devices}\n  namespace: {ns}\nspec:\n  type: NodePort\n  ports:\n  - name: mqtt\n    port: 1883\n    protocol: TCP\n"
+    ));
     docs.join("---\n")
 }
 
 /// A Proplet of type `k8s` on a channel of its own: the operator runs its agent as a pod
 /// that dials the NATS nodes by their Services.
-fn pod_proplet() -> String {
+fn pod_proplet(engine: Engine) -> String {
     format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {POD_PROPLET}-key\n  namespace: default\nstringData:\n  key: {POD_PROPLET}-secret\n---\n\
-apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {POD_PROPLET}\n  namespace: default\nspec:\n  type: k8s\n  k8s:\n    image: localhost/proplet:t1\n    replicas: 1\n    logLevel: info\n  resources:\n    cpu: 100m\n    memory: 128Mi\n  connectionConfig:\n    domainId: {domain}\n    channelId: {POD_PROPLET}\n    clientId: {POD_PROPLET}\n    clientKeySecretRef: {{name: {POD_PROPLET}-key, key: key}}\n    mqttAddress: \"{NATS_ADDRESSES}\"\n",
+apiVersion: propeller.propeller.absmach.eu/v1\nkind: Proplet\nmetadata:\n  name: {POD_PROPLET}\n  namespace: default\nspec:\n  type: k8s\n  k8s:\n    image: localhost/proplet:t1\n    replicas: 1\n    logLevel: info\n  resources:\n    cpu: 100m\n    memory: 128Mi\n  connectionConfig:\n    domainId: {domain}\n    channelId: {POD_PROPLET}\n    clientId: {POD_PROPLET}\n    clientKeySecretRef: {{name: {POD_PROPLET}-key, key: key}}\n    mqttAddress: \"{addresses}\"\n",
         domain = support::external::DOMAIN,
+        addresses = engine.addresses(),
     )
 }
 
@@ -254,6 +324,37 @@ fn accepted(lines: &[String], runs: &mut BTreeMap<String, usize>) {
 
 #[test]
 fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node() {
+    scaled_out(Engine::Nats);
+}
+
+#[test]
+fn three_replicas_on_a_rabbitmq_cluster_install_scale_and_uninstall_on_a_real_node() {
+    scaled_out(Engine::RabbitMq);
+}
+
+/// The book's install with the local image instead of a registry's.
+fn with_local_image(step: &str) -> String {
+    let local = step
+        .replace(
+            "image.repository=propeller",
+            "image.repository=localhost/propeller",
+        )
+        .replace("image.tag=latest", "image.tag=t1");
+    assert_ne!(local, step, "the book's step names no image to replace");
+    local
+}
+
+/// The ClusterIP of the Service `propeller`, once helm has created it.
+fn propeller_service_ip(node: &Node, limit: Duration) -> String {
+    node.wait_for(
+        &["-n", NAMESPACE, "service", "propeller"],
+        "{.spec.clusterIP}",
+        limit,
+        |ip| ip.parse::<IpAddr>().is_ok(),
+    )
+}
+
+fn scaled_out(engine: Engine) {
     if let Some(why) = knode::unavailable() {
         assert!(
             std::env::var("CI").is_err(),
@@ -272,47 +373,69 @@ fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node()
     stage("images from the Dockerfiles", || {
         build_images(&node, work.path())
     });
-
-    // The book's steps 1 and 2: propeller's login, and NATS's authorization from it.
-    stage("propeller's login and the rendered authorization", || {
-        work.run(&node, &readme_steps("scale-out-login"));
-        work.run(&node, &readme_steps("scale-out-render"));
-    });
     let read = |file: &str| {
         std::fs::read_to_string(work.path().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
     };
-    let password = read("propeller-mqtt.password").trim().to_owned();
     let node_ip: IpAddr = node.node_ip.parse().expect("the node's address");
-    let Some(nats) = stage("a 3-node NATS cluster on the node's address", || {
-        NatsCluster::start_on(
-            node_ip,
-            &read("authorization.conf"),
-            PROPELLER_USER,
-            &password,
-        )
-    }) else {
-        return;
-    };
-    node.apply(&nats_services(&nats.mqtt_addrs()));
+    let install = readme_steps(engine.install_step());
+    assert!(install.contains(&engine.addresses()), "{install}");
+    let install = with_local_image(&install);
 
-    // Step 3, with the local image instead of a registry's.
-    let install = readme_steps("scale-out-install");
-    let local = install
-        .replace(
-            "image.repository=propeller",
-            "image.repository=localhost/propeller",
-        )
-        .replace("image.tag=latest", "image.tag=t1");
-    assert_ne!(local, install, "the book's step names no image to replace");
-    assert!(install.contains(NATS_ADDRESSES), "{install}");
+    // The book's steps 1 to 3.
+    stage("propeller's login", || {
+        work.run(&node, &readme_steps("scale-out-login"))
+    });
     let began = Instant::now();
-    stage("helm install: three replicas Ready, a Lease each", || {
-        work.run(&node, &local);
+    let cluster = match engine {
+        Engine::Nats => {
+            work.run(&node, &readme_steps("scale-out-render"));
+            let password = read("propeller-mqtt.password").trim().to_owned();
+            let nats = stage("a 3-node NATS cluster on the node's address", || {
+                NatsCluster::start_on(
+                    node_ip,
+                    &read("authorization.conf"),
+                    PROPELLER_USER,
+                    &password,
+                )
+            });
+            let Some(nats) = nats else { return };
+            let cluster = Cluster::Nats(nats);
+            node.apply(&broker_services(engine, &cluster.mqtt_addrs()));
+            stage("helm install", || work.run_timed(&node, &install));
+            cluster
+        }
+        Engine::RabbitMq => {
+            let said = work.run(&node, &readme_steps("scale-out-callback"));
+            let secret = said.lines().last().unwrap_or_default().trim().to_owned();
+            assert!(secret.len() >= 16, "the callback secret: {said:?}");
+            // RabbitMQ asks the Service, which exists once helm has made it; the replicas
+            // are Ready once RabbitMQ accepts their login. The nodes start on this thread,
+            // which they live as long as.
+            std::thread::scope(|scope| {
+                let installing = scope.spawn(|| work.run_timed(&node, &install));
+                let service = propeller_service_ip(&node, Duration::from_secs(60));
+                let auth_base = format!("http://{service}:8090/rabbitmq/{secret}");
+                let rabbit = stage("a 3-node RabbitMQ cluster on the node's address", || {
+                    RabbitCluster::start_on(node_ip, &auth_base)
+                });
+                let cluster = rabbit.map(Cluster::Rabbit);
+                if let Some(cluster) = &cluster {
+                    node.apply(&broker_services(engine, &cluster.mqtt_addrs()));
+                }
+                match installing.join() {
+                    Ok(_) => cluster,
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            })
+            .expect("RabbitMQ")
+        }
+    };
+    stage("three replicas Ready, a Lease each", || {
         let pods = operator_pods(&node);
         assert_eq!(pods.len(), 3, "{pods:?}");
         let settled = wait_members(&node, 3, Duration::from_secs(120));
         eprintln!(
-            "three replicas Ready {:.1} s after helm install, members settled {:.1} s later",
+            "three replicas Ready {:.1} s after helm install began, members settled {:.1} s later",
             (began.elapsed() - settled).as_secs_f64(),
             settled.as_secs_f64()
         );
@@ -323,29 +446,31 @@ fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node()
         assert_eq!(holders, pods, "one Lease per replica, held by it");
     });
 
-    // The fleet: an agent pod and a device through the NodePort; then step 2 again.
+    // The fleet: an agent pod and a device through the NodePort (on NATS, step 2 again).
     let node_port = node.kubectl_ok(&[
         "-n",
-        "nats",
+        engine.name(),
         "get",
         "service",
-        "nats-devices",
+        &format!("{}-devices", engine.name()),
         "-o",
         "jsonpath={.spec.ports[0].nodePort}",
     ]);
     let device_address = format!("mqtt://{}:{node_port}", node.node_ip);
     let state = tempfile::tempdir().expect("agent state");
     let mut device = stage("an agent pod and a device outside: both Running", || {
-        node.apply(&pod_proplet());
+        node.apply(&pod_proplet(engine));
         node.apply(&device_manifest(DEVICE, &device_address));
-        work.run(&node, &readme_steps("scale-out-render"));
-        let rendered = read("authorization.conf");
-        assert!(
-            rendered.contains(&format!("user: \"{DEVICE}\""))
-                && rendered.contains(&format!("user: \"{POD_PROPLET}\"")),
-            "the devices are not in the rendered authorization:\n{rendered}"
-        );
-        nats.reload_authorization(&rendered);
+        if let Cluster::Nats(nats) = &cluster {
+            work.run(&node, &readme_steps("scale-out-render"));
+            let rendered = read("authorization.conf");
+            assert!(
+                rendered.contains(&format!("user: \"{DEVICE}\""))
+                    && rendered.contains(&format!("user: \"{POD_PROPLET}\"")),
+                "the devices are not in the rendered authorization:\n{rendered}"
+            );
+            nats.reload_authorization(&rendered);
+        }
         let device = AgentLog::new(device_agent(DEVICE, &device_address, state.path()));
         for proplet in [DEVICE, POD_PROPLET] {
             node.wait_for(
@@ -453,21 +578,17 @@ fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node()
             .count();
         assert_eq!(pod_sessions, 1, "the agent pod reconnected");
         assert_eq!(restarts, "0", "the agent pod restarted");
-        let filters = nats.consumer_filters();
-        let replicas = filters
-            .iter()
-            .filter(|f| f.contains("control.proplet"))
-            .count();
-        eprintln!(
-            "NATS holds {} consumers, {replicas} of them replicas' report subscriptions: {filters:?}",
-            filters.len()
-        );
         // One per live replica: those that left ended their sessions as they stopped.
-        assert_eq!(replicas, 2, "replicas' report subscriptions: {filters:?}");
+        let sessions = cluster.replica_sessions();
+        assert_eq!(
+            sessions.len(),
+            2,
+            "replicas' sessions on the cluster: {sessions:?}"
+        );
     });
 
     stage("the book's uninstall leaves nothing of the release", || {
-        work.run(&node, &readme_steps("scale-out-uninstall"));
+        work.run_timed(&node, &readme_steps("scale-out-uninstall"));
         // The replicas' pods take up to their grace period to go.
         let began = Instant::now();
         loop {
@@ -509,19 +630,13 @@ fn three_replicas_on_a_nats_cluster_install_scale_and_uninstall_on_a_real_node()
         for file in ["propeller-mqtt.password", "propeller-login.toml"] {
             assert!(!work.path().join(file).exists(), "{file} left");
         }
-        // The replicas' sessions on the cluster: their report subscriptions (devices never
-        // subscribe to `control/proplet`) are JetStream consumers that would keep every
-        // report for a client id no pod will use again.
-        let replica_consumers: Vec<String> = nats
-            .consumer_filters()
-            .into_iter()
-            .filter(|f| f.contains("control.proplet"))
-            .collect();
+        // Kept, a session would hold every report for a client id no pod will use again.
+        let sessions = cluster.replica_sessions();
         assert!(
-            replica_consumers.is_empty(),
-            "the replicas' sessions outlived the release: {replica_consumers:?}"
+            sessions.is_empty(),
+            "the replicas' sessions outlived the release: {sessions:?}"
         );
     });
     drop(device);
-    drop(nats);
+    drop(cluster);
 }

@@ -41,6 +41,23 @@ impl Workspace {
 
     /// Runs shell commands (the book's steps) with kubectl, helm and propeller on the node.
     pub fn run(&self, node: &Node, script: &str) -> String {
+        self.run_with(node, script, false)
+    }
+
+    /// [`Workspace::run`], printing when each command began (bash's trace, seconds since
+    /// the epoch) to show where the time went.
+    pub fn run_timed(&self, node: &Node, script: &str) -> String {
+        self.run_with(node, script, true)
+    }
+
+    fn run_with(&self, node: &Node, script: &str, timed: bool) -> String {
+        let traced;
+        let script = if timed {
+            traced = format!("PS4='+ $EPOCHREALTIME '\nset -x\n{script}\nset +x");
+            &traced
+        } else {
+            script
+        };
         let helm_dir = self.helm.parent().expect("helm dir");
         // helm, then propeller and proplet as built for this run, then the system's tools.
         let path = format!(
@@ -66,6 +83,13 @@ impl Workspace {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+        if timed {
+            for line in String::from_utf8_lossy(&out.stderr).lines() {
+                if line.starts_with("+ ") {
+                    eprintln!("{line}");
+                }
+            }
+        }
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 }

@@ -387,7 +387,7 @@ struct RabbitNode {
     /// `rmqN@localhost`.
     name: String,
     dir: PathBuf,
-    mqtt: u16,
+    mqtt: SocketAddr,
     /// Environment of the node and of `rabbitmqctl` calls about it.
     env: Vec<(String, String)>,
     /// `rabbitmq-server`, which becomes the beam: with RABBITMQ_ALLOW_INPUT the script
@@ -484,6 +484,13 @@ impl RabbitCluster {
     /// `cluster_status` shows 3 running nodes. `None` (after one SKIPPED line) when RabbitMQ
     /// is not installed, outside CI; panics when the cluster does not come up.
     pub fn start(auth_base: &str) -> Option<Self> {
+        Self::start_on(IpAddr::from([127, 0, 0, 1]), auth_base)
+    }
+
+    /// [`RabbitCluster::start`] with the MQTT listeners on `mqtt_host` instead of loopback
+    /// (a host address that pods reach); distribution and AMQP stay on loopback. Start it
+    /// from the thread that lives as long as the cluster should (the nodes die with it).
+    pub fn start_on(mqtt_host: IpAddr, auth_base: &str) -> Option<Self> {
         let tools = match find_rabbit_tools() {
             Ok(tools) => tools,
             Err(why) => {
@@ -498,13 +505,26 @@ impl RabbitCluster {
         };
         let auth_base = auth_base.trim_end_matches('/');
         Some(launch_with_retries("RabbitMQ cluster", || {
-            Self::launch(tools.clone(), auth_base)
+            Self::launch(tools.clone(), mqtt_host, auth_base)
         }))
     }
 
     /// The MQTT listener of each node, in node order.
     pub fn mqtt_addrs(&self) -> Vec<SocketAddr> {
-        self.nodes.iter().map(|n| loopback(n.mqtt)).collect()
+        self.nodes.iter().map(|n| n.mqtt).collect()
+    }
+
+    /// The names of the cluster's queues (an MQTT session's QoS 1 subscriptions are the
+    /// queue `mqtt-subscription-<client id>qos1`, kept until a clean-session connect).
+    pub fn queues(&self) -> Vec<String> {
+        let out = self.ctl(0, &["list_queues", "name", "--quiet", "--no-table-headers"]);
+        assert!(out.status.success(), "list_queues: {}", describe(&out));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
     }
 
     /// `kill -9` of node `index`'s beam (0-based) by pid; the node stays dead.
@@ -526,7 +546,11 @@ impl RabbitCluster {
             .join("\n")
     }
 
-    fn launch(tools: RabbitTools, auth_base: &str) -> Result<Self, StartFailure> {
+    fn launch(
+        tools: RabbitTools,
+        mqtt_host: IpAddr,
+        auth_base: &str,
+    ) -> Result<Self, StartFailure> {
         let started = Instant::now();
         let dir = temp_dir("rabbitmq-cluster-");
         let root = dir.path().to_path_buf();
@@ -584,7 +608,7 @@ impl RabbitCluster {
                 &node_dir.join("rabbitmq.conf"),
                 &format!(
                     "listeners.tcp.default = 127.0.0.1:{amqp}\n\
-                     mqtt.listeners.tcp.default = 127.0.0.1:{mqtt}\n\
+                     mqtt.listeners.tcp.default = {mqtt_listen}\n\
                      mqtt.allow_anonymous = false\n\
                      mqtt.vhost = /\n\
                      mqtt.exchange = amq.topic\n\
@@ -594,7 +618,8 @@ impl RabbitCluster {
                      auth_http.vhost_path = {auth_base}/vhost\n\
                      auth_http.resource_path = {auth_base}/resource\n\
                      auth_http.topic_path = {auth_base}/topic\n\
-                     log.file.level = info\n"
+                     log.file.level = info\n",
+                    mqtt_listen = SocketAddr::new(mqtt_host, mqtt),
                 ),
             );
             write_file(&node_dir.join("advanced.config"), "[].\n");
@@ -638,7 +663,7 @@ impl RabbitCluster {
             cluster.nodes.push(RabbitNode {
                 name,
                 dir: node_dir,
-                mqtt,
+                mqtt: SocketAddr::new(mqtt_host, mqtt),
                 env,
                 child: None,
             });
@@ -838,7 +863,7 @@ fn await_boot(
         if logged {
             return Ok(());
         }
-        if listening(loopback(node.mqtt))
+        if listening(node.mqtt)
             && epmd_names(epmd_port)
                 .is_some_and(|names| names.contains(&format!("name {short_name} at")))
         {
