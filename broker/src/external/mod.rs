@@ -102,7 +102,8 @@ pub fn report_filters(domain: Option<&str>, channel: Option<&str>) -> Vec<String
 /// A running client session on an external broker; dropping it ends the session's task
 /// (the broker keeps the session for the next connect with the same client id).
 pub struct ExternalBroker {
-    config: ExternalConfig,
+    /// What the session was started with, kept to end it ([`ExternalBroker::end_session`]).
+    config: Box<ExternalConfig>,
     tls: Option<Arc<rustls::ClientConfig>>,
     events: Option<UnboundedReceiver<BrokerEvent>>,
     publisher: Publisher,
@@ -152,7 +153,7 @@ impl ExternalBroker {
         };
         let task = tokio::spawn(session.run());
         Ok(Self {
-            config,
+            config: Box::new(config),
             tls,
             events: Some(event_rx),
             publisher: Publisher::external(client),
