@@ -61,6 +61,8 @@ def fleet_metrics(api):
                                change="Modified"),
         "durable": pick(samples, "propeller_store_durable_commits_total"),
         "transactions": pick(samples, "propeller_store_transactions_total"),
+        # PUBLISH packets devices sent the embedded broker, every topic kind.
+        "reports": pick(samples, "propeller_broker_messages_in_total"),
     }
 
 

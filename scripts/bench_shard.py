@@ -272,14 +272,18 @@ def main():
         all_running = (reached or time.time()) - started
         time.sleep(10)
         steady = 40
+        def received():
+            return [pick(metrics_of(p), "propeller_broker_external_messages_received_total")
+                    for p in ports]
         cpu0 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
-            cpu_or_zero(apiserver_pid), api_requests(), time.time()
+            cpu_or_zero(apiserver_pid), api_requests(), time.time(), received()
         recorder = perf_record(procs[0].pid, "steady")
         time.sleep(steady)
         perf_done(recorder)
         cpu1 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
-            cpu_or_zero(apiserver_pid), api_requests(), time.time()
+            cpu_or_zero(apiserver_pid), api_requests(), time.time(), received()
         span = cpu1[4] - cpu0[4]
+        reports = [b - a for a, b in zip(cpu0[5], cpu1[5])]
         result = {
             "replicas": replicas,
             "namespaces": K,
@@ -291,6 +295,12 @@ def main():
             "running_95pct_s": round(all_running, 1),
             "steady_replica_cpu_pct": [round((b - a) / span * 100, 1) for a, b in zip(cpu0[0], cpu1[0])],
             "steady_replica_rss_mib": [round(rss_mib(p.pid), 1) for p in procs],
+            "steady_reports_per_replica": [round(r) for r in reports],
+            # A replica's whole CPU over the window divided by the reports it received in it:
+            # what a report costs, everything else the replica does at rest included.
+            "steady_cpu_us_per_report": [
+                round((b - a) / r * 1e6, 1) if r else None
+                for a, b, r in zip(cpu0[0], cpu1[0], reports)],
             "steady_brokers_cpu_pct": round((cpu1[1] - cpu0[1]) / span * 100, 1),
             "steady_brokers_rss_mib": round(sum(rss_mib(p) for p in broker_pids), 1),
             "steady_apiserver_cpu_pct": round((cpu1[2] - cpu0[2]) / span * 100, 1),

@@ -16,10 +16,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::chart::{
-    build_images, operator_pods, readme_steps, stage, Workspace, NAMESPACE, RESULT_WORKLOAD,
+    assert_release_gone, node_with_images, operator_pods, readme_steps, stage, NAMESPACE,
+    RESULT_WORKLOAD,
 };
 use support::image;
-use support::knode::{self, Node};
 use support::{repo_root, Running};
 /// The devices' agents, cross-built by `scripts/build-agent-cross.sh` (profile dev here).
 const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"];
@@ -125,25 +125,9 @@ subjects:
 
 #[test]
 fn the_chart_images_and_agents_work_on_a_real_node() {
-    if let Some(why) = knode::unavailable() {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI=true needs the in-cluster suite: {why}"
-        );
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
-    let Some(helm) = support::envtest::helm_binary() else {
-        assert!(std::env::var("CI").is_err(), "CI=true needs helm");
-        eprintln!("SKIPPED: no helm (neither on PATH nor ../shared/envtest/helm.xz)");
+    let Some((work, node)) = node_with_images() else {
         return;
     };
-    let work = Workspace::new(helm);
-    let node = stage("node up", Node::start);
-    eprintln!("node Ready after {:.1} s", node.started_in.as_secs_f64());
-    stage("images from the Dockerfiles", || {
-        build_images(&node, work.path())
-    });
 
     // The book's install, with the local image instead of a registry's.
     let install = readme_steps("install");
@@ -620,33 +604,7 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
         "helm uninstall leaves no operator objects; the CRDs stay",
         || {
             work.run(&node, &readme_steps("uninstall"));
-            let left = node.kubectl_ok(&[
-                "get",
-                "deployments,services,serviceaccounts,roles,rolebindings,configmaps,secrets,leases",
-                "-n",
-                NAMESPACE,
-                "-o",
-                "name",
-            ]);
-            let left: Vec<&str> = left
-                .lines()
-                .filter(|l| {
-                    // Kubernetes' own: every namespace has these.
-                    !l.ends_with("/default")
-                        && !l.ends_with("/kube-root-ca.crt")
-                        && !l.contains("openshift-service-ca")
-                })
-                .collect();
-            assert!(left.is_empty(), "left in {NAMESPACE}: {left:?}");
-            let cluster_wide = node.kubectl_ok(&[
-                "get",
-                "clusterroles,clusterrolebindings",
-                "-l",
-                "app.kubernetes.io/instance=propeller",
-                "-o",
-                "name",
-            ]);
-            assert!(cluster_wide.is_empty(), "left: {cluster_wide}");
+            assert_release_gone(&node, Duration::from_secs(60));
             let crds = node.kubectl_ok(&["get", "crd", "-o", "name"]);
             assert!(
                 crds.contains("tasks.propeller.propeller.absmach.eu"),

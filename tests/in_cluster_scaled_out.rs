@@ -20,9 +20,12 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::chart::{build_images, operator_pods, readme_steps, stage, Workspace, NAMESPACE};
+use support::chart::{
+    assert_release_gone, node_with_images, operator_pod_ips, operator_pods, readme_steps, stage,
+    NAMESPACE,
+};
 use support::external::{add_task, device_agent, device_manifest, AgentLog, PROPELLER_USER};
-use support::knode::{self, Node};
+use support::knode::Node;
 use support::mqtt_cluster::{NatsCluster, RabbitCluster};
 
 /// The device outside the cluster, on its own channel.
@@ -190,26 +193,6 @@ fn wait_burst(node: &Node, prefix: &str, count: usize, limit: Duration) -> Durat
     }
 }
 
-/// The operator pods' IP addresses by pod name.
-fn pod_ips(node: &Node) -> BTreeMap<String, String> {
-    node.kubectl_ok(&[
-        "-n",
-        NAMESPACE,
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/component=operator",
-        "-o",
-        "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}{\"\\n\"}{end}",
-    ])
-    .lines()
-    .filter_map(|l| {
-        let (name, ip) = l.split_once(' ')?;
-        (!ip.is_empty()).then(|| (name.to_owned(), ip.to_owned()))
-    })
-    .collect()
-}
-
 /// The sum of the samples of `series` (name and labels as written, e.g.
 /// `propeller_shard_owned{kind="Task"}`) on a pod's `/metrics`; `None` when it does not answer.
 fn metric(ip: &str, series: &str) -> Option<f64> {
@@ -253,7 +236,7 @@ fn wait_members(node: &Node, count: usize, limit: Duration) -> Duration {
     let began = Instant::now();
     loop {
         let leases = member_leases(node);
-        let pods = pod_ips(node);
+        let pods = operator_pod_ips(node);
         let settled = leases.len() == count
             && pods.len() == count
             && pods
@@ -275,7 +258,7 @@ fn wait_members(node: &Node, count: usize, limit: Duration) -> Duration {
 fn owned_tasks(node: &Node, total: usize) -> BTreeMap<String, f64> {
     let began = Instant::now();
     loop {
-        let owned: BTreeMap<String, f64> = pod_ips(node)
+        let owned: BTreeMap<String, f64> = operator_pod_ips(node)
             .into_iter()
             .map(|(pod, ip)| {
                 let owned = metric(&ip, "propeller_shard_owned{kind=\"Task\"}").unwrap_or(-1.0);
@@ -355,24 +338,9 @@ fn propeller_service_ip(node: &Node, limit: Duration) -> String {
 }
 
 fn scaled_out(engine: Engine) {
-    if let Some(why) = knode::unavailable() {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI=true needs the in-cluster suite: {why}"
-        );
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
-    let Some(helm) = support::envtest::helm_binary() else {
-        assert!(std::env::var("CI").is_err(), "CI=true needs helm");
-        eprintln!("SKIPPED: no helm (neither on PATH nor ../shared/envtest/helm.xz)");
+    let Some((work, node)) = node_with_images() else {
         return;
     };
-    let work = Workspace::new(helm);
-    let node = stage("node up", Node::start);
-    stage("images from the Dockerfiles", || {
-        build_images(&node, work.path())
-    });
     let read = |file: &str| {
         std::fs::read_to_string(work.path().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
     };
@@ -502,7 +470,7 @@ fn scaled_out(engine: Engine) {
             Duration::from_secs(120),
             |p| p == "completed",
         );
-        let pods = pod_ips(&node);
+        let pods = operator_pod_ips(&node);
         let victim = pods.keys().next().expect("a replica").clone();
         let survivors: Vec<String> = pods
             .iter()
@@ -589,44 +557,7 @@ fn scaled_out(engine: Engine) {
 
     stage("the book's uninstall leaves nothing of the release", || {
         work.run_timed(&node, &readme_steps("scale-out-uninstall"));
-        // The replicas' pods take up to their grace period to go.
-        let began = Instant::now();
-        loop {
-            let left = node.kubectl_ok(&[
-                "get",
-                "deployments,services,serviceaccounts,roles,rolebindings,configmaps,secrets,leases,poddisruptionbudgets,pods",
-                "-n",
-                NAMESPACE,
-                "-o",
-                "name",
-            ]);
-            let left: Vec<&str> = left
-                .lines()
-                .filter(|l| {
-                    // Kubernetes' own: every namespace has these.
-                    !l.ends_with("/default")
-                        && !l.ends_with("/kube-root-ca.crt")
-                        && !l.contains("openshift-service-ca")
-                })
-                .collect();
-            if left.is_empty() {
-                break;
-            }
-            assert!(
-                began.elapsed() < Duration::from_secs(60),
-                "left in {NAMESPACE}: {left:?}"
-            );
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        let cluster_wide = node.kubectl_ok(&[
-            "get",
-            "clusterroles,clusterrolebindings",
-            "-l",
-            "app.kubernetes.io/instance=propeller",
-            "-o",
-            "name",
-        ]);
-        assert!(cluster_wide.is_empty(), "left: {cluster_wide}");
+        assert_release_gone(&node, Duration::from_secs(60));
         for file in ["propeller-mqtt.password", "propeller-login.toml"] {
             assert!(!work.path().join(file).exists(), "{file} left");
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::image;
 use super::knode::{self, Node};
@@ -156,9 +156,10 @@ pub fn build_images(node: &Node, scratch: &Path) {
     node.import_image(&archive);
 }
 
-/// The pod names of the operator, newest first.
-pub fn operator_pods(node: &Node) -> Vec<String> {
-    let names = node.kubectl_ok(&[
+/// One line per operator pod, oldest first, of `fields` (a jsonpath within an item, e.g.
+/// `{.metadata.name} {.status.podIP}`).
+fn operator_pod_lines(node: &Node, fields: &str) -> Vec<String> {
+    node.kubectl_ok(&[
         "-n",
         NAMESPACE,
         "get",
@@ -167,7 +168,91 @@ pub fn operator_pods(node: &Node) -> Vec<String> {
         "app.kubernetes.io/component=operator",
         "--sort-by=.metadata.creationTimestamp",
         "-o",
-        "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
+        &format!("jsonpath={{range .items[*]}}{fields}{{\"\\n\"}}{{end}}"),
+    ])
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+/// The pod names of the operator, newest first.
+pub fn operator_pods(node: &Node) -> Vec<String> {
+    let mut names = operator_pod_lines(node, "{.metadata.name}");
+    names.reverse();
+    names
+}
+
+/// The operator pods' IP addresses by pod name (pods without one yet left out).
+pub fn operator_pod_ips(node: &Node) -> BTreeMap<String, String> {
+    operator_pod_lines(node, "{.metadata.name} {.status.podIP}")
+        .into_iter()
+        .filter_map(|l| {
+            let (name, ip) = l.split_once(' ')?;
+            (!ip.is_empty()).then(|| (name.to_owned(), ip.to_owned()))
+        })
+        .collect()
+}
+
+/// The workspace and a started node with our images, or `None` (after one SKIPPED line)
+/// without the node kit, root or helm outside CI; under `CI=true` those are failures.
+pub fn node_with_images() -> Option<(Workspace, Node)> {
+    if let Some(why) = knode::unavailable() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true needs the in-cluster suite: {why}"
+        );
+        eprintln!("SKIPPED: {why}");
+        return None;
+    }
+    let Some(helm) = super::envtest::helm_binary() else {
+        assert!(std::env::var("CI").is_err(), "CI=true needs helm");
+        eprintln!("SKIPPED: no helm (neither on PATH nor ../shared/envtest/helm.xz)");
+        return None;
+    };
+    let work = Workspace::new(helm);
+    let node = stage("node up", Node::start);
+    eprintln!("node Ready after {:.1} s", node.started_in.as_secs_f64());
+    stage("images from the Dockerfiles", || {
+        build_images(&node, work.path())
+    });
+    Some((work, node))
+}
+
+/// Waits up to `limit` until nothing of the release is left in its namespace (pods included:
+/// they take up to their grace period to go), then checks that its cluster-wide RBAC is gone.
+pub fn assert_release_gone(node: &Node, limit: Duration) {
+    let began = Instant::now();
+    loop {
+        let left = node.kubectl_ok(&[
+            "get",
+            "deployments,services,serviceaccounts,roles,rolebindings,configmaps,secrets,leases,poddisruptionbudgets,pods",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "name",
+        ]);
+        let left: Vec<&str> = left
+            .lines()
+            .filter(|l| {
+                // Kubernetes' own: every namespace has these.
+                !l.ends_with("/default")
+                    && !l.ends_with("/kube-root-ca.crt")
+                    && !l.contains("openshift-service-ca")
+            })
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(began.elapsed() < limit, "left in {NAMESPACE}: {left:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let cluster_wide = node.kubectl_ok(&[
+        "get",
+        "clusterroles,clusterrolebindings",
+        "-l",
+        "app.kubernetes.io/instance=propeller",
+        "-o",
+        "name",
     ]);
-    names.lines().rev().map(str::to_owned).collect()
+    assert!(cluster_wide.is_empty(), "left: {cluster_wide}");
 }
