@@ -275,6 +275,12 @@ def main():
         def received():
             return [pick(metrics_of(p), "propeller_broker_external_messages_received_total")
                     for p in ports]
+
+        def reconciles():
+            """Proplet and Task reconciles of the first replica so far."""
+            m = metrics_of(ports[0])
+            return {c: pick(m, "propeller_reconciles_total", controller=c) for c in ("proplet", "task")}
+        reconciles0 = reconciles()
         cpu0 = [cpu_or_zero(p.pid) for p in procs], sum(cpu_or_zero(p) for p in broker_pids), \
             cpu_or_zero(apiserver_pid), api_requests(), time.time(), received()
         recorder = perf_record(procs[0].pid, "steady")
@@ -284,6 +290,7 @@ def main():
             cpu_or_zero(apiserver_pid), api_requests(), time.time(), received()
         span = cpu1[4] - cpu0[4]
         reports = [b - a for a, b in zip(cpu0[5], cpu1[5])]
+        reconciles1 = reconciles()
         result = {
             "replicas": replicas,
             "namespaces": K,
@@ -296,6 +303,8 @@ def main():
             "steady_replica_cpu_pct": [round((b - a) / span * 100, 1) for a, b in zip(cpu0[0], cpu1[0])],
             "steady_replica_rss_mib": [round(rss_mib(p.pid), 1) for p in procs],
             "steady_reports_per_replica": [round(r) for r in reports],
+            "steady_reconciles_per_s": {c: round((reconciles1[c] - reconciles0[c]) / span, 1)
+                                        for c in reconciles0},
             # A replica's whole CPU over the window divided by the reports it received in it:
             # what a report costs, everything else the replica does at rest included.
             "steady_cpu_us_per_report": [

@@ -6,7 +6,7 @@
 //! [`ALIVE_HISTORY_LEN`] heartbeats are kept per proplet: older ones could not reach
 //! `aliveHistory` anyway.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
@@ -23,6 +23,27 @@ use crate::decision::proplet::DeviceReport;
 pub struct ObservationStore {
     pending: Mutex<HashMap<String, ExternalObservation>>,
     reports: Mutex<HashMap<String, DeviceReport>>,
+    silence: Mutex<SilenceDeadlines>,
+}
+
+/// When each proplet shown Running goes Offline unless heard from again, by client id, and
+/// the same in deadline order.
+#[derive(Debug, Default)]
+struct SilenceDeadlines {
+    by_client: HashMap<String, DateTime<Utc>>,
+    due: BTreeSet<(DateTime<Utc>, String)>,
+}
+
+impl SilenceDeadlines {
+    fn set(&mut self, client_id: &str, deadline: Option<DateTime<Utc>>) {
+        if let Some(old) = self.by_client.remove(client_id) {
+            self.due.remove(&(old, client_id.to_owned()));
+        }
+        if let Some(at) = deadline {
+            self.by_client.insert(client_id.to_owned(), at);
+            self.due.insert((at, client_id.to_owned()));
+        }
+    }
 }
 
 fn metadata_of(m: &propeller_broker::protocol::PropletMetadata) -> PropletMetadata {
@@ -44,6 +65,10 @@ fn metadata_of(m: &propeller_broker::protocol::PropletMetadata) -> PropletMetada
 
 fn milli(percent: Option<f64>) -> i64 {
     percent.map_or(0, |p| (p * 1000.0).round() as i64)
+}
+
+fn lock_silence(silence: &Mutex<SilenceDeadlines>) -> std::sync::MutexGuard<'_, SilenceDeadlines> {
+    silence.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl ObservationStore {
@@ -119,8 +144,51 @@ impl ObservationStore {
             .unwrap_or_default()
     }
 
+    /// Watches `client_id`'s silence deadline (`None`: stops watching): see
+    /// [`ObservationStore::silent`].
+    pub fn watch_silence(&self, client_id: &str, deadline: Option<DateTime<Utc>>) {
+        lock_silence(&self.silence).set(client_id, deadline);
+    }
+
+    /// The clients whose silence deadline passed by `now` with no heartbeat recorded since
+    /// it was set: their proplets' reconciles decide they are Offline. A client heard from
+    /// meanwhile is watched again at its latest heartbeat + `threshold`, with no reconcile.
+    pub fn silent(&self, now: DateTime<Utc>, threshold: chrono::Duration) -> Vec<String> {
+        let mut silence = lock_silence(&self.silence);
+        let mut passed = Vec::new();
+        while let Some((at, _)) = silence.due.first() {
+            if *at > now {
+                break;
+            }
+            if let Some((at, client)) = silence.due.pop_first() {
+                silence.by_client.remove(&client);
+                passed.push((at, client));
+            }
+        }
+        drop(silence);
+        let mut gone = Vec::new();
+        for (at, client) in passed {
+            let heard = self
+                .last_heartbeat(&client)
+                .and_then(|seen| seen.checked_add_signed(threshold))
+                .filter(|deadline| *deadline > at);
+            match heard {
+                Some(deadline) if deadline > now => {
+                    let mut silence = lock_silence(&self.silence);
+                    // A reconcile meanwhile set its own deadline, which stands.
+                    if !silence.by_client.contains_key(&client) {
+                        silence.set(&client, Some(deadline));
+                    }
+                }
+                _ => gone.push(client),
+            }
+        }
+        gone
+    }
+
     /// Forgets a proplet that was deleted.
     pub fn forget(&self, client_id: &str) {
+        lock_silence(&self.silence).set(client_id, None);
         self.lock().remove(client_id);
         self.reports
             .lock()
@@ -277,5 +345,32 @@ mod tests {
             }),
         );
         assert_eq!(store.record(&result, at(0)), None);
+    }
+
+    #[test]
+    fn a_silence_deadline_wakes_only_when_nothing_was_heard_since() {
+        let store = ObservationStore::new();
+        let threshold = chrono::Duration::seconds(30);
+        store.watch_silence("quiet", Some(at(30)));
+        store.watch_silence("talker", Some(at(30)));
+        store.watch_silence("later", Some(at(90)));
+        assert!(
+            store.silent(at(29), threshold).is_empty(),
+            "nothing due yet"
+        );
+        // The talker is heard at 20 s: its deadline moves to 50 s without a reconcile.
+        store.record(&beat("talker"), at(20));
+        assert_eq!(store.silent(at(30), threshold), vec!["quiet".to_owned()]);
+        assert!(
+            store.silent(at(49), threshold).is_empty(),
+            "quiet is not asked twice"
+        );
+        assert_eq!(store.silent(at(50), threshold), vec!["talker".to_owned()]);
+        // A reconcile that stops watching (Offline, deleted) is never asked about.
+        store.watch_silence("later", None);
+        assert!(store.silent(at(1_000), threshold).is_empty());
+        store.watch_silence("gone", Some(at(10)));
+        store.forget("gone");
+        assert!(store.silent(at(1_000), threshold).is_empty());
     }
 }

@@ -66,7 +66,9 @@ fn heartbeat_makes_an_external_proplet_running_and_schedules_its_offline_check()
         .unwrap_or_else(|| panic!("first heartbeat must be written"));
     assert_eq!(status.phase, PropletPhase::Running);
     assert_eq!(status.observed_generation, Some(3));
-    assert_eq!(p.requeue_at, Some(at(30)));
+    // The offline check is a deadline the driver watches, not a reconcile at 30 s.
+    assert_eq!(p.offline_at, Some(at(30)));
+    assert_eq!(p.requeue_at, None);
     assert!(p.deployment.is_none());
 
     // A later heartbeat that changes nothing but lastSeen waits for the flush interval.

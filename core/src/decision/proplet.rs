@@ -178,8 +178,12 @@ pub struct PropletPlan {
     pub deployment: Option<Deployment>,
     /// The status to write, when a write is due.
     pub status: Option<PropletStatus>,
-    /// When to look again without any new event (an external proplet going Offline).
+    /// When to look again without any new event.
     pub requeue_at: Option<DateTime<Utc>>,
+    /// When an external proplet shown Running goes Offline unless heard from again. The
+    /// driver watches this deadline and reconciles only if it passes in silence: a heartbeat
+    /// meanwhile moves it without a reconcile.
+    pub offline_at: Option<DateTime<Utc>>,
     /// Why the Deployment could not be built, for an Event and the log.
     pub problem: Option<DeploymentError>,
     /// The status write only refreshes heartbeat figures: it may be put off when the API
@@ -208,6 +212,7 @@ pub fn plan(
         deployment: None,
         status: None,
         requeue_at: None,
+        offline_at: None,
         problem: None,
         routine: false,
     };
@@ -225,7 +230,7 @@ pub fn plan(
                 plan.look_again_by(until);
                 return plan;
             }
-            plan.requeue_at = evaluate_external(
+            plan.offline_at = evaluate_external(
                 &mut desired,
                 &observed.external,
                 settings.last_seen_threshold,

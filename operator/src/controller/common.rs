@@ -25,7 +25,7 @@ use crate::task_logs::{LogSettings, LogStore};
 
 use super::kinds::Wake;
 use super::ownership::{self, Ownership};
-use super::{ObjectName, Signals, Stored};
+use super::{CacheReads, ObjectName, Signals, Stored};
 
 /// How often each driver folds Proplet and Secret changes into the broker's logins and sends
 /// the Proplet wakes [`LoadWakes`] held back. A new Proplet's device can log in at most this
@@ -171,11 +171,18 @@ impl Common {
         }
     }
 
-    /// Sends the load-driven wakes held back since the last call (each driver's
-    /// [`CREDENTIAL_TICK`]).
-    pub fn wake_held(&self, signals: &impl Signals) {
+    /// Sends the load-driven wakes held back since the last call, and wakes the proplets
+    /// whose silence deadline passed with no heartbeat (each driver's [`CREDENTIAL_TICK`]).
+    pub fn wake_held<C: CacheReads + Signals>(&self, cluster: &C) {
         for proplet in self.load_wakes.due(Instant::now()) {
-            signals.wake(Wake::of::<Proplet>(proplet));
+            cluster.wake(Wake::of::<Proplet>(proplet));
+        }
+        let threshold = chrono::Duration::from_std(self.proplet.last_seen_threshold)
+            .unwrap_or(chrono::Duration::MAX);
+        for client in self.state.liveness.silent(chrono::Utc::now(), threshold) {
+            if let Some(proplet) = cluster.proplet_by_client(&client) {
+                cluster.wake(Wake::of::<Proplet>(ObjectName::of(proplet.as_ref())));
+            }
         }
     }
 }

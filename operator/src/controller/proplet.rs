@@ -77,6 +77,10 @@ async fn reconcile_once<C: Cluster>(
         cluster.note(&proplet, &note).await;
     }
     cluster.apply_proplet(&proplet, &plan).await?;
+    common
+        .state
+        .liveness
+        .watch_silence(client_id, plan.offline_at);
     let Some(status) = &plan.status else {
         return Ok(plan.requeue_at);
     };

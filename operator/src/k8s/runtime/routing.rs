@@ -21,8 +21,8 @@ pub async fn route_events(mut events: UnboundedReceiver<BrokerEvent>, ctx: Arc<S
 }
 
 /// The liveness tick: wakes the proplets shown Running whose latest heartbeat (pending
-/// or written) is older than the threshold. Each proplet's reconcile already requeues at its
-/// own deadline, so this only catches a missed one; reconciling the whole fleet every tick
+/// or written) is older than the threshold. Each proplet's silence deadline already wakes it
+/// (`Common::wake_held`), so this only catches a missed one; reconciling the whole fleet every tick
 /// instead queued those deadlines behind 10,000 reconciles (Offline seen 4.5 s late at the
 /// median). Returns how many were woken.
 pub fn wake_overdue(ctx: &Shared, now: chrono::DateTime<Utc>) -> usize {
