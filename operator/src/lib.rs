@@ -3,6 +3,7 @@
 //! puller and the validation of objects.
 
 pub use propeller_core::{crd, decision};
+pub mod console;
 pub mod controller;
 pub mod credentials;
 pub mod enrolment;
@@ -12,6 +13,7 @@ pub mod inbox;
 pub mod k8s;
 pub mod key_delivery;
 pub mod log_endpoint;
+pub mod manifest;
 pub mod metrics;
 pub mod observations;
 pub mod oci;

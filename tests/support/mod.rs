@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+pub mod browser;
 pub mod chart;
 pub mod cluster_cases;
 pub mod enrol;

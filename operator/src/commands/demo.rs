@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::{bail, Context};
-use propeller_operator::standalone::api::{self, parse_manifest, ApiState};
+use propeller_operator::manifest::parse_manifest;
+use propeller_operator::standalone::api::{self, ApiState};
 use propeller_operator::standalone::store::{ChangeKind, ObjectStore};
 use serde_json::Value;
 
@@ -230,6 +231,7 @@ fn summary(store: &ObjectStore, api: SocketAddr, data_dir: &Path) -> String {
         "demo finished: tasks {}; propeller and the agent keep running until Ctrl-C.\n\
          \x20 look at what ran:  {me} get tasks  |  {me} describe task add  |  {me} get pjob\n\
          \x20 watch changes:     {me} get tasks -w     (API http://{api}, token in {})\n\
+         \x20 in a browser:      http://{api}/console/ (sign in with that token)\n\
          \x20 logs:              {} and {}\n",
         counts.join(", "),
         data_dir.join("api-token").display(),

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use propeller_broker::server::{tls_acceptor, TlsSettings};
 use propeller_operator::k8s::log_access::{self, LogAccess};
+use propeller_operator::k8s::user_access::UserAccess;
 use propeller_operator::task_logs::LogStore;
 
 use super::serving_tls::serving_files;
@@ -50,37 +51,71 @@ impl LogEndpointArgs {
         let Some(listen) = self.logs_listen else {
             return Ok(None);
         };
-        let (cert_path, key_path) = match (&self.logs_tls_cert, &self.logs_tls_key) {
-            (Some(cert), Some(key)) => (cert.clone(), key.clone()),
-            _ => {
-                let dir = self
-                    .logs_tls_dir
-                    .clone()
-                    .unwrap_or_else(|| std::env::temp_dir().join("propeller-logs-tls"));
-                let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
-                names.extend(self.logs_tls_names.iter().cloned());
-                let files = serving_files(&dir, &names).with_context(|| {
-                    format!("making the log endpoint's certificate in {}", dir.display())
-                })?;
-                (files.cert, files.key)
-            }
-        };
-        let acceptor = tls_acceptor(&TlsSettings {
+        let (listener, acceptor) = https_listener(
             listen,
-            cert_path,
-            key_path,
-            client_ca_path: None,
-        })
-        .context("the log endpoint's TLS")?;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("binding the log endpoint {listen}"))?;
+            ServingFiles {
+                cert: self.logs_tls_cert.clone(),
+                key: self.logs_tls_key.clone(),
+                dir: self.logs_tls_dir.clone(),
+                names: &self.logs_tls_names,
+                default_dir: "propeller-logs-tls",
+            },
+            "the log endpoint",
+        )
+        .await?;
         let bound = listener.local_addr()?;
+        let access = UserAccess::new(client, None);
         tokio::spawn(log_access::serve(
             listener,
             acceptor,
-            LogAccess { client, logs },
+            LogAccess { access, logs },
         ));
         Ok(Some(bound))
     }
+}
+
+/// An HTTPS endpoint's certificate: given, or made in a directory for some names.
+pub struct ServingFiles<'a> {
+    /// The certificate chain given (PEM).
+    pub cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub key: Option<PathBuf>,
+    /// Where one is made otherwise.
+    pub dir: Option<PathBuf>,
+    /// Names a made certificate is for besides `localhost` and `127.0.0.1`.
+    pub names: &'a [String],
+    /// The directory in the system's temporary directory used when `dir` is unset.
+    pub default_dir: &'static str,
+}
+
+/// Binds `listen` and makes the TLS acceptor of an HTTPS endpoint (`what`, for messages).
+pub async fn https_listener(
+    listen: SocketAddr,
+    files: ServingFiles<'_>,
+    what: &str,
+) -> anyhow::Result<(tokio::net::TcpListener, tokio_rustls::TlsAcceptor)> {
+    let (cert_path, key_path) = match (files.cert, files.key) {
+        (Some(cert), Some(key)) => (cert, key),
+        _ => {
+            let dir = files
+                .dir
+                .unwrap_or_else(|| std::env::temp_dir().join(files.default_dir));
+            let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+            names.extend(files.names.iter().cloned());
+            let made = serving_files(&dir, &names)
+                .with_context(|| format!("making {what}'s certificate in {}", dir.display()))?;
+            (made.cert, made.key)
+        }
+    };
+    let acceptor = tls_acceptor(&TlsSettings {
+        listen,
+        cert_path,
+        key_path,
+        client_ca_path: None,
+    })
+    .with_context(|| format!("{what}'s TLS"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {what} {listen}"))?;
+    Ok((listener, acceptor))
 }

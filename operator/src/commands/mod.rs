@@ -2,6 +2,7 @@
 
 pub mod broker;
 pub mod broker_config;
+pub mod console_args;
 pub mod demo;
 pub mod device_broker;
 pub mod encrypt;

@@ -27,6 +27,7 @@ use propeller_operator::task_logs::LogStore;
 use tracing::{info, warn};
 
 use super::broker::{watch_credentials, BrokerArgs};
+use super::console_args::ConsoleArgs;
 use super::device_broker::{DeviceBroker, Logins};
 use super::external_args::ExternalBrokerArgs;
 use super::image_args::ImageArgs;
@@ -59,6 +60,8 @@ pub struct RunCommand {
     pub reconcile: ReconcileArgs,
     #[command(flatten)]
     pub log_endpoint: LogEndpointArgs,
+    #[command(flatten)]
+    pub console: ConsoleArgs,
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "PROPELLER_METRICS_LISTEN", default_value = "0.0.0.0:8080")]
     pub metrics_listen: SocketAddr,
@@ -441,6 +444,9 @@ async fn serve(
     let logs = Arc::new(LogStore::new(cmd.reconcile.logs()));
     if let Some(addr) = cmd.log_endpoint.start(client.clone(), logs.clone()).await? {
         info!(%addr, "task log endpoint listening (https)");
+    }
+    if let Some(addr) = cmd.console.start(client.clone(), logs.clone()).await? {
+        info!(%addr, "web console listening (https, path /console/)");
     }
     let settings = Settings {
         token_namespace: cmd

@@ -11,8 +11,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use propeller_broker::server::{BrokerConfig, CredentialStore};
 use propeller_operator::decision::task::FinalizerTiming;
+use propeller_operator::manifest::canonical_kind;
 use propeller_operator::metrics::ControllerMetrics;
-use propeller_operator::standalone::api::{self, canonical_kind, ApiState, MetricsText};
+use propeller_operator::standalone::api::{self, ApiState, MetricsText};
 use propeller_operator::standalone::client::{
     column_widths, describe, render_rows, table, table_cells, ApiClient,
 };
@@ -260,6 +261,10 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     println!(
         "  api listening on http://{api_addr} (token in {})",
         cmd.data_dir.join(TOKEN_FILE).display()
+    );
+    println!(
+        "  console on http://{api_addr}{} (sign in with that token)",
+        propeller_operator::console::PATH
     );
 
     let mut agent = None;

@@ -2,6 +2,7 @@
 //! Jobs of `k8s` proplets' tasks, and the runtime that drives one Controller per kind.
 
 pub use crate::decision::deployment;
+pub mod console_api;
 pub mod fence;
 pub mod log_access;
 pub mod membership;
@@ -11,3 +12,4 @@ pub mod pull_secrets;
 pub mod runtime;
 pub mod sharded_watch;
 pub mod task_job;
+pub mod user_access;

@@ -5,7 +5,7 @@
 //! admission as on a cluster, so standalone accepts and rejects exactly what a cluster would;
 //! a multi-document manifest is checked whole before anything is stored.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -18,36 +18,18 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 
-use crate::controller::kinds::kind_names;
 use crate::controller::ObjectName;
 use crate::crd::task::Task;
 use crate::decision::kueue::QUEUE_NAME_LABEL;
 use crate::log_endpoint::{FindTask, LogParams};
+use crate::manifest::{canonical_kind, describe_doc, parse_manifest, served_kinds};
 use crate::task_logs::LogStore;
 use crate::validation::Admission;
 
 use super::events::EventLog;
-use super::kinds::{CONFIG_MAP, SECRET, TASK};
+use super::kinds::TASK;
 use super::store::{Deleted, ObjectStore, StoreError};
 use super::watch::{ChangeLog, Filter, Watch};
-
-/// Kinds standalone serves, with the names users type for them: the reconciled kinds
-/// ([`kind_names`]), then the Secrets and ConfigMaps they use.
-static KINDS: LazyLock<Vec<(String, &'static [&'static str])>> = LazyLock::new(|| {
-    let mut kinds = kind_names();
-    kinds.push((SECRET.to_owned(), &["secret", "secrets"]));
-    kinds.push((CONFIG_MAP.to_owned(), &["configmap", "configmaps", "cm"]));
-    kinds
-});
-
-/// The stored kind for what a user typed (`task`, `pjob`, `Proplets`, …).
-pub fn canonical_kind(typed: &str) -> Option<&'static str> {
-    let lower = typed.to_ascii_lowercase();
-    KINDS
-        .iter()
-        .find(|(kind, names)| kind.eq_ignore_ascii_case(&lower) || names.contains(&lower.as_str()))
-        .map(|(kind, _)| kind.as_str())
-}
 
 /// What the API serves from.
 pub struct ApiState {
@@ -117,36 +99,10 @@ fn kind_or_404(typed: &str) -> Result<&'static str, ApiError> {
             StatusCode::NOT_FOUND,
             format!(
                 "unknown kind {typed:?}; standalone serves {}",
-                KINDS
-                    .iter()
-                    .map(|(k, _)| k.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                served_kinds()
             ),
         )
     })
-}
-
-/// Parses a multi-document YAML (or JSON) manifest into its non-empty documents.
-pub fn parse_manifest(text: &str) -> Result<Vec<Value>, String> {
-    let mut docs = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-        let value: Value = serde::Deserialize::deserialize(doc)
-            .map_err(|e| format!("document {}: not valid YAML: {e}", i + 1))?;
-        if !value.is_null() {
-            docs.push(value);
-        }
-    }
-    Ok(docs)
-}
-
-fn describe_doc(i: usize, doc: &Value) -> String {
-    format!(
-        "document {} ({} {:?})",
-        i + 1,
-        doc["kind"].as_str().unwrap_or("?"),
-        doc["metadata"]["name"].as_str().unwrap_or("?")
-    )
 }
 
 /// Checks every document; returns them defaulted, or every problem found.
@@ -412,9 +368,9 @@ async fn task_log(
     .await)
 }
 
-/// The API's routes.
+/// The API's routes, and the web console that uses them.
 pub fn router(state: Arc<ApiState>) -> Router {
-    Router::new()
+    crate::console::router()
         .route("/v1/apply", post(apply))
         .route("/metrics", get(metrics))
         .route("/v1/objects/{kind}", get(list))

@@ -13,10 +13,11 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-use super::api::{parse_manifest, router, ApiState};
+use super::api::{router, ApiState};
 use super::events::EventLog;
 use super::store::ObjectStore;
 use super::watch::ChangeLog;
+use crate::manifest::parse_manifest;
 use crate::validation::Admission;
 
 const TOKEN: &str = "hostile-test-token";

@@ -5,7 +5,4 @@
 pub const PROPLET: &str = "Proplet";
 /// Kind name of Tasks.
 pub const TASK: &str = "Task";
-/// Kind name of ConfigMaps (aggregated models).
-pub const CONFIG_MAP: &str = "ConfigMap";
-/// Kind name of Secrets (proplet keys, bootstrap tokens).
-pub const SECRET: &str = "Secret";
+pub use crate::manifest::{CONFIG_MAP, SECRET};

@@ -1,0 +1,89 @@
+//! The web console's page, script and style sheet, built into the binary and served by both
+//! modes: standalone beside its API, a cluster's on `propeller run --console-listen`. The
+//! page reads and changes objects only through the API routes of the server it came from
+//! (`/v1/...`), with the bearer token the user signs in with; the files themselves hold no
+//! data and are served to anyone, so the sign-in page can load.
+
+use axum::http::header::{
+    CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS,
+    X_FRAME_OPTIONS,
+};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::get;
+use axum::Router;
+
+/// Where the console is served.
+pub const PATH: &str = "/console/";
+
+/// Scripts, styles and requests only from the same origin; no inline code, no frames, no
+/// plugins, no form posts elsewhere.
+pub const CONTENT_SECURITY_POLICY_VALUE: &str = "default-src 'none'; script-src 'self'; \
+     style-src 'self'; connect-src 'self'; img-src 'self'; base-uri 'none'; \
+     form-action 'self'; frame-ancestors 'none'";
+
+const INDEX: &str = include_str!("../console/index.html");
+const SCRIPT: &str = include_str!("../console/console.js");
+const STYLE: &str = include_str!("../console/console.css");
+
+/// The console's files, in bytes: page, script, style sheet.
+pub fn bundle_size() -> usize {
+    INDEX.len() + SCRIPT.len() + STYLE.len()
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (CONTENT_TYPE, content_type),
+            (CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY_VALUE),
+            (X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (X_FRAME_OPTIONS, "DENY"),
+            (REFERRER_POLICY, "no-referrer"),
+            // A new binary's console replaces the old one at once.
+            (CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// The console's routes, to merge into a server's router.
+pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new()
+        .route("/", get(|| async { Redirect::to(PATH) }))
+        .route("/console", get(|| async { Redirect::to(PATH) }))
+        .route(
+            PATH,
+            get(|| async { asset("text/html; charset=utf-8", INDEX) }),
+        )
+        .route(
+            "/console/console.js",
+            get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),
+        )
+        .route(
+            "/console/console.css",
+            get(|| async { asset("text/css; charset=utf-8", STYLE) }),
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_loads_only_files_the_router_serves() {
+        for reference in ["/console/console.js", "/console/console.css"] {
+            assert!(
+                INDEX.contains(reference),
+                "index.html should load {reference}"
+            );
+        }
+        assert!(
+            !INDEX.contains("<script>") && !INDEX.contains("style="),
+            "inline code or styles would be refused by the Content-Security-Policy"
+        );
+        assert!(
+            !SCRIPT.contains("innerHTML"),
+            "values must reach the page as text"
+        );
+    }
+}
