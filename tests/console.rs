@@ -33,7 +33,7 @@ fn runtime() -> tokio::runtime::Runtime {
 #[test]
 fn standalone_console_signs_in_follows_the_fleet_live_and_applies_reruns_and_deletes() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let (_server, api, _mqtt) = start_standalone(dir.path(), &["--demo"]);
+    let (_server, api, mqtt) = start_standalone(dir.path(), &["--demo"]);
     let token = std::fs::read_to_string(dir.path().join("api-token")).expect("api token");
     let token = token.trim().to_owned();
     let base = format!("http://{api}/console/");
@@ -61,6 +61,32 @@ fn standalone_console_signs_in_follows_the_fleet_live_and_applies_reruns_and_del
             .wait_for_text("tr[data-name=\"quickstart-proplet\"]", "0.1.0")
             .await;
         browser.screenshot("fleet").await;
+
+        // A device added while the page is open appears, then goes Running once its agent
+        // connects.
+        apply_text(
+            &api,
+            dir.path(),
+            "pi-live.yaml",
+            &support::device_manifest("pi-live", &mqtt),
+        );
+        browser.wait_for(r#"tr[data-name="pi-live"]"#).await;
+        // Read in the page: the table is redrawn as changes arrive.
+        let before = browser
+            .client
+            .execute(
+                r#"return document.querySelector('tr[data-name="pi-live"]').dataset.phase"#,
+                vec![],
+            )
+            .await
+            .expect("read the row's phase");
+        let before = before.as_str().unwrap_or_default().to_owned();
+        assert_ne!(before, "Running", "no agent runs yet");
+        let _agent = support::device_agent("pi-live", &mqtt, &dir.path().join("pi-live-state"));
+        browser
+            .wait_for(r#"tr[data-name="pi-live"][data-phase="Running"]"#)
+            .await;
+        println!("a new device on the open Fleet page: {before}, then Running");
 
         // A job's page open before the job exists follows it: the graph appears and its steps
         // turn green without a reload.

@@ -11,6 +11,10 @@ const INITIAL_EVENTS_END = 'k8s.io/initial-events-end';
 const ROW_LIMIT = 500;
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
+/** Counts what the page was sent, for `scripts/bench-console.sh`. */
+const stats = { watchCharacters: 0 };
+window.propellerConsoleStats = stats;
+
 const token = () => sessionStorage.getItem(TOKEN_KEY) || '';
 const namespace = () => sessionStorage.getItem(NAMESPACE_KEY) || '';
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -126,6 +130,7 @@ class Live {
           const { value, done } = await reader.read();
           if (done) break;
           buffer += value;
+          stats.watchCharacters += value.length;
           let end;
           while ((end = buffer.indexOf('\n')) >= 0) {
             const line = buffer.slice(0, end).trim();
@@ -189,6 +194,54 @@ const badge = (phase) => h('span', { class: `phase phase-${phase.toLowerCase()}`
 const labelsOf = (o) => Object.entries(o.metadata?.labels || {}).map(([k, v]) => `${k}=${v}`);
 const link = (href, text) => h('a', { href }, text);
 const objectHref = (kind, o) => `#/${kind}/${encodeURIComponent(o.metadata.namespace)}/${encodeURIComponent(o.metadata.name)}`;
+
+/**
+ * Rows kept between repaints: a row is built again only when its object changed (or its
+ * "ago" columns are 5 s older), so a large fleet repaints cheaply.
+ */
+class RowCache {
+  constructor() {
+    this.rows = new Map();
+  }
+
+  /** The row of object `o`, built by `build(o)` when it is new or changed. */
+  row(o, build) {
+    const key = keyOf(o);
+    const version = `${o.metadata?.resourceVersion}|${Math.floor(Date.now() / 5000)}`;
+    const kept = this.rows.get(key);
+    if (kept && kept.version === version) {
+      kept.used = true;
+      return kept.row;
+    }
+    const row = build(o);
+    this.rows.set(key, { version, row, used: true });
+    return row;
+  }
+
+  /** Forgets the rows not asked for since the last call. */
+  prune() {
+    for (const [key, kept] of this.rows) {
+      if (!kept.used) this.rows.delete(key);
+      kept.used = false;
+    }
+  }
+}
+
+/** What the fleet filter matches, worked out once per version of an object. */
+const searchTexts = new WeakMap();
+function searchText(p) {
+  let text = searchTexts.get(p);
+  if (text === undefined) {
+    text = [p.metadata.name, p.metadata.namespace, phaseOf(p), p.status?.metadata?.propletVersion || '', ...labelsOf(p)].join(' ').toLowerCase();
+    searchTexts.set(p, text);
+  }
+  return text;
+}
+
+const byKey = (a, b) => {
+  const [x, y] = [keyOf(a), keyOf(b)];
+  return x < y ? -1 : x > y ? 1 : 0;
+};
 
 function table(headers, rows, empty = 'Nothing yet.') {
   if (!rows.length) return h('p', { class: 'empty' }, empty);
@@ -279,33 +332,31 @@ const views = {
     const body = h('div');
     root.append(h('h1', {}, 'Fleet'), h('div', { class: 'toolbar' }, filter), summary, body);
     filter.addEventListener('input', () => refresh());
+    const cache = new RowCache();
+    const build = (p) => {
+      const capacity = p.spec?.capacity;
+      const metrics = p.status?.latestMetrics;
+      return h('tr', { 'data-name': p.metadata.name, 'data-phase': phaseOf(p) },
+        h('td', {}, link(objectHref('proplet', p), p.metadata.name)),
+        h('td', {}, p.metadata.namespace),
+        h('td', {}, badge(phaseOf(p))),
+        h('td', {}, `${p.status?.taskCount ?? 0}${capacity ? ` / ${capacity}` : ''}`),
+        h('td', {}, metrics ? `${(metrics.cpuMilliPercent / 1000).toFixed(1)} %` : '—'),
+        h('td', {}, metrics ? `${(metrics.memoryBytes / 1048576).toFixed(0)} MiB` : '—'),
+        h('td', {}, p.status?.metadata?.propletVersion || '—'),
+        h('td', {}, ago(p.status?.lastSeen)),
+        h('td', { class: 'labels' }, labelsOf(p).join(', ')),
+      );
+    };
     const refresh = () => {
       const proplets = [...liveOf('proplet').items.values()];
       const counts = {};
       for (const p of proplets) counts[phaseOf(p)] = (counts[phaseOf(p)] || 0) + 1;
       summary.replaceChildren(`${proplets.length} proplets`, ...Object.entries(counts).sort().map(([phase, n]) => h('span', { class: 'count' }, badge(phase), ` ${n}`)));
       const words = filter.value.toLowerCase().split(/\s+/).filter(Boolean);
-      const shown = proplets
-        .filter((p) => {
-          const text = [p.metadata.name, p.metadata.namespace, phaseOf(p), p.status?.metadata?.propletVersion || '', ...labelsOf(p)].join(' ').toLowerCase();
-          return words.every((w) => text.includes(w));
-        })
-        .sort((a, b) => keyOf(a).localeCompare(keyOf(b)));
-      const rows = shown.slice(0, ROW_LIMIT).map((p) => {
-        const capacity = p.spec?.capacity;
-        const metrics = p.status?.latestMetrics;
-        return h('tr', { 'data-name': p.metadata.name, 'data-phase': phaseOf(p) },
-          h('td', {}, link(objectHref('proplet', p), p.metadata.name)),
-          h('td', {}, p.metadata.namespace),
-          h('td', {}, badge(phaseOf(p))),
-          h('td', {}, `${p.status?.taskCount ?? 0}${capacity ? ` / ${capacity}` : ''}`),
-          h('td', {}, metrics ? `${(metrics.cpuMilliPercent / 1000).toFixed(1)} %` : '—'),
-          h('td', {}, metrics ? `${(metrics.memoryBytes / 1048576).toFixed(0)} MiB` : '—'),
-          h('td', {}, p.status?.metadata?.propletVersion || '—'),
-          h('td', {}, ago(p.status?.lastSeen)),
-          h('td', { class: 'labels' }, labelsOf(p).join(', ')),
-        );
-      });
+      const shown = (words.length ? proplets.filter((p) => words.every((w) => searchText(p).includes(w))) : proplets).sort(byKey);
+      const rows = shown.slice(0, ROW_LIMIT).map((p) => cache.row(p, build));
+      cache.prune();
       body.replaceChildren(
         statusLine(['proplet']) || '',
         table(['Name', 'Namespace', 'Phase', 'Tasks / capacity', 'CPU', 'Memory', 'Agent', 'Last heartbeat', 'Labels'], rows, 'No proplets match.'),
@@ -322,6 +373,7 @@ const views = {
     const out = h('div');
     root.append(head, h('h2', {}, 'Tasks'), tasks, h('h2', {}, 'Recent events'), events, out);
     let eventsLoaded = false;
+    const cache = new RowCache();
     const refresh = () => {
       const p = liveOf('proplet').items.get(`${namespace}/${name}`);
       if (!p) {
@@ -346,7 +398,7 @@ const views = {
         conditionsTable(p),
       );
       const mine = [...liveOf('task').items.values()].filter((t) => t.metadata.namespace === namespace && t.status?.assignedProplet === name);
-      tasks.replaceChildren(taskTable(mine));
+      tasks.replaceChildren(taskTable(mine.sort(byKey), cache));
     };
     return { kinds: ['proplet', 'task'], refresh };
   },
@@ -354,9 +406,14 @@ const views = {
   tasks(root) {
     const body = h('div');
     root.append(h('h1', {}, 'Tasks'), body);
+    const cache = new RowCache();
+    const newestFirst = (a, b) => {
+      const [x, y] = [String(a.metadata.creationTimestamp), String(b.metadata.creationTimestamp)];
+      return x > y ? -1 : x < y ? 1 : byKey(a, b);
+    };
     const refresh = () => {
-      const all = [...liveOf('task').items.values()].sort((a, b) => String(b.metadata.creationTimestamp).localeCompare(String(a.metadata.creationTimestamp)) || keyOf(a).localeCompare(keyOf(b)));
-      body.replaceChildren(statusLine(['task']) || '', taskTable(all.slice(0, ROW_LIMIT)), all.length > ROW_LIMIT ? h('p', { class: 'muted' }, `Showing the newest ${ROW_LIMIT} of ${all.length}.`) : '');
+      const all = [...liveOf('task').items.values()].sort(newestFirst);
+      body.replaceChildren(statusLine(['task']) || '', taskTable(all.slice(0, ROW_LIMIT), cache), all.length > ROW_LIMIT ? h('p', { class: 'muted' }, `Showing the newest ${ROW_LIMIT} of ${all.length}.`) : '');
     };
     return { kinds: ['task'], refresh };
   },
@@ -515,19 +572,22 @@ const views = {
   },
 };
 
-function taskTable(tasks) {
-  const rows = tasks.map((t) => {
-    const s = t.status || {};
-    return h('tr', { 'data-name': t.metadata.name, 'data-phase': phaseOf(t) },
-      h('td', {}, link(objectHref('task', t), t.metadata.name)),
-      h('td', {}, t.metadata.namespace),
-      h('td', {}, badge(phaseOf(t))),
-      h('td', {}, s.assignedProplet || '—'),
-      h('td', {}, s.results ?? s.error ?? '—'),
-      h('td', {}, ago(s.startedAt)),
-      h('td', {}, ago(s.finishedAt)),
-    );
-  });
+function taskRow(t) {
+  const s = t.status || {};
+  return h('tr', { 'data-name': t.metadata.name, 'data-phase': phaseOf(t) },
+    h('td', {}, link(objectHref('task', t), t.metadata.name)),
+    h('td', {}, t.metadata.namespace),
+    h('td', {}, badge(phaseOf(t))),
+    h('td', {}, s.assignedProplet || '—'),
+    h('td', {}, s.results ?? s.error ?? '—'),
+    h('td', {}, ago(s.startedAt)),
+    h('td', {}, ago(s.finishedAt)),
+  );
+}
+
+function taskTable(tasks, cache) {
+  const rows = tasks.map((t) => cache.row(t, taskRow));
+  cache.prune();
   return table(['Name', 'Namespace', 'Phase', 'Proplet', 'Result', 'Started', 'Finished'], rows, 'No tasks.');
 }
 
@@ -584,15 +644,20 @@ let current = null;
 let unsubscribe = [];
 let scheduled = false;
 
+let lastRepaint = 0;
+
 function schedule() {
   if (scheduled || !current) return;
   scheduled = true;
-  // At most a few repaints a second, however fast the watches stream.
+  // However fast the watches stream: a few repaints a second at most, and the page spends
+  // at most a fifth of its time repainting.
   setTimeout(() => requestAnimationFrame(() => {
     scheduled = false;
+    const started = performance.now();
     if (current) current.refresh();
     renderLiveState();
-  }), 200);
+    lastRepaint = performance.now() - started;
+  }), Math.max(250, 4 * lastRepaint));
 }
 
 function renderLiveState() {

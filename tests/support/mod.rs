@@ -406,18 +406,40 @@ pub fn signal_and_wait(
 /// `propeller standalone` on ephemeral loopback ports with its data in `dir`; returns the
 /// process, the API address and the MQTT port.
 pub fn start_standalone(dir: &std::path::Path, extra: &[&str]) -> (Running, String, String) {
+    start_standalone_with(dir, extra, &[])
+}
+
+/// [`start_standalone`] with more environment (the demo's agent inherits it too). `extra` may
+/// name its own `--api-listen`; with `--mqtt-broker` (an external broker, no MQTT listener)
+/// the MQTT port returned is empty.
+pub fn start_standalone_with(
+    dir: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Running, String, String) {
     register_api_token(dir);
     let mut cmd = binary("propeller");
-    cmd.args(["standalone", "--api-listen", "127.0.0.1:0", "--data-dir"])
+    cmd.arg("standalone");
+    if !extra.contains(&"--api-listen") {
+        cmd.args(["--api-listen", "127.0.0.1:0"]);
+    }
+    cmd.arg("--data-dir")
         .arg(dir)
         .args(extra)
+        .envs(env.iter().copied())
         .env("RUST_LOG", "info");
-    if !extra.contains(&"--mqtt-listen") {
+    let external = extra.contains(&"--mqtt-broker");
+    if !extra.contains(&"--mqtt-listen") && !external {
         cmd.args(["--mqtt-listen", "127.0.0.1:0"]);
     }
     let server = Running::spawn(cmd);
-    let mqtt = server.stdout_line("mqtt listening on");
-    let port = mqtt.rsplit(':').next().expect("port").trim().to_owned();
+    let port = if external {
+        server.stdout_line("mqtt: external broker");
+        String::new()
+    } else {
+        let mqtt = server.stdout_line("mqtt listening on");
+        mqtt.rsplit(':').next().expect("port").trim().to_owned()
+    };
     let addr = api_address(&server);
     (server, addr, port)
 }

@@ -1302,7 +1302,7 @@ impl Drop for NatsCluster {
 }
 
 /// A plain HTTP/1.0 GET; the whole answer (status line, headers, body).
-fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.set_write_timeout(Some(Duration::from_secs(2)))?;
