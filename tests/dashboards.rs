@@ -3,8 +3,9 @@
 //! every alert's expression evaluates on data that exists.
 //!
 //! What is scraped, every second: `propeller standalone --demo` with the embedded broker and
-//! its demo agent's own `/metrics`, and a second `propeller standalone` whose broker is an
-//! external MQTT broker (`propeller broker`) with auth callbacks. Meanwhile the test does what
+//! its demo agent's own `/metrics`, a second `propeller standalone` whose broker is an
+//! external MQTT broker (`propeller broker`) with auth callbacks, and `propeller run` leading
+//! on a real kube-apiserver (its requests to the API server). Meanwhile the test does what
 //! fills every panel: three devices enrol with a bootstrap token and two later fall silent
 //! (Offline, with the detection delay measured), refused sockets, logins and publishes, five
 //! tasks that fail and two that complete, a refused callback and a malformed report through
@@ -13,12 +14,12 @@
 //! alert rules are loaded by that Prometheus from the chart's very file: each must evaluate
 //! without error and its metrics must have samples; TasksFailing fires and
 //! PropletsOfflineInNumbers is pending after the test's failures and silences, while
-//! BrokerSessionLost and LeaderMissing stay quiet until the external broker, then both
-//! propellers, are stopped. `promtool check rules` passes on the file, and `helm template`
+//! BrokerSessionLost and LeaderMissing stay quiet until the external broker, then every
+//! propeller, is stopped. `promtool check rules` passes on the file, and `helm template`
 //! puts the same dashboards and rule groups in the chart's ConfigMaps and PrometheusRule.
 //!
-//! Without `prometheus`/`promtool` (or helm, for the chart part) it prints SKIPPED and
-//! passes, except under `CI=true`, where it fails.
+//! Without `prometheus`/`promtool` (or helm, for the chart part, or the control plane) it
+//! prints SKIPPED and passes, except under `CI=true`, where it fails.
 
 mod support;
 
@@ -28,7 +29,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::envtest::{free_port, helm_binary};
+use support::envtest::{free_port, helm_binary, Options};
+use support::kube::{apply, cluster, operator_command, task_manifest};
 use support::mqtt_cluster::http_get;
 use support::standalone::{apply_text, finished_tasks, inline_task, wait_for_phase_within};
 use support::{
@@ -74,8 +76,9 @@ fn every_dashboard_panel_and_alert_evaluates_on_real_data() {
     stage("promtool check rules passed; chart checked");
 
     // Ports told in advance, so Prometheus scrapes from the very start.
-    let ports = distinct_ports(4);
-    let (prom_port, a_api_port, c_api_port, agent_port) = (ports[0], ports[1], ports[2], ports[3]);
+    let ports = distinct_ports(5);
+    let (prom_port, a_api_port, c_api_port, agent_port, k_metrics_port) =
+        (ports[0], ports[1], ports[2], ports[3], ports[4]);
     let callback_port = distinct_ports(1)[0];
     let a_dir = dir.path().join("a");
     let c_dir = dir.path().join("c");
@@ -88,13 +91,25 @@ rule_files:\n- {rules}\n\
 scrape_configs:\n\
 - job_name: propeller\n  authorization:\n    credentials_file: {a_token}\n  static_configs:\n  - targets: ['127.0.0.1:{a_api_port}']\n\
 - job_name: propeller-external\n  authorization:\n    credentials_file: {c_token}\n  static_configs:\n  - targets: ['127.0.0.1:{c_api_port}']\n\
-- job_name: proplet\n  static_configs:\n  - targets: ['127.0.0.1:{agent_port}']\n",
+- job_name: proplet\n  static_configs:\n  - targets: ['127.0.0.1:{agent_port}']\n\
+- job_name: propeller-k8s\n  static_configs:\n  - targets: ['127.0.0.1:{k_metrics_port}']\n",
         rules = rules_path.display(),
         a_token = a_dir.join("api-token").display(),
         c_token = c_dir.join("api-token").display(),
     );
+    let Some((cp, kubeconfig)) = cluster(Options::default()) else {
+        return;
+    };
     let prom = Prometheus::start(&tools.prometheus, dir.path(), &config, prom_port);
     stage("prometheus ready");
+
+    // Kubernetes mode, leading: its requests to the API server are counted.
+    let mut leading = operator_command(&kubeconfig, k_metrics_port);
+    leading
+        .args(["--leader-elect", "--lease-namespace", "propeller-system"])
+        .env("HOSTNAME", "dash-leader");
+    let mut leading = Running::spawn(leading);
+    apply(&cp, "default", &task_manifest("waits", "[1, 2]", ""));
 
     // The external broker and the propeller that uses it, with auth callbacks.
     let (broker, broker_port) = start_broker(
@@ -148,9 +163,18 @@ scrape_configs:\n\
     );
     server.stdout_line("demo finished:");
     stage("demo finished; external propeller connected");
-    for job in ["propeller", "propeller-external", "proplet"] {
+    for job in [
+        "propeller",
+        "propeller-external",
+        "proplet",
+        "propeller-k8s",
+    ] {
         prom.wait_for(&format!("up{{job=\"{job}\"}} == 1"));
     }
+    prom.wait_for(r#"propeller_leader{job="propeller-k8s"} == 1"#);
+    prom.wait_for(
+        r#"propeller_apiserver_requests_total{job="propeller-k8s", resource="tasks/status", verb="patch"} > 0"#,
+    );
     stage("every target scraped");
 
     // Three devices enrol with one bootstrap token, the first alone so that the enrolment
@@ -296,6 +320,7 @@ scrape_configs:\n\
     prom.wait_for(r#"propeller_tasks{job="propeller", phase="failed"} == 5"#);
     prom.wait_for(r#"propeller_tasks{job="propeller", phase="completed"} == 5"#);
     prom.wait_for("proplet_tasks_failed_total >= 5");
+    prom.wait_for(r#"propeller_tasks_finished_total{job="propeller", phase="failed"} == 5"#);
     stage("tasks finished and scraped");
 
     // Every panel of every dashboard.
@@ -414,8 +439,9 @@ scrape_configs:\n\
     stage("external broker stopped: BrokerSessionLost pending");
     server.terminate();
     external.terminate();
+    leading.terminate();
     prom.wait_for(r#"ALERTS{alertname="LeaderMissing"}"#);
-    stage("both propellers stopped: LeaderMissing pending");
+    stage("every propeller stopped: LeaderMissing pending");
 
     for line in &report {
         eprintln!("{line}");

@@ -1,5 +1,6 @@
 //! The operator's own Prometheus meters: reconciles per controller and outcome, how long they
-//! took, and how many proplets and tasks are in each phase.
+//! took, how many proplets and tasks are in each phase, tasks finished and how long they ran,
+//! whether this replica runs the controllers, and its requests to the API server.
 
 use std::time::Duration;
 
@@ -9,6 +10,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::crd::task::TaskPhase;
 
 /// Labels of a reconcile.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -37,6 +40,24 @@ pub struct ControllerMetrics {
     pub tasks: Family<PhaseLabels, Gauge>,
     offline_delays: Family<StageLabels, Histogram>,
     enrolments: Family<OutcomeLabels, Counter>,
+    finished_tasks: Family<PhaseLabels, Counter>,
+    task_durations: Family<PhaseLabels, Histogram>,
+    /// 1 while this process runs the controllers (standalone, the leader, or a sharded
+    /// member), 0 while it waits as a standby.
+    pub leader: Gauge,
+    /// Requests to the API server, counted by [`crate::k8s::api_requests`].
+    pub api_requests: Family<ApiRequestLabels, Counter>,
+}
+
+/// Labels of a request to the API server.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiRequestLabels {
+    /// `get`, `watch`, `create`, `update`, `patch`, `delete`.
+    pub verb: String,
+    /// `tasks`, `tasks/status`, `leases`, `events`, …
+    pub resource: String,
+    /// The HTTP status, or `error` when none came.
+    pub code: String,
 }
 
 /// Label of the enrolment counter.
@@ -59,6 +80,13 @@ fn duration_histogram() -> Histogram {
 
 impl Default for ControllerMetrics {
     fn default() -> Self {
+        let finished_tasks: Family<PhaseLabels, Counter> = Family::default();
+        // Every final phase from 0, so a rate or increase sees the first run that ends in it.
+        for phase in TaskPhase::ALL.iter().filter(|p| p.is_terminal()) {
+            let _created = finished_tasks.get_or_create(&PhaseLabels {
+                phase: phase.as_str().to_owned(),
+            });
+        }
         Self {
             reconciles: Family::default(),
             durations: Family::new_with_constructor(duration_histogram),
@@ -68,6 +96,12 @@ impl Default for ControllerMetrics {
                 Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
             }),
             enrolments: Family::default(),
+            finished_tasks,
+            task_durations: Family::new_with_constructor(|| {
+                Histogram::new([0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0, 3600.0])
+            }),
+            leader: Gauge::default(),
+            api_requests: Family::default(),
         }
     }
 }
@@ -98,6 +132,41 @@ impl ControllerMetrics {
             "Enrolment requests answered, by outcome (enrolled, rotated, or why refused)",
             self.enrolments.clone(),
         );
+        registry.register(
+            "tasks_finished",
+            "Task runs whose final phase (completed, failed, interrupted, skipped) this \
+             process wrote",
+            self.finished_tasks.clone(),
+        );
+        registry.register(
+            "task_duration_seconds",
+            "From a task run's start to its end, by final phase",
+            self.task_durations.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this process runs the controllers (standalone, the leader, or a sharded \
+             member), 0 while it waits as a standby",
+            self.leader.clone(),
+        );
+        registry.register(
+            "apiserver_requests",
+            "Requests to the Kubernetes API server by verb, resource and HTTP status",
+            self.api_requests.clone(),
+        );
+    }
+
+    /// Counts a task run that ended in `phase`, `seconds` after it started (when known).
+    pub fn task_finished(&self, phase: &str, seconds: Option<f64>) {
+        let labels = PhaseLabels {
+            phase: phase.to_owned(),
+        };
+        self.finished_tasks.get_or_create(&labels).inc();
+        if let Some(seconds) = seconds {
+            self.task_durations
+                .get_or_create(&labels)
+                .observe(seconds.max(0.0));
+        }
     }
 
     /// Counts one answered enrolment request.

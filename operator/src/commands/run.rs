@@ -16,6 +16,7 @@ use propeller_broker::server::CredentialStore;
 use propeller_core::shard::ShardBy;
 use propeller_operator::controller::ownership::Ownership;
 use propeller_operator::decision::task::FinalizerTiming;
+use propeller_operator::k8s::api_requests::ApiRequestsLayer;
 use propeller_operator::k8s::fence::FenceLayer;
 use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
@@ -180,8 +181,13 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
         .await
         .context("finding the Kubernetes API (in-cluster config or kubeconfig)")?;
     let server = config.cluster_url.to_string();
-    let plain_client = kube::Client::try_from(config.clone())
-        .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?;
+    // Every client's requests are counted (propeller_apiserver_requests_total).
+    let controller_metrics = Arc::new(ControllerMetrics::default());
+    let counted = ApiRequestsLayer::new(controller_metrics.api_requests.clone());
+    let plain_client = kube::client::ClientBuilder::try_from(config.clone())
+        .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?
+        .with_layer(&counted)
+        .build();
     let identity = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty());
     let shard = match (cmd.shard, &identity) {
         (false, _) => None,
@@ -209,6 +215,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
                 .with_context(|| {
                     format!("configuring the client of the Kubernetes API at {server}")
                 })?
+                .with_layer(&counted)
                 .with_layer(&shard_selector_layer(shard.namespace_ranges()))
                 .build(),
         ),
@@ -218,13 +225,13 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     let client = match &shard {
         Some(shard) => kube::client::ClientBuilder::try_from(config)
             .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?
+            .with_layer(&counted)
             .with_layer(&FenceLayer::new(shard.clone()))
             .build(),
         None => plain_client.clone(),
     };
     let identity = identity.unwrap_or_else(|| "propeller".into());
     let health = Arc::new(Health::default());
-    let controller_metrics = Arc::new(ControllerMetrics::default());
     let logins = Logins {
         proplets: Arc::new(CredentialStore::new()),
         services: CredentialStore::new(),
@@ -415,6 +422,7 @@ async fn serve(
         shard,
         sharded_watches,
     } = leading;
+    let leader = controller_metrics.leader.clone();
     let external = cmd
         .external
         .plan(cmd.domain_id.as_deref(), cmd.channel_id.as_deref())?;
@@ -476,6 +484,7 @@ async fn serve(
         sharded_watches,
     };
     health.ready.store(true, Ordering::Relaxed);
+    leader.set(1);
     let lost_lease = async move {
         match lease {
             Some((mut leading, _task)) => loop {
@@ -495,6 +504,7 @@ async fn serve(
     }));
     runtime::run(rt, stop).await;
     health.ready.store(false, Ordering::Relaxed);
+    leader.set(0);
     if session_ends_with_replica {
         broker.leave().await;
     } else {

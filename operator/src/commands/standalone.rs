@@ -192,6 +192,8 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
     };
     let events_log = Arc::new(EventLog::new());
     let controller_metrics = Arc::new(ControllerMetrics::default());
+    // Standalone always runs the controllers.
+    controller_metrics.leader.set(1);
     let (driver, queue) = Driver::new(
         store.clone(),
         broker.publisher(),

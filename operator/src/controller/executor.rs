@@ -122,6 +122,16 @@ pub async fn apply_task<C: Cluster>(
             cluster.write_status::<Task>(&meta, &old, &new).await
         }
         .map_err(TaskApplyError::Backend)?;
+        if status.phase.is_terminal() && !current.phase.is_terminal() {
+            let ran = status
+                .started_at
+                .zip(status.finished_at)
+                .map(|(start, end)| (end - start).as_seconds_f64());
+            cluster
+                .common()
+                .metrics
+                .task_finished(status.phase.as_str(), ran);
+        }
         current = status.clone();
         let metrics = plan
             .consumed_metrics

@@ -2,6 +2,7 @@
 //! Jobs of `k8s` proplets' tasks, and the runtime that drives one Controller per kind.
 
 pub use crate::decision::deployment;
+pub mod api_requests;
 pub mod console_api;
 pub mod fence;
 pub mod log_access;
