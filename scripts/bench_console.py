@@ -3,10 +3,10 @@
 Run by `scripts/bench-console.sh`, which starts propeller and passes its ports and pid; see that
 script for what is measured. The browser is driven over the W3C WebDriver protocol (plain JSON
 over HTTP to Debian's chromedriver)."""
-import json, os, statistics, subprocess, sys, threading, time, urllib.request
+import json, os, statistics, subprocess, sys, time, urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import (Api, cpu_or_zero, cpu_seconds, fleet_metrics, free_port, loadgen, rss_mib,
-                       store_fleet, children_of)
+from bench_api import (Api, cpu_or_zero, cpu_seconds, fleet_metrics, free_port, rss_mib, store_fleet,
+                       children_of)
 api_port, work, mqtt, bin_dir, n, pid, window = (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],
                                                  int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
 api = Api(api_port, os.path.join(work, "data"))
@@ -18,10 +18,10 @@ store_fleet(api, mqtt, n)
 print(f"{n} Proplets stored in {time.time() - t:.1f} s")
 # Heartbeats for the whole run: nobody goes silent.
 run_for = 60 + 4 * window + 60
-load = threading.Thread(target=loadgen, daemon=True, args=(bin_dir, [
-    "heartbeats", "--port", str(mqtt), "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10",
-    "--silent", "0", "--silence-after-secs", str(run_for), "--run-after-silence-secs", "1"]))
-load.start()
+load = subprocess.Popen([os.path.join(bin_dir, "propeller-loadgen"), "heartbeats", "--port", str(mqtt),
+                         "--proplets", str(n), "--prefix", "hb", "--interval-secs", "10", "--silent", "0",
+                         "--silence-after-secs", str(run_for), "--run-after-silence-secs", "1"],
+                        stdout=subprocess.DEVNULL)
 deadline = time.time() + 300
 while fleet_metrics(api)["running"] < n:
     if time.time() > deadline:
@@ -144,6 +144,8 @@ for with_browser in [False, True, False, True]:
     else:
         rows.append(measure(False))
 
+load.terminate()
+load.wait()
 without = [r for r in rows if not r["browser"]]
 with_ = [r for r in rows if r["browser"]]
 med = lambda rs, k: statistics.median(r[k] for r in rs)

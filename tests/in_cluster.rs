@@ -581,6 +581,59 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
     );
 
     stage(
+        "the book's console step: HTTPS on the Service, a user's token",
+        || {
+            work.run(&node, &readme_steps("console"));
+            node.apply(
+                "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: console-viewer\n  namespace: default\n---\n\
+apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: console-viewer\nrules:\n- apiGroups: [propeller.propeller.absmach.eu]\n  resources: [proplets]\n  verbs: [get, list, watch]\n---\n\
+apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: console-viewer\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: console-viewer\nsubjects:\n- kind: ServiceAccount\n  name: console-viewer\n  namespace: default\n",
+            );
+            let token = node.kubectl_ok(&["-n", "default", "create", "token", "console-viewer"]);
+            let token = support::secret(token.trim());
+            let cluster_ip = node.kubectl_ok(&[
+                "-n",
+                NAMESPACE,
+                "get",
+                "service",
+                "propeller",
+                "-o",
+                "jsonpath={.spec.clusterIP}",
+            ]);
+            // The made certificate's CA stays in the pod: what is checked here is the chart's
+            // wiring and the API server's word on the token, not the browser's trust.
+            let get = |path: &str, token: Option<&str>| {
+                let mut curl = Command::new("curl");
+                curl.args(["-sk", "--max-time", "10", "-w", "\n%{http_code}"])
+                    .arg(format!("https://{cluster_ip}:9443{path}"));
+                if let Some(token) = token {
+                    curl.args(["-H", &format!("Authorization: Bearer {token}")]);
+                }
+                let out = curl.output().expect("curl");
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            };
+            let page = get("/console/", None);
+            assert!(
+                page.ends_with("200") && page.contains("console.js"),
+                "{page}"
+            );
+            let anonymous = get("/v1/objects/proplet", None);
+            assert!(anonymous.ends_with("401"), "{anonymous}");
+            let listed = get("/v1/objects/proplet", Some(&token));
+            assert!(
+                listed.ends_with("200") && listed.contains("k8s-proplet"),
+                "{listed}"
+            );
+            let tasks = get("/v1/objects/task", Some(&token));
+            assert!(
+                tasks.ends_with("403") && tasks.contains("may not list tasks"),
+                "{tasks}"
+            );
+            eprintln!("console on the Service: the page for anyone, proplets for the viewer, tasks refused (403), no token 401");
+        },
+    );
+
+    stage(
         "deleting the k8s proplet removes its Deployment and pod",
         || {
             node.kubectl_ok(&[

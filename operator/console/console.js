@@ -83,6 +83,8 @@ class Live {
     this.synced = false;
     this.error = '';
     this.version = '';
+    /** Grows with every change, so views redo sorting only when something changed. */
+    this.generation = 0;
     this.listeners = new Set();
     this.abort = null;
   }
@@ -161,6 +163,7 @@ class Live {
             }
             // A version is safe to resume from once the initial objects have all arrived.
             if (!stale && pending) this.version = pending;
+            this.generation += 1;
             this.error = '';
             this.changed();
           }
@@ -348,13 +351,20 @@ const views = {
         h('td', { class: 'labels' }, labelsOf(p).join(', ')),
       );
     };
+    // Sorted once per change of the fleet, not at every repaint.
+    let proplets = [];
+    let seen = -1;
     const refresh = () => {
-      const proplets = [...liveOf('proplet').items.values()];
-      const counts = {};
-      for (const p of proplets) counts[phaseOf(p)] = (counts[phaseOf(p)] || 0) + 1;
-      summary.replaceChildren(`${proplets.length} proplets`, ...Object.entries(counts).sort().map(([phase, n]) => h('span', { class: 'count' }, badge(phase), ` ${n}`)));
+      const fleet = liveOf('proplet');
+      if (seen !== fleet.generation) {
+        seen = fleet.generation;
+        proplets = [...fleet.items.values()].sort(byKey);
+        const counts = {};
+        for (const p of proplets) counts[phaseOf(p)] = (counts[phaseOf(p)] || 0) + 1;
+        summary.replaceChildren(`${proplets.length} proplets`, ...Object.entries(counts).sort().map(([phase, n]) => h('span', { class: 'count' }, badge(phase), ` ${n}`)));
+      }
       const words = filter.value.toLowerCase().split(/\s+/).filter(Boolean);
-      const shown = (words.length ? proplets.filter((p) => words.every((w) => searchText(p).includes(w))) : proplets).sort(byKey);
+      const shown = words.length ? proplets.filter((p) => words.every((w) => searchText(p).includes(w))) : proplets;
       const rows = shown.slice(0, ROW_LIMIT).map((p) => cache.row(p, build));
       cache.prune();
       body.replaceChildren(
@@ -411,8 +421,14 @@ const views = {
       const [x, y] = [String(a.metadata.creationTimestamp), String(b.metadata.creationTimestamp)];
       return x > y ? -1 : x < y ? 1 : byKey(a, b);
     };
+    let all = [];
+    let seen = -1;
     const refresh = () => {
-      const all = [...liveOf('task').items.values()].sort(newestFirst);
+      const tasks = liveOf('task');
+      if (seen !== tasks.generation) {
+        seen = tasks.generation;
+        all = [...tasks.items.values()].sort(newestFirst);
+      }
       body.replaceChildren(statusLine(['task']) || '', taskTable(all.slice(0, ROW_LIMIT), cache), all.length > ROW_LIMIT ? h('p', { class: 'muted' }, `Showing the newest ${ROW_LIMIT} of ${all.length}.`) : '');
     };
     return { kinds: ['task'], refresh };

@@ -217,6 +217,19 @@ impl ObjectStore {
 
     /// Every object of `kind`, in one namespace or all, sorted by namespace then name.
     pub fn list(&self, kind: &str, namespace: Option<&str>) -> Result<Vec<Value>, StoreError> {
+        self.list_text(kind, namespace)?
+            .into_iter()
+            .map(|(_, _, text)| Ok(serde_json::from_str(&text)?))
+            .collect()
+    }
+
+    /// [`ObjectStore::list`] as stored: each object's namespace, name and compact JSON text,
+    /// unparsed, in (namespace, name) order.
+    pub fn list_text(
+        &self,
+        kind: &str,
+        namespace: Option<&str>,
+    ) -> Result<Vec<(String, String, String)>, StoreError> {
         check_segment("kind", kind)?;
         let prefix = match namespace {
             Some(ns) => {
@@ -238,12 +251,12 @@ impl ObjectStore {
             let Some(key) = Key::decode(key) else {
                 continue;
             };
-            let obj: Value = serde_json::from_slice(bytes.value())?;
-            found.push(((key.namespace, key.name), obj));
+            // Written by serde_json: UTF-8.
+            let text = String::from_utf8_lossy(bytes.value()).into_owned();
+            found.push((key.namespace, key.name, text));
         }
-        // Key order puts "a-b/" before "a/"; the API server's order is by (namespace, name).
-        found.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(found.into_iter().map(|(_, obj)| obj).collect())
+        found.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        Ok(found)
     }
 
     /// [`ObjectStore::get`] deserialized into a typed resource such as
