@@ -135,6 +135,58 @@ fn standalone_console_signs_in_follows_the_fleet_live_and_applies_reruns_and_del
         browser.wait_for_text(".ok", "from-console-rerun-").await;
         browser.wait_for_text("main", "No such task").await;
 
+        // A federated job's page: its rounds appear and finish as they happen.
+        let (http, stop_serving) = support::serve_file(support::fl_module());
+        let mut participants = Vec::new();
+        for name in ["a", "bb"] {
+            apply_text(
+                &api,
+                dir.path(),
+                &format!("{name}.yaml"),
+                &support::device_manifest(name, &mqtt),
+            );
+            participants.push(support::device_agent(
+                name,
+                &mqtt,
+                &dir.path().join(format!("{name}-state")),
+            ));
+        }
+        browser
+            .client
+            .goto(&format!("{base}#/federatedjob/default/fl"))
+            .await
+            .expect("open a federated job's page");
+        browser.wait_for_text("main", "No such job").await;
+        apply_text(
+            &api,
+            dir.path(),
+            "fl.yaml",
+            &support::federated_job_manifest(&http),
+        );
+        browser.wait_for_text("h1", "Completed").await;
+        let started = std::time::Instant::now();
+        loop {
+            let done = browser
+                .client
+                .execute(
+                    "return document.querySelectorAll('#rounds .phase-completed').length",
+                    vec![],
+                )
+                .await
+                .expect("count the finished rounds");
+            if done.as_u64() == Some(2) {
+                break;
+            }
+            assert!(
+                started.elapsed() < support::browser::PAGE_WAIT,
+                "the page shows {done} finished rounds, not 2"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        browser.screenshot("federated").await;
+        stop_serving.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(participants);
+
         // What the page did is what the API holds.
         let (ok, out, err) = propeller_client(&api, dir.path(), &["get", "tasks"]);
         assert!(ok, "{err}");

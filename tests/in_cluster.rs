@@ -20,6 +20,7 @@ use support::chart::{
     RESULT_WORKLOAD,
 };
 use support::image;
+use support::knode::Node;
 use support::{repo_root, Running};
 /// The devices' agents, cross-built by `scripts/build-agent-cross.sh` (profile dev here).
 const CROSS_TARGETS: [&str; 2] = ["aarch64-unknown-linux-gnu", "armv7-unknown-linux-gnueabihf"];
@@ -123,6 +124,19 @@ subjects:
   namespace: default
 "#;
 
+/// The ClusterIP of the chart's Service `propeller`.
+fn propeller_service_ip(node: &Node) -> String {
+    node.kubectl_ok(&[
+        "-n",
+        NAMESPACE,
+        "get",
+        "service",
+        "propeller",
+        "-o",
+        "jsonpath={.spec.clusterIP}",
+    ])
+}
+
 #[test]
 fn the_chart_images_and_agents_work_on_a_real_node() {
     let Some((work, node)) = node_with_images() else {
@@ -157,15 +171,7 @@ fn the_chart_images_and_agents_work_on_a_real_node() {
                 Duration::from_secs(60),
                 |holder| holder == operator,
             );
-            let cluster_ip = node.kubectl_ok(&[
-                "-n",
-                NAMESPACE,
-                "get",
-                "service",
-                "propeller",
-                "-o",
-                "jsonpath={.spec.clusterIP}",
-            ]);
+            let cluster_ip = propeller_service_ip(&node);
             let metrics = Command::new("curl")
                 .args(["-sf", "--max-time", "10"])
                 .arg(format!("http://{cluster_ip}:8080/metrics"))
@@ -591,15 +597,7 @@ apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n 
             );
             let token = node.kubectl_ok(&["-n", "default", "create", "token", "console-viewer"]);
             let token = support::secret(token.trim());
-            let cluster_ip = node.kubectl_ok(&[
-                "-n",
-                NAMESPACE,
-                "get",
-                "service",
-                "propeller",
-                "-o",
-                "jsonpath={.spec.clusterIP}",
-            ]);
+            let cluster_ip = propeller_service_ip(&node);
             // The made certificate's CA stays in the pod: what is checked here is the chart's
             // wiring and the API server's word on the token, not the browser's trust.
             let get = |path: &str, token: Option<&str>| {

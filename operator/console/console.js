@@ -536,7 +536,7 @@ const views = {
 
   federatedjob(root, [namespace, name]) {
     const head = h('div');
-    const rounds = h('div');
+    const rounds = h('div', { id: 'rounds' });
     const out = h('div');
     root.append(head, out, h('h2', {}, 'Rounds'), rounds);
     let acted = '';

@@ -52,6 +52,18 @@ pub fn parse_manifest(text: &str) -> Result<Vec<Value>, String> {
     Ok(docs)
 }
 
+/// The documents of a manifest sent as a request body: UTF-8, YAML or JSON, at least one
+/// document; otherwise why not, for a 400 answer.
+pub fn documents(body: &[u8]) -> Result<Vec<Value>, String> {
+    let text =
+        std::str::from_utf8(body).map_err(|e| format!("the manifest is not UTF-8 text: {e}"))?;
+    let docs = parse_manifest(text)?;
+    if docs.is_empty() {
+        return Err("the manifest holds no document".into());
+    }
+    Ok(docs)
+}
+
 /// Names document `i` (from 0) of a manifest in messages: `document 2 (Task "add")`.
 pub fn describe_doc(i: usize, doc: &Value) -> String {
     format!(

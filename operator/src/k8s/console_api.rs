@@ -32,7 +32,7 @@ use tokio_rustls::TlsAcceptor;
 use super::log_access::{self, LogAccess};
 use super::user_access::{serve_https, Permission, Refused, UserAccess};
 use crate::controller::kinds::{for_each_kind, KindVisitor, Reconciled};
-use crate::manifest::{canonical_kind, describe_doc, parse_manifest, served_kinds};
+use crate::manifest::{canonical_kind, describe_doc, documents, served_kinds};
 use crate::standalone::watch::INITIAL_EVENTS_END;
 use crate::task_logs::LogStore;
 
@@ -108,20 +108,29 @@ fn resource_of(typed: &str) -> Result<&'static ApiResource, Refused> {
         })
 }
 
-fn permission(
-    verb: &'static str,
+/// Refuses the request unless its caller may `verb` the resource (in `namespace`, or every
+/// namespace; one object when `name` is given).
+async fn check(
+    console: &ConsoleAccess,
+    headers: &HeaderMap,
+    verbs: &[&'static str],
     resource: &ApiResource,
     namespace: Option<&str>,
     name: Option<&str>,
-) -> Permission {
-    Permission {
-        verb,
-        group: resource.group.clone(),
-        resource: resource.plural.clone(),
-        subresource: None,
-        namespace: namespace.map(str::to_owned),
-        name: name.map(str::to_owned),
+) -> Result<(), Refused> {
+    let user = console.access.user(headers).await?;
+    for &verb in verbs {
+        let permission = Permission {
+            verb,
+            group: resource.group.clone(),
+            resource: resource.plural.clone(),
+            subresource: None,
+            namespace: namespace.map(str::to_owned),
+            name: name.map(str::to_owned),
+        };
+        console.access.allow(&user, permission).await?;
     }
+    Ok(())
 }
 
 fn api_for(
@@ -162,11 +171,7 @@ async fn list(
 ) -> Result<Json<Value>, Refused> {
     let resource = resource_of(&kind)?;
     let namespace = scope.namespace.as_deref().filter(|n| !n.is_empty());
-    let user = console.access.user(&headers).await?;
-    console
-        .access
-        .allow(&user, permission("list", resource, namespace, None))
-        .await?;
+    check(&console, &headers, &["list"], resource, namespace, None).await?;
     let listed = api_for(console.access.client().clone(), resource, namespace)
         .list(&ListParams::default())
         .await
@@ -186,14 +191,15 @@ async fn get_one(
     Path((kind, namespace, name)): Path<(String, String, String)>,
 ) -> Result<Json<Value>, Refused> {
     let resource = resource_of(&kind)?;
-    let user = console.access.user(&headers).await?;
-    console
-        .access
-        .allow(
-            &user,
-            permission("get", resource, Some(&namespace), Some(&name)),
-        )
-        .await?;
+    check(
+        &console,
+        &headers,
+        &["get"],
+        resource,
+        Some(&namespace),
+        Some(&name),
+    )
+    .await?;
     let object = api_for(console.access.client().clone(), resource, Some(&namespace))
         .get(&name)
         .await
@@ -227,14 +233,15 @@ async fn events_of(
     Path((kind, namespace, name)): Path<(String, String, String)>,
 ) -> Result<Json<Value>, Refused> {
     let resource = resource_of(&kind)?;
-    let user = console.access.user(&headers).await?;
-    console
-        .access
-        .allow(
-            &user,
-            permission("get", resource, Some(&namespace), Some(&name)),
-        )
-        .await?;
+    check(
+        &console,
+        &headers,
+        &["get"],
+        resource,
+        Some(&namespace),
+        Some(&name),
+    )
+    .await?;
     let selector = format!(
         "involvedObject.kind={},involvedObject.name={name}",
         resource.kind
@@ -315,16 +322,15 @@ async fn watch(
 ) -> Result<Response, Refused> {
     let resource = resource_of(&kind)?;
     let namespace = scope.namespace.clone().filter(|n| !n.is_empty());
-    let user = console.access.user(&headers).await?;
-    for verb in ["list", "watch"] {
-        console
-            .access
-            .allow(
-                &user,
-                permission(verb, resource, namespace.as_deref(), None),
-            )
-            .await?;
-    }
+    check(
+        &console,
+        &headers,
+        &["list", "watch"],
+        resource,
+        namespace.as_deref(),
+        None,
+    )
+    .await?;
     let api = api_for(
         console.access.client().clone(),
         resource,
@@ -429,19 +435,7 @@ async fn apply(
     body: Bytes,
 ) -> Result<Json<Value>, Refused> {
     let client = console.access.client_as(&headers)?;
-    let text = std::str::from_utf8(&body).map_err(|e| {
-        Refused(
-            StatusCode::BAD_REQUEST,
-            format!("the manifest is not UTF-8 text: {e}"),
-        )
-    })?;
-    let docs = parse_manifest(text).map_err(|e| Refused(StatusCode::BAD_REQUEST, e))?;
-    if docs.is_empty() {
-        return Err(Refused(
-            StatusCode::BAD_REQUEST,
-            "the manifest holds no document".into(),
-        ));
-    }
+    let docs = documents(&body).map_err(|e| Refused(StatusCode::BAD_REQUEST, e))?;
     let mut targets = Vec::new();
     for (i, doc) in docs.iter().enumerate() {
         let what = describe_doc(i, doc);

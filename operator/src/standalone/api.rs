@@ -22,7 +22,7 @@ use crate::controller::ObjectName;
 use crate::crd::task::Task;
 use crate::decision::kueue::QUEUE_NAME_LABEL;
 use crate::log_endpoint::{FindTask, LogParams};
-use crate::manifest::{canonical_kind, describe_doc, parse_manifest, served_kinds};
+use crate::manifest::{canonical_kind, describe_doc, documents, served_kinds};
 use crate::task_logs::LogStore;
 use crate::validation::Admission;
 
@@ -171,19 +171,7 @@ async fn apply(
     authorize(&state, &headers)?;
     // Refusals of the body itself (too large, unreadable) in the API's JSON form too.
     let body = body.map_err(|rejection| ApiError(rejection.status(), rejection.body_text()))?;
-    let body = std::str::from_utf8(&body).map_err(|e| {
-        ApiError(
-            StatusCode::BAD_REQUEST,
-            format!("the manifest is not UTF-8 text: {e}"),
-        )
-    })?;
-    let docs = parse_manifest(body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
-    if docs.is_empty() {
-        return Err(ApiError(
-            StatusCode::BAD_REQUEST,
-            "the manifest holds no document".into(),
-        ));
-    }
+    let docs = documents(&body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, e))?;
     let outcome = apply_documents(&state, &docs)
         .await
         .map_err(|refused| ApiError(refused.status, refused.problems.join("\n")))?;
