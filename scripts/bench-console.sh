@@ -29,16 +29,9 @@ for tool in /usr/bin/chromium /usr/bin/chromedriver; do
     break
   fi
 done
-ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-LIMIT=$(ulimit -n)
-MAX=$(( LIMIT - 2000 ))
-if [ "$N" -gt "$MAX" ]; then
-  echo "note: the descriptor limit here is $LIMIT, which allows $MAX proplets; running $MAX"
-  N=$MAX
-fi
 source scripts/lib/harness.sh
+fit_proplets_to_descriptors
 scratch_workspace
-export PROPELLER_MAX_CONNECTIONS=$(( N + 100 ))
 RUST_LOG=warn,rumqttd=off start_standalone "$PROPELLER" "$WORK/data" "$WORK/standalone.log" \
   --liveliness-interval 10s --last-seen-threshold 30s --status-flush-interval 5s \
   --heartbeat-writes-per-second "$WRITES"

@@ -20,13 +20,6 @@ BIN=target/release
 # PROPELLER_BIN: another propeller binary to measure (an earlier build, for before/after).
 PROPELLER=${PROPELLER_BIN:-$BIN/propeller}
 N=${1:-10000}
-ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-LIMIT=$(ulimit -n)
-MAX=$(( LIMIT - 2000 ))
-if [ "$N" -gt "$MAX" ]; then
-  echo "note: the descriptor limit here is $LIMIT (ulimit -Hn), which allows $MAX proplets; running $MAX instead of $N"
-  N=$MAX
-fi
 WORK="$(mktemp -d)"
 PIDS=()
 # The standalone log is kept for a look after the run.
@@ -39,7 +32,7 @@ trap cleanup EXIT
 source scripts/lib/harness.sh
 # Room for every simulated proplet and the few other clients (a binary without the setting
 # holds 10,000).
-export PROPELLER_MAX_CONNECTIONS=$(( N + 100 ))
+fit_proplets_to_descriptors
 RUST_LOG=warn,rumqttd=off start_standalone "$PROPELLER" "$WORK/data" "$WORK/standalone.log" \
   --liveliness-interval 10s --last-seen-threshold 30s --status-flush-interval 5s
 PIDS+=("$STANDALONE_PID")

@@ -19,6 +19,12 @@
 # ServiceAccount propeller-system/propeller that configs/rbac binds. Sets ENVTEST_PID,
 # APISERVER_PID and KUBECONFIG (the admin's). The caller stops ENVTEST_PID.
 #
+#   fit_proplets_to_descriptors
+#
+# Raises this shell's descriptor limit to its hard limit and lowers N (the proplets a bench
+# connects, each a descriptor in propeller and one in the load generator) to what it allows,
+# saying so; exports PROPELLER_MAX_CONNECTIONS for them and a few other clients.
+#
 #   scratch_workspace
 #
 # Sets WORK (a new temporary directory) and PIDS (empty: the caller adds each process it
@@ -89,4 +95,16 @@ stop_workspace() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$WORK"
+}
+
+fit_proplets_to_descriptors() {
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+  local limit max
+  limit=$(ulimit -n)
+  max=$(( limit - 2000 ))
+  if [ "$N" -gt "$max" ]; then
+    echo "note: the descriptor limit here is $limit (ulimit -Hn), which allows $max proplets; running $max instead of $N"
+    N=$max
+  fi
+  export PROPELLER_MAX_CONNECTIONS=$(( N + 100 ))
 }
