@@ -11,7 +11,7 @@ api_port, work, mqtt, bin_dir, n, pid, window = (sys.argv[1], sys.argv[2], sys.a
                                                  int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
 api = Api(api_port, os.path.join(work, "data"))
 console_bytes = sum(len(urllib.request.urlopen(f"http://127.0.0.1:{api_port}/console/{f}").read())
-                    for f in ["", "console.js", "console.css"])
+                    for f in ["", "console.js", "api.js", "render.js", "views.js", "console.css"])
 
 t = time.time()
 store_fleet(api, mqtt, n)

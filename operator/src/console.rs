@@ -22,13 +22,14 @@ pub const CONTENT_SECURITY_POLICY_VALUE: &str = "default-src 'none'; script-src 
      form-action 'self'; frame-ancestors 'none'";
 
 const INDEX: &str = include_str!("../console/index.html");
-const SCRIPT: &str = include_str!("../console/console.js");
 const STYLE: &str = include_str!("../console/console.css");
-
-/// The console's files, in bytes: page, script, style sheet.
-pub fn bundle_size() -> usize {
-    INDEX.len() + SCRIPT.len() + STYLE.len()
-}
+/// The scripts (ES modules): `console.js` loads the others.
+const SCRIPTS: [(&str, &str); 4] = [
+    ("console.js", include_str!("../console/console.js")),
+    ("api.js", include_str!("../console/api.js")),
+    ("render.js", include_str!("../console/render.js")),
+    ("views.js", include_str!("../console/views.js")),
+];
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
     (
@@ -48,7 +49,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
 
 /// The console's routes, to merge into a server's router.
 pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    Router::new()
+    let mut router = Router::new()
         .route("/", get(|| async { Redirect::to(PATH) }))
         .route("/console", get(|| async { Redirect::to(PATH) }))
         .route(
@@ -56,13 +57,16 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
             get(|| async { asset("text/html; charset=utf-8", INDEX) }),
         )
         .route(
-            "/console/console.js",
-            get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),
-        )
-        .route(
             "/console/console.css",
             get(|| async { asset("text/css; charset=utf-8", STYLE) }),
-        )
+        );
+    for (name, body) in SCRIPTS {
+        router = router.route(
+            &format!("{PATH}{name}"),
+            get(move || async move { asset("text/javascript; charset=utf-8", body) }),
+        );
+    }
+    router
 }
 
 #[cfg(test)]
@@ -81,9 +85,19 @@ mod tests {
             !INDEX.contains("<script>") && !INDEX.contains("style="),
             "inline code or styles would be refused by the Content-Security-Policy"
         );
-        assert!(
-            !SCRIPT.contains("innerHTML"),
-            "values must reach the page as text"
-        );
+        let served: Vec<&str> = SCRIPTS.iter().map(|(name, _)| *name).collect();
+        for (name, script) in SCRIPTS {
+            assert!(
+                !script.contains("innerHTML"),
+                "{name}: values must reach the page as text"
+            );
+            for import in script.split("from './").skip(1) {
+                let file = import.split('\'').next().unwrap_or_default();
+                assert!(
+                    served.contains(&file),
+                    "{name} imports {file}, which is not served"
+                );
+            }
+        }
     }
 }
