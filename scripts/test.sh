@@ -11,8 +11,9 @@
 # from ../shared/envtest beside the repository; the in-cluster suite also needs root and the
 # node kit in ../shared/envtest/node (with containerd, runc and the CNI plugins, installed
 # here). The Debian package test (tests/deb_package.rs) needs root, lintian and cargo-deb
-# (installed here too), and the dashboards test (tests/dashboards.rs) Debian's prometheus
-# (prometheus and promtool). Without them they print SKIPPED and pass, except under CI=true,
+# (installed here too), the dashboards test (tests/dashboards.rs) Debian's prometheus
+# (prometheus and promtool), and the console test (tests/console.rs) Debian's chromium and
+# chromium-driver. Without them they print SKIPPED and pass, except under CI=true,
 # where they fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +35,14 @@ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missin
 # The clock-skew test (tests/clock_skew.rs) runs an agent under faketime.
 # The dashboards test (tests/dashboards.rs) runs Prometheus and promtool on the chart's
 # dashboards and alert rules (it starts its own server on a free port).
+# The console test (tests/console.rs) drives Debian's headless Chromium through its
+# chromedriver; DejaVu gives the pages (and their screenshots) a font.
 for tool in containerd:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
   iptables:iptables nft:nftables dnsmasq:dnsmasq-base /bin/busybox:busybox-static \
   openssl:openssl xz:xz-utils ip:iproute2 objcopy:binutils curl:curl \
-  lintian:lintian systemd-analyze:systemd faketime:faketime promtool:prometheus; do
+  lintian:lintian systemd-analyze:systemd faketime:faketime promtool:prometheus \
+  /usr/bin/chromium:chromium /usr/bin/chromedriver:chromium-driver \
+  /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf:fonts-dejavu-core; do
   probe=${tool%%:*}
   if [ "${probe#/}" != "$probe" ]; then [ -e "$probe" ] || missing+=("${tool#*:}")
   else command -v "$probe" >/dev/null 2>&1 || missing+=("${tool#*:}"); fi
