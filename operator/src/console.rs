@@ -15,6 +15,23 @@ use axum::Router;
 /// Where the console is served.
 pub const PATH: &str = "/console/";
 
+/// The API routes the console's scripts call: both modes serve them (standalone's API, and
+/// on a cluster `crate::k8s::console_api`), and the CLI uses the standalone ones.
+pub mod routes {
+    /// `POST`: a manifest, all documents or none.
+    pub const APPLY: &str = "/v1/apply";
+    /// `GET`: every object of a kind.
+    pub const OBJECTS: &str = "/v1/objects/{kind}";
+    /// `GET`, `DELETE`: one object.
+    pub const OBJECT: &str = "/v1/objects/{kind}/{namespace}/{name}";
+    /// `GET`: an object's recent Events.
+    pub const EVENTS: &str = "/v1/events/{kind}/{namespace}/{name}";
+    /// `GET`: a kind's objects, then their changes, one JSON event per line.
+    pub const WATCH: &str = "/v1/watch/{kind}";
+    /// `GET`: what a Task printed.
+    pub const LOGS: &str = "/v1/logs/{namespace}/{name}";
+}
+
 /// Scripts, styles and requests only from the same origin; no inline code, no frames, no
 /// plugins, no form posts elsewhere.
 pub const CONTENT_SECURITY_POLICY_VALUE: &str = "default-src 'none'; script-src 'self'; \

@@ -4,7 +4,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::Context;
 use clap::Args;
 use propeller_operator::k8s::console_api::{self, ConsoleAccess};
 use propeller_operator::k8s::user_access::UserAccess;
@@ -43,19 +42,17 @@ pub struct ConsoleArgs {
 }
 
 impl ConsoleArgs {
-    /// Starts the console when asked; the address it listens on.
+    /// Starts the console when asked; the address it listens on. `config` is how propeller
+    /// reaches the API server: the users' clients keep its address and CA, with their tokens.
     pub async fn start(
         &self,
         client: kube::Client,
+        config: kube::Config,
         logs: Arc<LogStore>,
     ) -> anyhow::Result<Option<SocketAddr>> {
         let Some(listen) = self.console_listen else {
             return Ok(None);
         };
-        // The API server's address and CA, for the clients that present users' tokens.
-        let config = kube::Config::infer()
-            .await
-            .context("finding the Kubernetes API for the console's user clients")?;
         let (listener, acceptor) = https_listener(
             listen,
             ServingFiles {

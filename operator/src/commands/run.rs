@@ -222,6 +222,8 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
         _ => None,
     };
     // A sharded replica's reconciles write through the fence; its membership does not.
+    // The API server's address and CA, for the console's clients that present users' tokens.
+    let api_config = config.clone();
     let client = match &shard {
         Some(shard) => kube::client::ClientBuilder::try_from(config)
             .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?
@@ -338,6 +340,7 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     let result = serve(
         cmd,
         client,
+        api_config,
         health,
         controller_metrics,
         logins,
@@ -411,6 +414,7 @@ type LeaseWatch = (
 async fn serve(
     cmd: RunCommand,
     client: kube::Client,
+    api_config: kube::Config,
     health: Arc<Health>,
     controller_metrics: Arc<ControllerMetrics>,
     logins: Logins,
@@ -453,7 +457,11 @@ async fn serve(
     if let Some(addr) = cmd.log_endpoint.start(client.clone(), logs.clone()).await? {
         info!(%addr, "task log endpoint listening (https)");
     }
-    if let Some(addr) = cmd.console.start(client.clone(), logs.clone()).await? {
+    if let Some(addr) = cmd
+        .console
+        .start(client.clone(), api_config, logs.clone())
+        .await?
+    {
         info!(%addr, "web console listening (https, path /console/)");
     }
     let settings = Settings {

@@ -31,6 +31,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::log_access::{self, LogAccess};
 use super::user_access::{serve_https, Permission, Refused, UserAccess};
+use crate::console::routes;
 use crate::controller::kinds::{for_each_kind, KindVisitor, Reconciled};
 use crate::manifest::{canonical_kind, describe_doc, documents, served_kinds};
 use crate::standalone::watch::INITIAL_EVENTS_END;
@@ -77,14 +78,11 @@ pub fn router(console: ConsoleAccess) -> Router {
         logs: console.logs.clone(),
     });
     crate::console::router()
-        .route("/v1/apply", post(apply))
-        .route("/v1/objects/{kind}", get(list))
-        .route(
-            "/v1/objects/{kind}/{namespace}/{name}",
-            get(get_one).delete(delete_one),
-        )
-        .route("/v1/events/{kind}/{namespace}/{name}", get(events_of))
-        .route("/v1/watch/{kind}", get(watch))
+        .route(routes::APPLY, post(apply))
+        .route(routes::OBJECTS, get(list))
+        .route(routes::OBJECT, get(get_one).delete(delete_one))
+        .route(routes::EVENTS, get(events_of))
+        .route(routes::WATCH, get(watch))
         .with_state(console)
         .merge(logs)
 }

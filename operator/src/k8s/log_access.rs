@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::user_access::{serve_https, Permission, Refused, UserAccess, GROUP};
+use crate::console::routes;
 use crate::crd::task::Task;
 use crate::log_endpoint::{FindTask, LogParams};
 use crate::task_logs::LogStore;
@@ -32,7 +33,7 @@ pub struct LogAccess {
 /// The endpoint's routes.
 pub fn router(access: LogAccess) -> Router {
     Router::new()
-        .route("/v1/logs/{namespace}/{name}", get(task_log))
+        .route(routes::LOGS, get(task_log))
         .with_state(access)
 }
 

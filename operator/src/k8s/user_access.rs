@@ -108,6 +108,37 @@ impl Permission {
 
 type TokenDigest = [u8; 32];
 
+/// Answers kept for a while, at most [`MEMORY_LIMIT`] of them (emptied when full).
+struct Recent<K, V> {
+    ttl: Duration,
+    entries: Mutex<HashMap<K, (V, Instant)>>,
+}
+
+impl<K: std::hash::Hash + Eq, V: Clone> Recent<K, V> {
+    fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            entries: Mutex::default(),
+        }
+    }
+
+    /// The answer kept for `key`, if it is younger than the time to keep it.
+    fn get(&self, key: &K) -> Option<V> {
+        lock(&self.entries)
+            .get(key)
+            .filter(|(_, at)| at.elapsed() < self.ttl)
+            .map(|(value, _)| value.clone())
+    }
+
+    fn keep(&self, key: K, value: V) {
+        let mut entries = lock(&self.entries);
+        if entries.len() >= MEMORY_LIMIT {
+            entries.clear();
+        }
+        entries.insert(key, (value, Instant::now()));
+    }
+}
+
 /// Checks callers with the API server, remembering answers briefly.
 #[derive(Clone)]
 pub struct UserAccess {
@@ -115,8 +146,8 @@ pub struct UserAccess {
     client: kube::Client,
     /// How to reach the API server, for clients that present a caller's token.
     config: Option<kube::Config>,
-    users: Arc<Mutex<HashMap<TokenDigest, (UserInfo, Instant)>>>,
-    decisions: Arc<Mutex<HashMap<(String, Permission), Instant>>>,
+    users: Arc<Recent<TokenDigest, UserInfo>>,
+    decisions: Arc<Recent<(String, Permission), ()>>,
 }
 
 impl UserAccess {
@@ -126,8 +157,8 @@ impl UserAccess {
         Self {
             client,
             config,
-            users: Arc::default(),
-            decisions: Arc::default(),
+            users: Arc::new(Recent::new(USER_TTL)),
+            decisions: Arc::new(Recent::new(DECISION_TTL)),
         }
     }
 
@@ -156,10 +187,8 @@ impl UserAccess {
     pub async fn user(&self, headers: &HeaderMap) -> Result<UserInfo, Refused> {
         let token = Self::bearer(headers)?;
         let digest: TokenDigest = Sha256::digest(token.as_bytes()).into();
-        if let Some((user, at)) = lock(&self.users).get(&digest) {
-            if at.elapsed() < USER_TTL {
-                return Ok(user.clone());
-            }
+        if let Some(user) = self.users.get(&digest) {
+            return Ok(user);
         }
         let review = TokenReview {
             spec: TokenReviewSpec {
@@ -190,11 +219,7 @@ impl UserAccess {
                 ))
             }
         };
-        let mut users = lock(&self.users);
-        if users.len() >= MEMORY_LIMIT {
-            users.clear();
-        }
-        users.insert(digest, (user.clone(), Instant::now()));
+        self.users.keep(digest, user.clone());
         Ok(user)
     }
 
@@ -202,10 +227,8 @@ impl UserAccess {
     pub async fn allow(&self, user: &UserInfo, permission: Permission) -> Result<(), Refused> {
         let who = user.username.clone().unwrap_or_default();
         let key = (who.clone(), permission);
-        if let Some(at) = lock(&self.decisions).get(&key) {
-            if at.elapsed() < DECISION_TTL {
-                return Ok(());
-            }
+        if self.decisions.get(&key).is_some() {
+            return Ok(());
         }
         let permission = &key.1;
         let review = SubjectAccessReview {
@@ -243,11 +266,7 @@ impl UserAccess {
                 format!("{who} may not {}", permission.describe()),
             ));
         }
-        let mut decisions = lock(&self.decisions);
-        if decisions.len() >= MEMORY_LIMIT {
-            decisions.clear();
-        }
-        decisions.insert(key, Instant::now());
+        self.decisions.keep(key, ());
         Ok(())
     }
 

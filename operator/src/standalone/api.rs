@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 
+use crate::console::routes;
 use crate::controller::ObjectName;
 use crate::crd::task::Task;
 use crate::decision::kueue::QUEUE_NAME_LABEL;
@@ -359,16 +360,13 @@ async fn task_log(
 /// The API's routes, and the web console that uses them.
 pub fn router(state: Arc<ApiState>) -> Router {
     crate::console::router()
-        .route("/v1/apply", post(apply))
+        .route(routes::APPLY, post(apply))
         .route("/metrics", get(metrics))
-        .route("/v1/objects/{kind}", get(list))
-        .route(
-            "/v1/objects/{kind}/{namespace}/{name}",
-            get(get_one).delete(delete_one),
-        )
-        .route("/v1/events/{kind}/{namespace}/{name}", get(events_of))
-        .route("/v1/watch/{kind}", get(watch))
-        .route("/v1/logs/{namespace}/{name}", get(task_log))
+        .route(routes::OBJECTS, get(list))
+        .route(routes::OBJECT, get(get_one).delete(delete_one))
+        .route(routes::EVENTS, get(events_of))
+        .route(routes::WATCH, get(watch))
+        .route(routes::LOGS, get(task_log))
         .with_state(state)
 }
 

@@ -217,10 +217,8 @@ impl ObjectStore {
 
     /// Every object of `kind`, in one namespace or all, sorted by namespace then name.
     pub fn list(&self, kind: &str, namespace: Option<&str>) -> Result<Vec<Value>, StoreError> {
-        self.list_text(kind, namespace)?
-            .into_iter()
-            .map(|(_, _, text)| Ok(serde_json::from_str(&text)?))
-            .collect()
+        let found = self.scan(kind, namespace, |bytes| Ok(serde_json::from_slice(bytes)?))?;
+        Ok(found.into_iter().map(|(_, _, object)| object).collect())
     }
 
     /// [`ObjectStore::list`] as stored: each object's namespace, name and compact JSON text,
@@ -230,6 +228,20 @@ impl ObjectStore {
         kind: &str,
         namespace: Option<&str>,
     ) -> Result<Vec<(String, String, String)>, StoreError> {
+        // Written by serde_json: UTF-8.
+        self.scan(kind, namespace, |bytes| {
+            Ok(String::from_utf8_lossy(bytes).into_owned())
+        })
+    }
+
+    /// Every object of `kind` (in `namespace`, or all) read by `read`, with its namespace and
+    /// name, in (namespace, name) order.
+    fn scan<T>(
+        &self,
+        kind: &str,
+        namespace: Option<&str>,
+        read: impl Fn(&[u8]) -> Result<T, StoreError>,
+    ) -> Result<Vec<(String, String, T)>, StoreError> {
         check_segment("kind", kind)?;
         let prefix = match namespace {
             Some(ns) => {
@@ -251,10 +263,9 @@ impl ObjectStore {
             let Some(key) = Key::decode(key) else {
                 continue;
             };
-            // Written by serde_json: UTF-8.
-            let text = String::from_utf8_lossy(bytes.value()).into_owned();
-            found.push((key.namespace, key.name, text));
+            found.push((key.namespace, key.name, read(bytes.value())?));
         }
+        // Key order puts "a-b/" before "a/"; the API server's order is by (namespace, name).
         found.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
         Ok(found)
     }
