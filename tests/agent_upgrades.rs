@@ -97,12 +97,15 @@ impl FileServer {
 
     /// The URL pinned with `body`'s digest.
     fn pinned(&self, body: &[u8]) -> String {
-        let digest: String = Sha256::digest(body)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        format!("{}#sha256={digest}", self.url)
+        format!("{}#sha256={}", self.url, sha256_hex(body))
     }
+}
+
+fn sha256_hex(body: &[u8]) -> String {
+    Sha256::digest(body)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl Drop for FileServer {
@@ -663,4 +666,46 @@ fn the_books_upgrade_steps_run_as_written() {
     for proplet in &names {
         wait_for_phase(&api, &data, proplet, "Running");
     }
+}
+
+/// An agent pushed to an OCI registry as a plain file (the layout `oras push` makes) is
+/// installed from its blob: a registry serves every blob at an HTTP(S) URL named by its
+/// digest, which is also the pin.
+#[test]
+fn an_agent_pushed_to_an_oci_registry_is_installed_from_its_blob() {
+    let Some(registry) = support::registry::Registry::start(None) else {
+        return;
+    };
+    let body = new_agent();
+    registry.push(
+        &format!("agents/proplet:{NEW_VERSION}"),
+        &body,
+        support::registry::Layout::PlainFile,
+    );
+    let digest = sha256_hex(&body);
+    let url = format!(
+        "http://{}/v2/agents/proplet/blobs/sha256:{digest}#sha256={digest}",
+        registry.host
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let work = dir.path();
+    let (_server, api, port) = start_standalone(work, &[]);
+    let names = vec!["oci-0".to_owned(), "oci-1".to_owned()];
+    let _agents = devices(&api, work, &port, &names);
+    apply_text(
+        &api,
+        work,
+        "oci.yaml",
+        &upgrade_manifest("from-oci", &url, 2, ""),
+    );
+    let done = wait_for_rollout(&api, work, "from-oci", "Completed", Duration::from_secs(300));
+    assert_eq!(done["status"]["healthy"], 2, "{:#}", done["status"]);
+    for name in &names {
+        wait_for_phase(&api, work, name, "Running");
+        assert_eq!(reported_version(&api, work, name), NEW_VERSION, "{name}");
+    }
+    assert!(
+        registry.blob_gets(&format!("sha256:{digest}")) >= 2,
+        "each device fetched the blob from the registry"
+    );
 }
