@@ -698,7 +698,13 @@ fn an_agent_pushed_to_an_oci_registry_is_installed_from_its_blob() {
         "oci.yaml",
         &upgrade_manifest("from-oci", &url, 2, ""),
     );
-    let done = wait_for_rollout(&api, work, "from-oci", "Completed", Duration::from_secs(300));
+    let done = wait_for_rollout(
+        &api,
+        work,
+        "from-oci",
+        "Completed",
+        Duration::from_secs(300),
+    );
     assert_eq!(done["status"]["healthy"], 2, "{:#}", done["status"]);
     for name in &names {
         wait_for_phase(&api, work, name, "Running");
