@@ -78,4 +78,8 @@ esac
 export PROPLET_MQTT_ADDRESS=$address PROPLET_CLIENT_ID=$client_id PROPLET_CLIENT_KEY=$client_key \
   PROPLET_DOMAIN_ID=$domain_id PROPLET_CHANNEL_ID=$channel_id
 [ -n "$state_dir" ] && export PROPLET_STATE_DIR=$state_dir
+# A binary the agent execs (an upgrade's new agent, or its previous one) is handed by the
+# kernel to qemu through binfmt_misc (Debian's qemu-user-binfmt registers it), which finds
+# the target's libc through QEMU_LD_PREFIX, inherited from here.
+export QEMU_LD_PREFIX=$sysroot
 exec "$qemu" -L "$sysroot" "$bin" "$@"
