@@ -91,6 +91,13 @@ pub struct TaskSpec {
     /// Runs until stopped; exempt from the time limit.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub daemon: bool,
+    /// For a daemon: seconds its proplet may be Offline before the daemon is placed on
+    /// another proplet that matches (300 when unset, as a pod's `tolerationSeconds` for an
+    /// unreachable node; 0 moves it as soon as the proplet is Offline). A daemon pinned by
+    /// `propletSelector.propletId` has nowhere else to go and stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub offline_toleration_seconds: Option<i64>,
     /// Held: nothing is dispatched, and a run that is out is stopped (the task goes back to
     /// Pending and runs again once this is false). A PropellerJob sets it on its children
     /// while it is suspended or waiting for Kueue.
@@ -185,6 +192,7 @@ impl Default for TaskSpec {
             preferred_proplet_type: Default::default(),
             resource_requirements: Default::default(),
             daemon: Default::default(),
+            offline_toleration_seconds: None,
             suspend: false,
             backoff_limit: None,
             backoff_seconds: None,
@@ -492,6 +500,25 @@ pub struct TaskStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub failed_attempts: Vec<FailedAttempt>,
+    /// Runs of a daemon left on proplets that went Offline when it was placed elsewhere:
+    /// each is stopped as soon as its proplet is Running again, and its result and log
+    /// lines are refused meanwhile (the fence).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub displaced_runs: Vec<DisplacedRun>,
+}
+
+/// A daemon's run left behind on a proplet that went Offline.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DisplacedRun {
+    /// The proplet it was left on.
+    #[schemars(length(max = 253))]
+    pub proplet: String,
+    /// Its run number (`runCount` then).
+    pub run: i64,
+    /// When the daemon was placed elsewhere.
+    pub displaced_at: DateTime<Utc>,
 }
 
 /// A failed run that was retried.

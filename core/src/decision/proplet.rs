@@ -69,6 +69,12 @@ pub fn wakes_waiting_tasks(before: Option<PropletPhase>, after: PropletPhase) ->
     after == PropletPhase::Running && before != Some(PropletPhase::Running)
 }
 
+/// Whether a phase change wakes the tasks occupying the proplet: it went Offline from
+/// Running, which starts a daemon's `offlineTolerationSeconds`.
+pub fn wakes_occupants(before: Option<PropletPhase>, after: PropletPhase) -> bool {
+    after == PropletPhase::Offline && before == Some(PropletPhase::Running)
+}
+
 /// The condition that says whether a proplet enrolled with a manual-approval token may get
 /// tasks.
 pub const APPROVED: &str = "Approved";
@@ -312,6 +318,9 @@ mod tests {
         assert!(wakes_waiting_tasks(Some(Offline), Running));
         assert!(!wakes_waiting_tasks(Some(Running), Running));
         assert!(!wakes_waiting_tasks(Some(Running), Offline));
+        assert!(wakes_occupants(Some(Running), Offline));
+        assert!(!wakes_occupants(Some(Initializing), Offline));
+        assert!(!wakes_occupants(Some(Offline), Running));
     }
 
     #[test]

@@ -24,7 +24,9 @@ use crate::crd::task::{
 
 mod commands;
 mod pending;
+mod relocation;
 mod running;
+pub use relocation::DEFAULT_OFFLINE_TOLERATION;
 pub use running::RESULT_OVERDUE;
 
 pub use commands::{selector_of, start_request, start_request_pinned};
@@ -36,6 +38,7 @@ pub use super::task_observations::{
 };
 use crate::decision::task::commands::{stop_for, targets_of, view};
 use crate::decision::task::pending::plan_pending;
+use crate::decision::task::relocation::{fence_displaced, relocate_if_offline};
 use crate::decision::task::running::{plan_running, plan_scheduled};
 
 /// Condition: a proplet has been assigned.
@@ -348,6 +351,7 @@ pub fn plan(
                 "the task was deleted while it ran; stop sent",
             ));
         }
+        fence_displaced(task, observed, now, &mut desired, &mut plan);
         if has_finalizer {
             plan.finalizer = Some(FinalizerChange::Remove);
         }
@@ -422,8 +426,19 @@ pub fn plan(
     } else {
         resume(gen, now, &mut desired, &mut plan);
     }
+    // A daemon whose proplet stayed Offline goes back to Pending here, and is placed again
+    // at the next reconcile, over the proplets that could take it (this one read only
+    // those its run occupied).
+    let relocated = task.spec.daemon
+        && !task.spec.suspend
+        && matches!(desired.phase, TaskPhase::Scheduled | TaskPhase::Running)
+        && !runs_as_job(observed, &desired)
+        && {
+            relocate_if_offline(task, observed, now, &mut desired, &mut plan);
+            desired.phase == TaskPhase::Pending
+        };
     match desired.phase {
-        _ if task.spec.suspend => {}
+        _ if task.spec.suspend || relocated => {}
         TaskPhase::Pending => plan_pending(task, observed, settings, now, &mut desired, &mut plan),
         TaskPhase::Scheduled => {
             plan_scheduled(task, observed, settings, now, &mut desired, &mut plan)
@@ -435,6 +450,7 @@ pub fn plan(
     if desired.phase == TaskPhase::Failed && written.phase != TaskPhase::Failed {
         retry(task, gen, now, &mut desired, &mut plan);
     }
+    fence_displaced(task, observed, now, &mut desired, &mut plan);
     note_new_wait(&written, &desired, &mut plan);
     if !has_finalizer && settings.finalizer.wanted(task, &desired) {
         plan.finalizer = Some(FinalizerChange::Add);
@@ -2521,5 +2537,133 @@ mod tests {
         let status = written(&plan(&task, &observed, &settings(), now())).clone();
         assert_eq!(status.phase, TaskPhase::Failed);
         assert_eq!(status.retries, None);
+    }
+
+    // Daemons that move off an Offline proplet, and the fence on the run they leave.
+
+    /// A daemon running on `proplet` (run 1) that tolerates 60 s of it Offline.
+    fn daemon_on(proplet: &str) -> Value {
+        let mut v = finalized(task_value(), running_status(proplet, at(8, 0, 0)));
+        v["spec"]["daemon"] = json!(true);
+        v["spec"]["offlineTolerationSeconds"] = json!(60);
+        v
+    }
+
+    /// The Running external proplet `name`, Offline since `since`.
+    fn offline(name: &str, since: DateTime<Utc>) -> PropletView {
+        let mut v = proplet_value(name, &format!("{name}-client"));
+        v["status"] = json!({"phase": "Offline", "conditions": [{
+            "type": "Ready", "status": "False", "reason": "PropletOffline",
+            "message": "external proplet is offline", "lastTransitionTime": since
+        }]});
+        proplet_view(&proplet_from(v), 0)
+    }
+
+    #[test]
+    fn a_daemon_waits_out_its_toleration_then_moves_and_leaves_its_run_fenced() {
+        let task = task_from(daemon_on("a"));
+        let observed = observing(vec![offline("a", at(9, 59, 30))]);
+        let early = plan(&task, &observed, &settings(), now());
+        assert_eq!(early.status, None, "within its toleration: {early:?}");
+        assert_eq!(early.requeue_at, Some(at(10, 0, 30)));
+
+        let moved = plan(&task, &observed, &settings(), at(10, 0, 30));
+        let status = written(&moved);
+        assert_eq!(status.phase, TaskPhase::Pending);
+        assert_eq!(status.assigned_proplet, None);
+        assert_eq!(status.run_count, Some(1), "the next dispatch numbers run 2");
+        assert_eq!(
+            status.displaced_runs,
+            vec![crate::crd::task::DisplacedRun {
+                proplet: "a".into(),
+                run: 1,
+                displaced_at: at(10, 0, 30),
+            }]
+        );
+        assert!(moved.notes.iter().any(|n| n.reason == "Relocated"));
+        assert!(moved.starts.is_empty(), "placed at the next reconcile");
+        assert!(moved.stops.is_empty(), "nothing reaches an Offline proplet");
+        assert_eq!(moved.requeue_at, Some(at(10, 0, 30)));
+    }
+
+    #[test]
+    fn a_pinned_daemon_or_a_plain_task_stays_on_its_offline_proplet() {
+        let mut pinned = daemon_on("a");
+        pinned["spec"]["propletSelector"] = json!({"propletId": "a"});
+        let mut plain = daemon_on("a");
+        plain["spec"]["daemon"] = json!(false);
+        plain["status"]["startedAt"] = json!(at(9, 59, 0));
+        let observed = observing(vec![offline("a", at(9, 0, 0))]);
+        for v in [pinned, plain] {
+            let plan = plan(&task_from(v), &observed, &settings(), now());
+            assert!(
+                plan.status
+                    .as_ref()
+                    .is_none_or(|s| s.phase != TaskPhase::Pending),
+                "{plan:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_displaced_run_is_stopped_once_its_proplet_is_back_and_its_results_are_refused() {
+        let mut v = daemon_on("b");
+        v["status"]["runCount"] = json!(2);
+        v["status"]["displacedRuns"] =
+            json!([{"proplet": "a", "run": 1, "displacedAt": at(9, 0, 0)}]);
+        let task = task_from(v);
+        // Still Offline: kept, nothing sent.
+        let away = plan(
+            &task,
+            &observing(vec![proplet("b", "b-client"), offline("a", at(8, 59, 0))]),
+            &settings(),
+            now(),
+        );
+        assert!(away.stops.is_empty(), "{away:?}");
+        assert_eq!(away.requeue_at, Some(at(10, 0, 10)), "looks again for its return");
+        assert!(away
+            .status
+            .as_ref()
+            .is_none_or(|s| s.displaced_runs.len() == 1));
+
+        // Back: a stop to it alone, and the run forgotten; its result is not taken.
+        let mut observed = observing(vec![proplet("b", "b-client"), proplet("a", "a-client")]);
+        observed.results = vec![result("a-client", json!("stale"), None)];
+        let back = plan(&task, &observed, &settings(), now());
+        assert_eq!(back.stops.len(), 1, "{back:?}");
+        assert_eq!(back.stops[0].request.proplet_id.as_deref(), Some("a-client"));
+        let status = written(&back);
+        assert!(status.displaced_runs.is_empty());
+        assert_eq!(status.phase, TaskPhase::Running, "b still runs it");
+        assert_eq!(status.assigned_proplet.as_deref(), Some("b"));
+        assert_eq!(status.results, None, "the displaced run's result is refused");
+        assert!(back.notes.iter().any(|n| n.reason == "Fenced"));
+        assert!(back.notes.iter().any(|n| n.reason == "ResultIgnored"));
+
+        // Gone (deleted, so missing from the proplets asked for by name): forgotten.
+        let gone = plan(
+            &task,
+            &observing(vec![proplet("b", "b-client")]),
+            &settings(),
+            now(),
+        );
+        assert!(gone.stops.is_empty());
+        assert!(written(&gone).displaced_runs.is_empty());
+    }
+
+    #[test]
+    fn a_displaced_run_on_the_proplet_the_daemon_returns_to_is_replaced_not_stopped() {
+        let mut v = daemon_on("a");
+        v["status"]["displacedRuns"] =
+            json!([{"proplet": "a", "run": 1, "displacedAt": at(9, 0, 0)}]);
+        v["status"]["runCount"] = json!(2);
+        let plan = plan(
+            &task_from(v),
+            &observing(vec![proplet("a", "a-client")]),
+            &settings(),
+            now(),
+        );
+        assert!(plan.stops.is_empty(), "{plan:?}");
+        assert!(written(&plan).displaced_runs.is_empty());
     }
 }

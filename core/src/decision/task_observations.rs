@@ -23,6 +23,9 @@ pub struct PropletView {
     pub domain: String,
     /// Topic channel of the proplet.
     pub channel: String,
+    /// When it went Offline, by propeller's clock (its `Ready` condition turning false),
+    /// while it is Offline.
+    pub offline_since: Option<DateTime<Utc>>,
 }
 
 /// A result the broker received for this task and the status does not hold yet.
@@ -139,6 +142,7 @@ pub fn proplet_scope(task: &Task) -> PropletScope {
             .assigned_proplet
             .iter()
             .chain(&status.broadcast_proplets)
+            .chain(status.displaced_runs.iter().map(|d| &d.proplet))
             .cloned()
             .collect();
         names.sort_unstable();
@@ -189,7 +193,19 @@ pub fn proplet_view(proplet: &crate::crd::proplet::Proplet, active_tasks: u32) -
         client_id: proplet.client_id().to_owned(),
         domain: conn.domain().unwrap_or_default().to_owned(),
         channel: conn.channel_id.clone(),
+        offline_since: offline_since(proplet),
     }
+}
+
+/// When `proplet` went Offline, while it is: the time its `Ready` condition turned false.
+fn offline_since(proplet: &crate::crd::proplet::Proplet) -> Option<DateTime<Utc>> {
+    let status = proplet.status.as_ref()?;
+    if status.phase != crate::crd::proplet::PropletPhase::Offline {
+        return None;
+    }
+    crate::crd::common::find_condition(&status.conditions, "Ready")
+        .filter(|c| c.status == "False")
+        .and_then(|c| super::conditions::from_k8s_time(&c.last_transition_time))
 }
 
 /// A task's observations from what a driver's caches answer: the phase of a task of the

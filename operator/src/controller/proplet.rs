@@ -10,7 +10,8 @@ use tracing::info;
 use crate::crd::proplet::{Proplet, PropletPhase};
 use crate::crd::task::{Task, TaskPhase};
 use crate::decision::proplet::{
-    approval_granted, phase_change_note, plan, wakes_waiting_tasks, PropletObservations,
+    approval_granted, phase_change_note, plan, wakes_occupants, wakes_waiting_tasks,
+    PropletObservations,
 };
 use crate::decision::task::Note;
 
@@ -107,7 +108,10 @@ async fn reconcile_once<C: Cluster>(
     if wakes_waiting_tasks(before, status.phase)
         || approval_granted(proplet.status.as_ref(), status)
     {
-        wake_waiting_tasks(cluster, &name.namespace);
+        wake_waiting_tasks(cluster, &name);
+    }
+    if wakes_occupants(before, status.phase) {
+        wake_occupants(cluster, &proplet);
     }
     // Written first, recorded after: 1,000 proplets going Offline together are not each held
     // for an Event.
@@ -117,16 +121,25 @@ async fn reconcile_once<C: Cluster>(
     Ok(plan.requeue_at)
 }
 
-/// Wakes the pending tasks of `namespace` (a proplet they may run on became Running).
-fn wake_waiting_tasks<C: CacheReads + Signals>(cluster: &C, namespace: &str) {
-    for task in cluster.tasks_in(namespace) {
-        let waiting = task
-            .status
-            .as_ref()
-            .is_none_or(|s| s.phase == TaskPhase::Pending);
-        if waiting {
+/// Wakes the pending tasks of the proplet's namespace (a proplet they may run on became
+/// Running), and the tasks that left a displaced run on it (the fence stops it).
+fn wake_waiting_tasks<C: CacheReads + Signals>(cluster: &C, proplet: &ObjectName) {
+    for task in cluster.tasks_in(&proplet.namespace) {
+        let woken = task.status.as_ref().is_none_or(|s| {
+            s.phase == TaskPhase::Pending
+                || s.displaced_runs.iter().any(|d| d.proplet == proplet.name)
+        });
+        if woken {
             cluster.wake(Wake::of::<Task>(ObjectName::of(task.as_ref())));
         }
+    }
+}
+
+/// Wakes the tasks occupying `proplet` (a daemon's toleration of its Offline proplet starts).
+fn wake_occupants<C: CacheReads + Signals>(cluster: &C, proplet: &Proplet) {
+    let namespace = ObjectName::of(proplet).namespace;
+    for task in cluster.tasks_on(proplet) {
+        cluster.wake(Wake::of::<Task>(ObjectName::new(&namespace, &task)));
     }
 }
 
@@ -140,7 +153,10 @@ pub fn wake_after_change_elsewhere<C: CacheReads + Signals>(
     let phase = proplet.status.as_ref().map(|s| s.phase);
     if let Some(phase) = phase {
         if wakes_waiting_tasks(before, phase) {
-            wake_waiting_tasks(cluster, &ObjectName::of(proplet).namespace);
+            wake_waiting_tasks(cluster, &ObjectName::of(proplet));
+        }
+        if wakes_occupants(before, phase) {
+            wake_occupants(cluster, proplet);
         }
     }
 }
