@@ -46,43 +46,82 @@ pub struct TaskLine {
 }
 
 /// Lines captured and not yet taken by the agent's log spooler. Bounded: when the spooler
-/// falls behind (a full disk), the oldest lines go first.
+/// falls behind (a guest printing faster than lines can be spooled, a full disk), the
+/// oldest lines go first, and the task's log gets a line saying how many.
 #[derive(Debug)]
 pub struct LogQueue {
-    lines: Mutex<VecDeque<TaskLine>>,
+    queued: Mutex<Queued>,
     capacity: usize,
     added: Notify,
+    /// Told when the queue reaches half its capacity: the spooler takes the lines early.
+    filling: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Queued {
+    lines: VecDeque<TaskLine>,
+    /// Lines dropped since the last take, per task.
+    dropped: std::collections::BTreeMap<String, u64>,
 }
 
 impl LogQueue {
     /// A queue holding at most `capacity` lines.
     pub fn new(capacity: usize) -> Self {
         Self {
-            lines: Mutex::new(VecDeque::new()),
+            queued: Mutex::default(),
             capacity: capacity.max(1),
             added: Notify::new(),
+            filling: Notify::new(),
         }
     }
 
     fn push(&self, line: TaskLine) {
-        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-        if lines.len() == self.capacity {
-            lines.pop_front();
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        if queued.lines.len() == self.capacity {
+            if let Some(oldest) = queued.lines.pop_front() {
+                *queued.dropped.entry(oldest.task_id).or_default() += 1;
+            }
         }
-        lines.push_back(line);
-        drop(lines);
+        queued.lines.push_back(line);
+        let half = queued.lines.len() == self.capacity.div_ceil(2);
+        drop(queued);
         self.added.notify_one();
+        if half {
+            self.filling.notify_one();
+        }
     }
 
-    /// Every queued line, oldest first.
+    /// Every queued line, oldest first, then for each task that lost lines to a full
+    /// queue a line from the agent saying how many.
     pub fn take_all(&self) -> Vec<TaskLine> {
-        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-        lines.drain(..).collect()
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lines: Vec<TaskLine> = queued.lines.drain(..).collect();
+        let at_ms = chrono::Utc::now().timestamp_millis();
+        for (task_id, dropped) in std::mem::take(&mut queued.dropped) {
+            lines.push(TaskLine {
+                task_id,
+                line: LogLine {
+                    at_ms,
+                    stream: LogStream::Agent,
+                    text: format!(
+                        "{dropped} lines dropped: printed faster than the agent could keep \
+                         them ({} lines queued at most)",
+                        self.capacity
+                    ),
+                },
+            });
+        }
+        lines
     }
 
     /// Resolves when a line was queued since the last call (or now, if one is waiting).
     pub async fn added(&self) {
         self.added.notified().await;
+    }
+
+    /// Resolves when the queue reached half its capacity since the last call.
+    pub async fn filling(&self) {
+        self.filling.notified().await;
     }
 }
 
@@ -385,6 +424,15 @@ mod tests {
         let mut out = tap.writer(LogStream::Stdout);
         out.write(b"1\n2\n3\n4\n5\n");
         let kept: Vec<String> = texts(&queue).into_iter().map(|(_, t)| t).collect();
-        assert_eq!(kept, ["3", "4", "5"]);
+        assert_eq!(
+            kept,
+            [
+                "3",
+                "4",
+                "5",
+                "2 lines dropped: printed faster than the agent could keep them (3 lines queued at most)"
+            ]
+        );
+        assert!(texts(&queue).is_empty(), "said once");
     }
 }

@@ -27,11 +27,16 @@ impl Agent {
             .map(|limits| LogTap::new(task_id, limits, self.log_queue.clone()))
     }
 
-    /// Moves captured lines into the log spool, a batch per task, every [`GATHER`].
+    /// Moves captured lines into the log spool, a batch per task, every [`GATHER`] (sooner
+    /// when the queue is half full).
     pub(super) async fn spool_logs(self: Arc<Self>) {
         loop {
             self.log_queue.added().await;
-            tokio::time::sleep(GATHER).await;
+            // A guest printing flat out fills the queue sooner: its lines go at once.
+            tokio::select! {
+                _ = tokio::time::sleep(GATHER) => {}
+                _ = self.log_queue.filling() => {}
+            }
             let lines = self.log_queue.take_all();
             if lines.is_empty() {
                 continue;
