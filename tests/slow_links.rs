@@ -1,7 +1,7 @@
 //! A device on a bad link, made by a userspace fault proxy (this kernel has no `netem`):
 //! 300 ms added each way, a 20 s stall in the middle of a burst, then every connection cut
-//! mid-stream, twice. `propeller standalone` and a real agent; the agent's log counts the
-//! executions.
+//! mid-stream, twice; and a module sent in chunks over a 1 MB/s link cut halfway.
+//! `propeller standalone` and a real agent; the agent's log counts the executions.
 
 mod support;
 
@@ -61,6 +61,27 @@ fn completed(api: &str, dir: &std::path::Path) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// The device `edge` (keep-alive 5 s) reaching the broker on `port` through a fault proxy
+/// that adds 300 ms each way; Running.
+fn device_behind_a_proxy(
+    api: &str,
+    work: &std::path::Path,
+    port: &str,
+) -> (FaultProxy, support::Running) {
+    let broker: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().expect("address");
+    let proxy = FaultProxy::start(broker);
+    proxy.set_delay(Duration::from_millis(300));
+    apply_text(api, work, "edge.yaml", &device_manifest("edge", port));
+    let agent = device_agent_with(
+        "edge",
+        proxy.port,
+        &work.join("edge-state"),
+        &[("PROPLET_MQTT_KEEP_ALIVE", "5s")],
+    );
+    wait_for_phase(api, work, "edge", "Running");
+    (proxy, agent)
+}
+
 #[test]
 fn a_device_on_a_slow_stalling_cut_link_loses_and_doubles_nothing() {
     let tasks = tasks();
@@ -70,17 +91,7 @@ fn a_device_on_a_slow_stalling_cut_link_loses_and_doubles_nothing() {
         work,
         &["--last-seen-threshold", "3s", "--liveliness-interval", "1s"],
     );
-    let broker: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().expect("address");
-    let proxy = FaultProxy::start(broker);
-    proxy.set_delay(Duration::from_millis(300));
-    apply_text(&api, work, "edge.yaml", &device_manifest("edge", &port));
-    let agent = device_agent_with(
-        "edge",
-        proxy.port,
-        &work.join("edge-state"),
-        &[("PROPLET_MQTT_KEEP_ALIVE", "5s")],
-    );
-    wait_for_phase(&api, work, "edge", "Running");
+    let (proxy, agent) = device_behind_a_proxy(&api, work, &port);
 
     let manifests: Vec<String> = (0..tasks)
         .map(|i| inline_task(&format!("link-{i}"), &format!("[{i}, 1]")))
@@ -155,5 +166,81 @@ fn a_device_on_a_slow_stalling_cut_link_loses_and_doubles_nothing() {
         offline_after.as_secs_f64(),
         running_after.as_secs_f64(),
         total.as_secs_f64()
+    );
+}
+
+/// A Wasm module from an OCI registry, sent to the device in MQTT chunks over a 1 MB/s
+/// link (300 ms each way) that is cut when about a third of it has crossed: the device asks
+/// again once it is back, keeps the chunks it has, and runs the task once.
+#[test]
+fn a_chunked_module_transfer_cut_halfway_is_asked_again_and_runs_once() {
+    use support::registry::{add_module, Layout, Registry};
+    let Some(registry) = Registry::start(None) else {
+        return;
+    };
+    let size = 4_000_000;
+    registry.push("wasm/add:big", &add_module(size), Layout::WasmArtifact);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let work = dir.path();
+    let (_server, api, port) = start_standalone(
+        work,
+        &[
+            "--last-seen-threshold",
+            "3s",
+            "--registry-plain-http",
+            &registry.host,
+        ],
+    );
+    let (proxy, agent) = device_behind_a_proxy(&api, work, &port);
+    proxy.set_rate(1_000_000);
+    let before = proxy.bytes_to_clients();
+    let applied = Instant::now();
+    apply_text(
+        &api,
+        work,
+        "big.yaml",
+        &format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: big\nspec:\n  name: big\n  functionName: add\n  imageUrl: {}/wasm/add:big\n  inputs: [10, 32]\n",
+            registry.host
+        ),
+    );
+    while proxy.bytes_to_clients() < before + size as u64 / 3 {
+        assert!(
+            applied.elapsed() < Duration::from_secs(60),
+            "the module is not sent"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let crossed = proxy.bytes_to_clients() - before;
+    proxy.cut();
+    let cut_at = applied.elapsed();
+    let started = Instant::now();
+    let task = loop {
+        let task = get_json(&api, work, &["get", "task", "big"]);
+        if task["status"]["phase"] == "completed" || task["status"]["phase"] == "failed" {
+            break task;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not finished: {:#}",
+            task["status"]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let done = applied.elapsed();
+    assert_eq!(task["status"]["phase"], "completed", "{:#}", task["status"]);
+    assert_eq!(task["status"]["results"], "42");
+    let log = agent.stderr_so_far();
+    let accepted = log.iter().filter(|l| l.contains("task accepted")).count();
+    assert_eq!(accepted, 1, "one execution");
+    let asked_again = log
+        .iter()
+        .filter(|l| l.contains("chunks asked for again"))
+        .count();
+    assert!(asked_again >= 1, "the device asked again after the cut");
+    println!(
+        "a {size}-byte module over 1 MB/s: {crossed} bytes crossed when the link was cut {:.1} s after the apply; completed with 42, {:.1} s after the apply, executed once; asked again {asked_again} time(s)",
+        cut_at.as_secs_f64(),
+        done.as_secs_f64()
     );
 }

@@ -538,6 +538,7 @@ impl Agent {
         });
         let _ = probe_ip.await;
         self.subscribe().await;
+        self.ask_again_for_chunks().await;
     }
 
     /// Publishes the proplet's discovery (`control/proplet/create`).

@@ -1,7 +1,7 @@
 //! A userspace TCP proxy that makes a link slow, stalled or cut (the kernel here has no
-//! `netem`): every chunk waits the set delay before it is passed on; a stall holds all bytes
-//! in both directions while the connections stay open; a cut closes every connection at
-//! once, in the middle of whatever was on its way. One thread per direction per connection;
+//! `netem`): every chunk waits the set delay before it is passed on, at most at the set
+//! rate; a stall holds all bytes in both directions while the connections stay open; a cut
+//! closes every connection at once, in the middle of whatever was on its way. One thread per direction per connection;
 //! everything stops when the proxy is dropped.
 
 use std::io::{Read, Write};
@@ -13,8 +13,12 @@ use std::time::Duration;
 #[derive(Default)]
 struct Faults {
     delay_ms: AtomicU64,
+    /// Bytes a second each direction of a connection may carry (0: no cap).
+    rate: AtomicU64,
     stalled: AtomicBool,
     stopped: AtomicBool,
+    /// Bytes passed on from the target to the clients.
+    to_clients: AtomicU64,
     /// Both ends of every open connection, to cut them.
     open: Mutex<Vec<TcpStream>>,
 }
@@ -57,9 +61,19 @@ impl FaultProxy {
             .store(delay.as_millis() as u64, Ordering::Relaxed);
     }
 
+    /// Caps each direction of each connection at `bytes_per_second` (0 lifts the cap).
+    pub fn set_rate(&self, bytes_per_second: u64) {
+        self.faults.rate.store(bytes_per_second, Ordering::Relaxed);
+    }
+
     /// Holds (or releases) every byte in both directions; connections stay open.
     pub fn set_stalled(&self, stalled: bool) {
         self.faults.stalled.store(stalled, Ordering::Relaxed);
+    }
+
+    /// Bytes passed on from the target to the clients so far.
+    pub fn bytes_to_clients(&self) -> u64 {
+        self.faults.to_clients.load(Ordering::Relaxed)
     }
 
     /// Closes every open connection at once.
@@ -92,16 +106,16 @@ fn connect(faults: &Arc<Faults>, client: TcpStream, server: TcpStream) {
                 .flatten(),
         );
     }
-    for (from, to) in [(client, server_copy), (server, client_copy)] {
+    for (from, to, to_client) in [(client, server_copy, false), (server, client_copy, true)] {
         let faults = faults.clone();
-        std::thread::spawn(move || pump(&faults, from, to));
+        std::thread::spawn(move || pump(&faults, from, to, to_client));
     }
 }
 
 /// Copies `from` to `to` with the proxy's faults until either end closes: a reader takes
 /// each chunk as it comes, a writer passes it on once it is `delay` old (so the delay is
 /// latency, not a cap on throughput) and while no stall holds it.
-fn pump(faults: &Arc<Faults>, mut from: TcpStream, to: TcpStream) {
+fn pump(faults: &Arc<Faults>, mut from: TcpStream, to: TcpStream, to_client: bool) {
     let (chunks, arriving) = std::sync::mpsc::channel::<(std::time::Instant, Vec<u8>)>();
     let writer = {
         let faults = faults.clone();
@@ -121,6 +135,15 @@ fn pump(faults: &Arc<Faults>, mut from: TcpStream, to: TcpStream) {
                 }
                 if to.write_all(&chunk).is_err() {
                     break;
+                }
+                if to_client {
+                    faults
+                        .to_clients
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                }
+                let rate = faults.rate.load(Ordering::Relaxed);
+                if rate > 0 {
+                    std::thread::sleep(Duration::from_secs_f64(chunk.len() as f64 / rate as f64));
                 }
             }
             let _ = to.shutdown(Shutdown::Both);

@@ -5,7 +5,7 @@ use propeller_broker::protocol::{
 };
 use rumqttc::QoS;
 use tokio::sync::oneshot;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::wasm::RunError;
 
@@ -26,21 +26,7 @@ impl Agent {
                 .waiters
                 .push(tx);
         }
-        let request = RegistryRequest {
-            app_name: image.to_owned(),
-        };
-        if let Err(e) = self
-            .client
-            .publish(
-                self.channel.registry_request(),
-                QoS::AtMostOnce,
-                false,
-                request.encode(),
-            )
-            .await
-        {
-            return Err(format!("cannot request {image}: {e}"));
-        }
+        self.request_chunks(image).await?;
         match tokio::time::timeout(self.config.chunk_timeout, rx).await {
             Ok(Ok(outcome)) => outcome,
             _ => {
@@ -49,6 +35,35 @@ impl Agent {
                     "timed out after {:?} waiting for the chunks of {image}",
                     self.config.chunk_timeout
                 ))
+            }
+        }
+    }
+
+    /// Asks the registry proxy for `image`'s chunks.
+    async fn request_chunks(&self, image: &str) -> Result<(), String> {
+        let request = RegistryRequest {
+            app_name: image.to_owned(),
+        };
+        self.client
+            .publish(
+                self.channel.registry_request(),
+                QoS::AtMostOnce,
+                false,
+                request.encode(),
+            )
+            .await
+            .map_err(|e| format!("cannot request {image}: {e}"))
+    }
+
+    /// Asks again for every image whose chunks are still awaited, on a new connection: the
+    /// chunks on their way when the last one dropped went with it. The chunks already held
+    /// are kept; propeller sends the image again and the repeats are dropped.
+    pub(super) async fn ask_again_for_chunks(&self) {
+        let images: Vec<String> = self.lock_fetches().keys().cloned().collect();
+        for image in images {
+            info!(image, "chunks asked for again after a reconnect");
+            if let Err(e) = self.request_chunks(&image).await {
+                warn!(image, %e, "chunks not asked for again");
             }
         }
     }
