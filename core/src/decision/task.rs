@@ -2620,7 +2620,11 @@ mod tests {
             now(),
         );
         assert!(away.stops.is_empty(), "{away:?}");
-        assert_eq!(away.requeue_at, Some(at(10, 0, 10)), "looks again for its return");
+        assert_eq!(
+            away.requeue_at,
+            Some(at(10, 0, 10)),
+            "looks again for its return"
+        );
         assert!(away
             .status
             .as_ref()
@@ -2631,12 +2635,18 @@ mod tests {
         observed.results = vec![result("a-client", json!("stale"), None)];
         let back = plan(&task, &observed, &settings(), now());
         assert_eq!(back.stops.len(), 1, "{back:?}");
-        assert_eq!(back.stops[0].request.proplet_id.as_deref(), Some("a-client"));
+        assert_eq!(
+            back.stops[0].request.proplet_id.as_deref(),
+            Some("a-client")
+        );
         let status = written(&back);
         assert!(status.displaced_runs.is_empty());
         assert_eq!(status.phase, TaskPhase::Running, "b still runs it");
         assert_eq!(status.assigned_proplet.as_deref(), Some("b"));
-        assert_eq!(status.results, None, "the displaced run's result is refused");
+        assert_eq!(
+            status.results, None,
+            "the displaced run's result is refused"
+        );
         assert!(back.notes.iter().any(|n| n.reason == "Fenced"));
         assert!(back.notes.iter().any(|n| n.reason == "ResultIgnored"));
 
