@@ -2587,6 +2587,18 @@ mod tests {
     }
 
     #[test]
+    fn a_daemon_whose_proplet_is_not_observed_is_not_moved() {
+        let task = task_from(daemon_on("a"));
+        let plan = plan(&task, &observing(Vec::new()), &settings(), at(23, 0, 0));
+        assert!(
+            plan.status
+                .as_ref()
+                .is_none_or(|s| s.phase == TaskPhase::Running && s.displaced_runs.is_empty()),
+            "{plan:?}"
+        );
+    }
+
+    #[test]
     fn a_pinned_daemon_or_a_plain_task_stays_on_its_offline_proplet() {
         let mut pinned = daemon_on("a");
         pinned["spec"]["propletSelector"] = json!({"propletId": "a"});
@@ -2650,15 +2662,23 @@ mod tests {
         assert!(back.notes.iter().any(|n| n.reason == "Fenced"));
         assert!(back.notes.iter().any(|n| n.reason == "ResultIgnored"));
 
-        // Gone (deleted, so missing from the proplets asked for by name): forgotten.
-        let gone = plan(
+        // Missing from the observations (not listed yet after a restart): waited for; a day
+        // later, forgotten.
+        let unseen = plan(
             &task,
             &observing(vec![proplet("b", "b-client")]),
             &settings(),
             now(),
         );
-        assert!(gone.stops.is_empty());
-        assert!(written(&gone).displaced_runs.is_empty());
+        assert!(unseen.stops.is_empty());
+        assert!(unseen.status.is_none(), "{unseen:?}");
+        let later = plan(
+            &task,
+            &observing(vec![proplet("b", "b-client")]),
+            &settings(),
+            at(10, 0, 0) + chrono::Duration::days(1),
+        );
+        assert!(written(&later).displaced_runs.is_empty());
     }
 
     #[test]

@@ -192,9 +192,15 @@ fn proplet_views<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> 
             some
         }
         PropletScope::Namespace => cluster.proplets_in(&namespace),
+        // A daemon's plan reads whether its proplet went Offline, which this process may
+        // have just written and its cache not yet shown: its own newer write is read.
         PropletScope::Named(names) => names
             .iter()
             .filter_map(|n| cluster.proplet(&ObjectName::new(&namespace, n)))
+            .map(|p| match task.spec.daemon {
+                true => Arc::new(cluster.newest_proplet((*p).clone())),
+                false => p,
+            })
             .collect(),
     };
     proplets

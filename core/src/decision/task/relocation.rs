@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 
 use crate::crd::task::{DisplacedRun, Task, TaskStatus};
 use crate::decision::task::commands::{stop_for, view};
-use crate::decision::task_observations::{proplet_scope, PropletScope, TaskObservations};
+use crate::decision::task_observations::TaskObservations;
 
 use super::{later, look_again_by, reset_for_rerun, waiting, Note, TaskPlan};
 use crate::crd::proplet::PropletPhase;
@@ -23,6 +23,8 @@ const DISPLACED_KEPT: usize = 10;
 /// How often a task with a displaced run looks at its proplet again, besides being woken
 /// when the proplet is Running again (a wake lost to a stale cache costs at most this).
 const FENCE_RECHECK: Duration = Duration::from_secs(10);
+/// How long a displaced run whose proplet never comes back is remembered.
+const DISPLACED_FORGOTTEN_AFTER: Duration = Duration::from_secs(24 * 3600);
 
 /// The daemon's toleration of an Offline proplet.
 fn toleration(task: &Task) -> Duration {
@@ -33,8 +35,10 @@ fn toleration(task: &Task) -> Duration {
 }
 
 /// For a running daemon on one proplet: once that proplet has been Offline for the
-/// toleration (or is gone), the run is left there, fenced, and the task goes back to
-/// Pending to be placed again; before that, the plan looks again when the toleration ends.
+/// toleration, the run is left there, fenced, and the task goes back to Pending to be
+/// placed again; before that, the plan looks again when the toleration ends. Nothing is
+/// decided on a proplet the observations lack: after a restart the caches may not have
+/// listed it yet, and a daemon moved then would run twice.
 pub(super) fn relocate_if_offline(
     task: &Task,
     observed: &TaskObservations,
@@ -54,14 +58,8 @@ pub(super) fn relocate_if_offline(
     if pinned || !desired.broadcast_proplets.is_empty() {
         return;
     }
-    let target = view(observed, &name);
-    let since = match target {
-        // Deleted: nothing is left to wait for.
-        None => now,
-        Some(t) => match t.offline_since {
-            Some(since) => since,
-            None => return,
-        },
+    let Some(since) = view(observed, &name).and_then(|t| t.offline_since) else {
+        return;
     };
     let toleration = toleration(task);
     let due = later(since, toleration);
@@ -70,24 +68,19 @@ pub(super) fn relocate_if_offline(
         return;
     }
     let run = desired.run_count.unwrap_or(0);
-    let message = match target {
-        Some(_) => {
-            desired.displaced_runs.push(DisplacedRun {
-                proplet: name.clone(),
-                run,
-                displaced_at: now,
-            });
-            let excess = desired.displaced_runs.len().saturating_sub(DISPLACED_KEPT);
-            desired.displaced_runs.drain(..excess);
-            format!(
-                "proplet {name} has been Offline since {} (toleration {}s): run {run} is \
-                 left there, fenced (stopped when it is back), and the daemon is placed again",
-                since.to_rfc3339(),
-                toleration.as_secs()
-            )
-        }
-        None => format!("proplet {name} is gone: the daemon is placed again"),
-    };
+    desired.displaced_runs.push(DisplacedRun {
+        proplet: name.clone(),
+        run,
+        displaced_at: now,
+    });
+    let excess = desired.displaced_runs.len().saturating_sub(DISPLACED_KEPT);
+    desired.displaced_runs.drain(..excess);
+    let message = format!(
+        "proplet {name} has been Offline since {} (toleration {}s): run {run} is left \
+         there, fenced (stopped when it is back), and the daemon is placed again",
+        since.to_rfc3339(),
+        toleration.as_secs()
+    );
     reset_for_rerun(desired);
     waiting(
         desired,
@@ -102,7 +95,8 @@ pub(super) fn relocate_if_offline(
 
 /// The fence: a stop for each displaced run whose proplet is Running again, which is then
 /// forgotten, as is one on the proplet the task is now assigned to (its new run replaces
-/// the old there) or on a proplet that is gone.
+/// the old there) or one a day old (its proplet never came back; what it reports is refused
+/// all the same). A proplet the observations lack is waited for, as an Offline one.
 pub(super) fn fence_displaced(
     task: &Task,
     observed: &TaskObservations,
@@ -113,12 +107,14 @@ pub(super) fn fence_displaced(
     if desired.displaced_runs.is_empty() {
         return;
     }
-    // Under a named scope every displaced proplet was asked for: one missing is gone.
-    let named = matches!(proplet_scope(task), PropletScope::Named(_));
+    let forgotten_before =
+        now - chrono::Duration::from_std(DISPLACED_FORGOTTEN_AFTER).unwrap_or_default();
     let assigned = desired.assigned_proplet.clone();
     let mut kept = Vec::with_capacity(desired.displaced_runs.len());
     for displaced in desired.displaced_runs.drain(..) {
-        if assigned.as_deref() == Some(displaced.proplet.as_str()) {
+        if assigned.as_deref() == Some(displaced.proplet.as_str())
+            || displaced.displaced_at < forgotten_before
+        {
             continue;
         }
         match view(observed, &displaced.proplet) {
@@ -132,7 +128,6 @@ pub(super) fn fence_displaced(
                     ),
                 ));
             }
-            None if named => {}
             _ => kept.push(displaced),
         }
     }
