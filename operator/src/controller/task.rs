@@ -197,9 +197,12 @@ fn proplet_views<C: Cluster>(cluster: &C, task: &Task, scope: &PropletScope) -> 
         PropletScope::Named(names) => names
             .iter()
             .filter_map(|n| cluster.proplet(&ObjectName::new(&namespace, n)))
-            .map(|p| match task.spec.daemon {
-                true => Arc::new(cluster.newest_proplet((*p).clone())),
-                false => p,
+            .map(|p| {
+                if task.spec.daemon {
+                    Arc::new(cluster.newest_proplet((*p).clone()))
+                } else {
+                    p
+                }
             })
             .collect(),
     };

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use crate::crd::proplet::PropletPhase;
 use crate::crd::task::{DisplacedRun, Task, TaskStatus};
 use crate::decision::task::commands::{stop_for, view};
 use crate::decision::task_observations::TaskObservations;
 
 use super::{later, look_again_by, reset_for_rerun, waiting, Note, TaskPlan};
-use crate::crd::proplet::PropletPhase;
 
 /// How long a daemon's proplet may be Offline before the daemon moves, when the task does
 /// not say (a pod's default `tolerationSeconds` for an unreachable node).
@@ -52,12 +52,12 @@ pub(super) fn relocate_if_offline(
         .as_ref()
         .and_then(|s| s.proplet_id.as_deref())
         .is_some_and(|id| !id.is_empty());
-    let Some(name) = desired.assigned_proplet.clone() else {
-        return;
-    };
     if pinned || !desired.broadcast_proplets.is_empty() {
         return;
     }
+    let Some(name) = desired.assigned_proplet.clone() else {
+        return;
+    };
     let Some(since) = view(observed, &name).and_then(|t| t.offline_since) else {
         return;
     };
