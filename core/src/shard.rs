@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
+pub mod leader;
 pub mod namespaces;
 
 /// What a replica's share is cut by.

@@ -274,3 +274,22 @@ pub fn wait_event_reason(cp: &ControlPlane, namespace: &str, name: &str, reason:
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// The API server's address (loopback).
+pub fn api_addr(cp: &ControlPlane) -> std::net::SocketAddr {
+    cp.url
+        .trim_start_matches("https://")
+        .parse()
+        .expect("the API server's address")
+}
+
+/// A kubeconfig like `kubeconfig` whose server is a proxy to the API server on loopback
+/// port `proxy_port` (the serving certificate names 127.0.0.1, so TLS still verifies).
+pub fn through_proxy(cp: &ControlPlane, kubeconfig: &Path, proxy_port: u16) -> PathBuf {
+    let text = std::fs::read_to_string(kubeconfig).expect("read kubeconfig");
+    assert!(text.contains(&cp.url), "{text}");
+    let path = kubeconfig.with_extension(format!("via-{proxy_port}"));
+    let proxied = format!("https://127.0.0.1:{proxy_port}");
+    std::fs::write(&path, text.replace(&cp.url, &proxied)).expect("write kubeconfig");
+    path
+}

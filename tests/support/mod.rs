@@ -583,6 +583,31 @@ pub fn fl_module() -> Vec<u8> {
 /// The add(i32, i32) module of the samples, exported as `add`, base64.
 pub const ADD_WASM: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
 
+/// A module whose `nap(ms, n)` sleeps `ms` milliseconds (WASI `poll_oneoff` on the
+/// monotonic clock: no CPU spent) and returns `n + 1000`; base64.
+pub fn nap_module() -> String {
+    use base64::Engine;
+    let wasm = wat::parse_str(
+        r#"(module
+             (import "wasi_snapshot_preview1" "poll_oneoff"
+               (func $poll (param i32 i32 i32 i32) (result i32)))
+             (memory (export "memory") 1)
+             (func (export "nap") (param $ms i32) (param $n i32) (result i32)
+               ;; One subscription at 0: a relative timeout on the monotonic clock (id 1).
+               (i64.store (i32.const 0) (i64.const 0))
+               (i32.store8 (i32.const 8) (i32.const 0))
+               (i32.store (i32.const 16) (i32.const 1))
+               (i64.store (i32.const 24)
+                 (i64.mul (i64.extend_i32_u (local.get $ms)) (i64.const 1000000)))
+               (i64.store (i32.const 32) (i64.const 0))
+               (i32.store16 (i32.const 40) (i32.const 0))
+               (drop (call $poll (i32.const 0) (i32.const 64) (i32.const 1) (i32.const 128)))
+               (i32.add (local.get $n) (i32.const 1000))))"#,
+    )
+    .expect("valid WAT");
+    base64::engine::general_purpose::STANDARD.encode(wasm)
+}
+
 /// A module whose `print(count, gap_ms)` writes `line 0` … `line {count-1}` to stdout,
 /// `gap_ms` apart, then `line {count}` to stderr, and returns `count`.
 pub fn printer_module() -> String {

@@ -18,6 +18,7 @@ use propeller_operator::controller::ownership::Ownership;
 use propeller_operator::decision::task::FinalizerTiming;
 use propeller_operator::k8s::api_requests::ApiRequestsLayer;
 use propeller_operator::k8s::fence::FenceLayer;
+use propeller_operator::k8s::leader::{self, LeaderSettings};
 use propeller_operator::k8s::membership::{self, MembershipSettings};
 use propeller_operator::k8s::runtime::{self, Runtime, Settings};
 use propeller_operator::k8s::sharded_watch::{
@@ -72,6 +73,11 @@ pub struct RunCommand {
     /// Name of the leader Lease.
     #[arg(long, env = "PROPELLER_LEASE_NAME", default_value = "propeller-leader")]
     pub lease_name: String,
+    /// How long the leader Lease lasts without a renewal: a standby takes over this long
+    /// after the leader's last renewal (at once when it stops cleanly); the leader renews
+    /// every third of it and stops acting after two thirds without a successful renewal.
+    #[arg(long, env = "PROPELLER_LEASE_DURATION", default_value = "15s", value_parser = parse_setting_duration)]
+    pub lease_duration: Duration,
     /// Namespace of the leader Lease and of the members' Leases (the client's default
     /// namespace when unset).
     #[arg(long, env = "PROPELLER_LEASE_NAMESPACE")]
@@ -131,6 +137,9 @@ struct Health {
     /// The external broker session's state; `None` with the embedded broker.
     broker: RwLock<Option<tokio::sync::watch::Receiver<bool>>>,
     registry: RwLock<Arc<Registry>>,
+    /// The share this replica acts on (the leader's, or a sharded member's): fenced while
+    /// its Lease is not renewed in time.
+    acting: RwLock<Option<Arc<Ownership>>>,
 }
 
 impl Health {
@@ -140,6 +149,15 @@ impl Health {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .is_none_or(|ready| *ready.borrow())
+    }
+
+    /// Why this replica does not act now although it leads or is a member.
+    fn fence_reason(&self) -> Option<String> {
+        self.acting
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|share| share.fence_reason(std::time::Instant::now()))
     }
 
     fn set_registry(&self, registry: Registry) {
@@ -160,10 +178,15 @@ fn handler(health: Arc<Health>) -> Handler {
         ("GET", "/readyz") if !health.ready.load(Ordering::Relaxed) => {
             Reply::unavailable(r#"{"status":"not leading"}"#)
         }
-        ("GET", "/readyz") if !health.broker_connected() => {
-            Reply::unavailable(r#"{"status":"no connection to the MQTT broker"}"#)
-        }
-        ("GET", "/readyz") => Reply::ok("application/json", r#"{"status":"ready"}"#),
+        ("GET", "/readyz") => match health.fence_reason() {
+            Some(reason) => Reply::unavailable(
+                serde_json::json!({ "status": "fenced", "reason": reason }).to_string(),
+            ),
+            None if !health.broker_connected() => {
+                Reply::unavailable(r#"{"status":"no connection to the MQTT broker"}"#)
+            }
+            None => Reply::ok("application/json", r#"{"status":"ready"}"#),
+        },
         ("GET", "/metrics") => {
             let mut text = String::new();
             match encode(&mut text, &health.registry()) {
@@ -224,16 +247,26 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     // A sharded replica's reconciles write through the fence; its membership does not.
     // The API server's address and CA, for the console's clients that present users' tokens.
     let api_config = config.clone();
-    let client = match &shard {
-        Some(shard) => kube::client::ClientBuilder::try_from(config)
+    // The leader is a share of one: its turns and its writes stop when its renewals do.
+    let leader_share = cmd.leader_elect.then(|| {
+        Arc::new(Ownership::new(
+            identity.as_deref().unwrap_or("propeller"),
+            cmd.lease_duration,
+            ShardBy::Object,
+        ))
+    });
+    let acting = shard.clone().or_else(|| leader_share.clone());
+    let client = match &acting {
+        Some(share) => kube::client::ClientBuilder::try_from(config)
             .with_context(|| format!("configuring the client of the Kubernetes API at {server}"))?
             .with_layer(&counted)
-            .with_layer(&FenceLayer::new(shard.clone()))
+            .with_layer(&FenceLayer::new(share.clone()))
             .build(),
         None => plain_client.clone(),
     };
     let identity = identity.unwrap_or_else(|| "propeller".into());
     let health = Arc::new(Health::default());
+    *health.acting.write().unwrap_or_else(|e| e.into_inner()) = acting.clone();
     let logins = Logins {
         proplets: Arc::new(CredentialStore::new()),
         services: CredentialStore::new(),
@@ -259,52 +292,37 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
     let shutdown: ShutdownFuture = Box::pin(shutdown);
     let shutdown = futures::FutureExt::shared(shutdown);
 
-    let mut lease_task = None;
+    let mut lease = None;
     if cmd.leader_elect {
-        let namespace = cmd
-            .lease_namespace
-            .clone()
-            .unwrap_or_else(|| client.default_namespace().to_owned());
-        // The API server may not answer yet (a control plane starting, a network partition):
-        // keep trying, say why, and stop at once on SIGTERM or Ctrl-C.
-        let mut delay = Duration::from_millis(500);
-        let manager = loop {
-            let built =
-                kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &cmd.lease_name)
-                    .with_namespace(namespace.clone())
-                    .with_identity(identity.clone())
-                    .build()
-                    .await;
-            match built {
-                Ok(manager) => break manager,
-                Err(e) => warn!(
-                    %server,
-                    lease = %cmd.lease_name,
-                    error = %propeller_operator::errors::error_chain(&e),
-                    retry_in = ?delay,
-                    "cannot reach the Lease for leader election"
-                ),
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                _ = shutdown.clone() => return Ok(()),
-            }
-            delay = (delay * 2).min(Duration::from_secs(10));
+        let settings = LeaderSettings {
+            name: cmd.lease_name.clone(),
+            namespace: cmd
+                .lease_namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_owned()),
+            identity: identity.clone(),
+            lease_duration: cmd.lease_duration,
         };
-        let (mut leading, task) = manager.watch().await;
-        info!(lease = %cmd.lease_name, "waiting to become the leader");
-        // Health and metrics answer while waiting; readiness stays false.
-        loop {
-            if *leading.borrow_and_update() {
-                break;
-            }
-            tokio::select! {
-                changed = leading.changed() => changed.context("leader election stopped")?,
-                _ = shutdown.clone() => return Ok(()),
-            }
-        }
-        info!("leading");
-        lease_task = Some((leading, task));
+        let share = leader_share.clone().context("the leader's share")?;
+        // Health and metrics answer while waiting; readiness stays false. The API server
+        // may not answer yet (a control plane starting, a partition): the wait says why and
+        // ends at once on SIGTERM or Ctrl-C.
+        let Some(held) = leader::acquire(
+            plain_client.clone(),
+            &server,
+            &settings,
+            &share,
+            shutdown.clone(),
+        )
+        .await
+        else {
+            return Ok(());
+        };
+        lease = Some(LeaderLease {
+            settings,
+            held,
+            share,
+        });
     }
     let mut members = None;
     if let Some(shard) = &shard {
@@ -346,9 +364,10 @@ pub async fn run(mut cmd: RunCommand) -> anyhow::Result<()> {
         logins,
         shutdown,
         Leading {
-            lease: lease_task,
+            lease,
             shard,
             sharded_watches,
+            api: plain_client,
         },
     )
     .await;
@@ -395,20 +414,22 @@ async fn api_server_filters(
 /// How this replica shares the work: as the leader (`lease`), as a member of a sharded
 /// group (`shard`), or alone (neither).
 struct Leading {
-    lease: Option<LeaseWatch>,
+    lease: Option<LeaderLease>,
     shard: Option<Arc<Ownership>>,
     /// The client of the share's watches, with `--sharded-watches`.
     sharded_watches: Option<kube::Client>,
+    /// The client the fence does not stop, for the leader Lease.
+    api: kube::Client,
+}
+
+/// The leader Lease this replica holds, and the share of one it acts on.
+struct LeaderLease {
+    settings: LeaderSettings,
+    held: k8s_openapi::api::coordination::v1::Lease,
+    share: Arc<Ownership>,
 }
 
 type ShutdownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
-type LeaseWatch = (
-    tokio::sync::watch::Receiver<bool>,
-    tokio::task::JoinHandle<
-        Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>,
-    >,
-);
 
 #[allow(clippy::too_many_arguments)]
 async fn serve(
@@ -425,6 +446,7 @@ async fn serve(
         lease,
         shard,
         sharded_watches,
+        api,
     } = leading;
     let leader = controller_metrics.leader.clone();
     let external = cmd
@@ -488,20 +510,31 @@ async fn serve(
         reporter: std::env::var("HOSTNAME").unwrap_or_else(|_| "propeller".into()),
         resync: cmd.reconcile.liveliness_interval,
         images: Some(images),
-        shard,
+        shard: shard.or_else(|| lease.as_ref().map(|l| l.share.clone())),
         sharded_watches,
     };
     health.ready.store(true, Ordering::Relaxed);
     leader.set(1);
+    // The leader Lease is renewed until the runtime has stopped acting, then released.
+    let (stopped, release) = tokio::sync::oneshot::channel::<()>();
+    let (lost, lost_lease) = tokio::sync::oneshot::channel::<leader::LeaderError>();
+    let holding = lease.map(|l| {
+        tokio::spawn(async move {
+            let held = leader::hold(api, l.settings, l.share, l.held, async move {
+                let _ = release.await;
+            });
+            if let Err(reason) = held.await {
+                let _ = lost.send(reason);
+            }
+        })
+    });
     let lost_lease = async move {
-        match lease {
-            Some((mut leading, _task)) => loop {
-                if leading.changed().await.is_err() || !*leading.borrow_and_update() {
-                    warn!("leadership lost; stopping so another replica takes over");
-                    return;
-                }
-            },
-            None => std::future::pending::<()>().await,
+        match lost_lease.await {
+            Ok(reason) => {
+                warn!(%reason, "leadership lost; stopping so another replica takes over")
+            }
+            // Not leading by a Lease (or it was released): nothing to lose.
+            Err(_) => std::future::pending::<()>().await,
         }
     };
     let stop = futures::FutureExt::shared(Box::pin(async move {
@@ -511,6 +544,17 @@ async fn serve(
         }
     }));
     runtime::run(rt, stop).await;
+    let _ = stopped.send(());
+    if let Some(holding) = holding {
+        if tokio::time::timeout(Duration::from_secs(10), holding)
+            .await
+            .is_err()
+        {
+            warn!(
+                "releasing the leader Lease took over 10 s; a standby takes over when it expires"
+            );
+        }
+    }
     health.ready.store(false, Ordering::Relaxed);
     leader.set(0);
     if session_ends_with_replica {

@@ -127,6 +127,8 @@ pub struct Ownership {
     acting: tokio::sync::RwLock<View>,
     picture: RwLock<Picture>,
     renewed: Mutex<Option<Instant>>,
+    /// Why the last renewal failed, until one succeeds (for `/readyz`).
+    renewal_error: Mutex<Option<String>>,
     fence_limit: Duration,
     reshuffles: watch::Sender<u64>,
     /// With [`ShardBy::Namespace`]: the hash ranges of the namespaces this replica acts on.
@@ -152,6 +154,7 @@ impl Ownership {
             acting: tokio::sync::RwLock::new(View::default()),
             picture: RwLock::new(Picture::default()),
             renewed: Mutex::new(None),
+            renewal_error: Mutex::new(None),
             fence_limit: fence_limit(lease_duration),
             reshuffles: watch::channel(0).0,
             namespaces: watch::channel(Vec::new()).0,
@@ -198,6 +201,53 @@ impl Ownership {
         if renewed.is_none_or(|at| at < sent_at) {
             *renewed = Some(sent_at);
         }
+        drop(renewed);
+        *self.renewal_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.metrics.fenced.set(0);
+    }
+
+    /// Records a successful renewal of the leader Lease this replica holds (a leader is a
+    /// group of one): as [`Ownership::renewed`], then, if it had stopped acting (at the start,
+    /// or after a lapse), it acts on every object again and has them all looked at.
+    pub async fn lead(&self, sent_at: Instant) {
+        self.renewed(sent_at).await;
+        if self.acting().is_empty() {
+            let alone = View::new([self.me.as_str()]);
+            self.switch(alone.clone()).await;
+            self.observe(Vec::new(), Some(&alone), Instant::now());
+        }
+    }
+
+    /// Records why a renewal failed (said by `/readyz` while fenced).
+    pub fn renewal_failed(&self, error: String) {
+        *self.renewal_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+    }
+
+    /// Why this replica is fenced at `now`, or `None` when it may act: how long since its
+    /// last successful renewal, against what limit, and the last renewal's error.
+    pub fn fence_reason(&self, now: Instant) -> Option<String> {
+        let renewed = *self.renewed.lock().unwrap_or_else(|e| e.into_inner());
+        if !fenced(renewed, self.fence_limit, now) {
+            return None;
+        }
+        self.metrics.fenced.set(1);
+        let since = match renewed {
+            None => "not renewed yet".to_owned(),
+            Some(at) => format!(
+                "not renewed for {:.1} s (limit {:.1} s)",
+                now.saturating_duration_since(at).as_secs_f64(),
+                self.fence_limit.as_secs_f64()
+            ),
+        };
+        let error = self
+            .renewal_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Some(match error {
+            Some(error) => format!("the Lease was {since}: {error}; acting on nothing until it is"),
+            None => format!("the Lease was {since}; acting on nothing until it is"),
+        })
     }
 
     /// Whether this replica must not act or write at `now`.

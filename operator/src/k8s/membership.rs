@@ -127,10 +127,16 @@ async fn renew_loop(
         match tokio::time::timeout(settings.renew_every(), renew(&api, &settings, &view)).await {
             Ok(Ok(sent)) => shard.renewed(sent).await,
             Ok(Err(e)) => {
-                warn!(lease = %settings.lease_name(), error = %error_chain(&e), "renewing the membership Lease")
+                let error = error_chain(&e);
+                warn!(lease = %settings.lease_name(), %error, "renewing the membership Lease");
+                shard.renewal_failed(error);
             }
             Err(_) => {
-                warn!(lease = %settings.lease_name(), "renewing the membership Lease timed out")
+                warn!(lease = %settings.lease_name(), "renewing the membership Lease timed out");
+                shard.renewal_failed(format!(
+                    "no answer from the API server within {:?}",
+                    settings.renew_every()
+                ));
             }
         }
     }

@@ -5,6 +5,7 @@ pub use crate::decision::deployment;
 pub mod api_requests;
 pub mod console_api;
 pub mod fence;
+pub mod leader;
 pub mod log_access;
 pub mod membership;
 pub mod patch;
