@@ -336,7 +336,7 @@ fn holds_no_finalizer(object: &Value) -> bool {
 /// `running` gets it: a quick task never does, and one deleted while its young run is out is
 /// stopped from the Task watch's deletion.
 #[test]
-fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
+fn a_quick_task_gets_no_finalizer_one_with_a_ttl_goes_and_a_run_deleted_without_one_is_stopped() {
     let Some((cp, kubeconfig)) = cluster(Options::default()) else {
         return;
     };
@@ -353,6 +353,19 @@ fn a_quick_task_gets_no_finalizer_and_a_run_deleted_without_one_is_stopped() {
     let quick = wait_phase(&cp, ns, "task", "quick", "completed");
     assert_eq!(quick["status"]["results"], "3");
     assert!(holds_no_finalizer(&quick), "{:#}", quick["metadata"]);
+    // `ttlSecondsAfterFinished`: the operator deletes it once that has passed.
+    apply(
+        &cp,
+        ns,
+        &task_manifest(
+            "brief",
+            "[2, 3]",
+            "  ttlSecondsAfterFinished: 1
+",
+        ),
+    );
+    wait_gone(&cp, ns, "task", "brief");
+    assert!(get(&cp, ns, "task", "quick").is_some(), "quick went too");
 
     apply(
         &cp,

@@ -1161,3 +1161,54 @@ fn a_failing_task_is_retried_with_backoff_up_to_its_limit() {
     );
     assert!(never["error"].as_str().is_some_and(|e| !e.is_empty()));
 }
+
+/// `ttlSecondsAfterFinished`: a finished task goes that long after it finished (and so does
+/// everything the store holds of it); one without the field stays.
+#[test]
+fn a_finished_task_with_a_ttl_is_deleted_after_it_and_one_without_stays() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (_server, api, port) = start_standalone(dir.path(), &[]);
+    let _agent = agent_for(&api, dir.path(), &port, "worker");
+    let task = |name: &str, extra: &str| {
+        format!(
+            "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {name}\nspec:\n  name: {name}\n  functionName: add\n  file: {ADD_WASM}\n  inputs: [40, 2]\n{extra}"
+        )
+    };
+    apply_text(
+        &api,
+        dir.path(),
+        "brief.yaml",
+        &task("brief", "  ttlSecondsAfterFinished: 2\n"),
+    );
+    apply_text(&api, dir.path(), "kept.yaml", &task("kept", ""));
+    let finished = finished_tasks(&api, dir.path(), &["brief", "kept"]);
+    assert_eq!(finished["brief"]["status"]["results"], "42");
+    let done_at: chrono::DateTime<chrono::Utc> = finished["brief"]["status"]["finishedAt"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .expect("finishedAt");
+    let started = std::time::Instant::now();
+    let names = || -> Vec<String> {
+        get_json(&api, dir.path(), &["get", "task"])
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["metadata"]["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    while names().contains(&"brief".to_owned()) {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "brief is still there: {:?}",
+            names()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let gone_after = chrono::Utc::now() - done_at;
+    eprintln!("brief deleted {gone_after} after it finished (TTL 2 s)");
+    assert!(
+        gone_after >= chrono::Duration::seconds(2),
+        "deleted before its TTL: {gone_after}"
+    );
+    assert_eq!(names(), ["kept"]);
+}

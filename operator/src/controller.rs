@@ -207,6 +207,13 @@ pub trait Backend: Send + Sync {
         finalizers: &[String],
     ) -> impl Future<Output = Result<Option<String>, BackendError>> + Send;
 
+    /// Deletes the `K` named by `meta`, conditionally on its uid and resourceVersion (a
+    /// newer version: a conflict); one already gone is no error.
+    fn delete<K: Stored>(
+        &self,
+        meta: &ObjectMeta,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
     /// Sets the finalizers, then replaces the status (see [`Backend::write_status`]), as one
     /// write where the backend can (the embedded store's transaction; the API server needs
     /// two calls, the second conditional on the first's version).

@@ -98,6 +98,14 @@ pub struct TaskSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 86400))]
     pub offline_toleration_seconds: Option<i64>,
+    /// Seconds after the task finished (completed, failed, skipped or interrupted) at which
+    /// it is deleted, as a Job's field of the same name: its results, status and Events go
+    /// with it. Unset: kept until deleted. Not for recurring tasks, daemons, tasks of a
+    /// workflow (`workflowId`) or tasks a job owns, whose lives their schedule or their
+    /// job decides: the field is ignored there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 31536000))]
+    pub ttl_seconds_after_finished: Option<i64>,
     /// Held: nothing is dispatched, and a run that is out is stopped (the task goes back to
     /// Pending and runs again once this is false). A PropellerJob sets it on its children
     /// while it is suspended or waiting for Kueue.
@@ -193,6 +201,7 @@ impl Default for TaskSpec {
             resource_requirements: Default::default(),
             daemon: Default::default(),
             offline_toleration_seconds: None,
+            ttl_seconds_after_finished: None,
             suspend: false,
             backoff_limit: None,
             backoff_seconds: None,

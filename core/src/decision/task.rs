@@ -25,6 +25,7 @@ use crate::crd::task::{
 mod commands;
 mod pending;
 mod relocation;
+mod retention;
 mod running;
 pub use relocation::DEFAULT_OFFLINE_TOLERATION;
 pub use running::RESULT_OVERDUE;
@@ -39,6 +40,7 @@ pub use super::task_observations::{
 use crate::decision::task::commands::{stop_for, targets_of, view};
 use crate::decision::task::pending::plan_pending;
 use crate::decision::task::relocation::{fence_displaced, relocate_if_offline};
+use crate::decision::task::retention::delete_if_expired;
 use crate::decision::task::running::{plan_running, plan_scheduled};
 
 /// Condition: a proplet has been assigned.
@@ -204,6 +206,9 @@ pub struct TaskPlan {
     pub reserve: Vec<String>,
     /// Events for users.
     pub notes: Vec<Note>,
+    /// Delete the task (its `ttlSecondsAfterFinished` has passed), conditionally on the
+    /// version the plan was made from.
+    pub delete: bool,
 }
 
 fn finish(
@@ -463,6 +468,7 @@ pub fn plan(
         desired.updated_at = Some(now);
         plan.status = Some(desired);
     }
+    delete_if_expired(task, &written, now, &mut plan);
     plan
 }
 

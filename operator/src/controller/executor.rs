@@ -183,5 +183,17 @@ pub async fn apply_task<C: Cluster>(
         fx.ledger.forget(uid);
         fx.inbox.forget(uid);
     }
+    if plan.delete {
+        cluster
+            .delete::<Task>(&meta)
+            .await
+            .map_err(TaskApplyError::Backend)?;
+        tracing::info!(
+            task = meta.name.as_deref().unwrap_or_default(),
+            "deleted: its ttlSecondsAfterFinished passed"
+        );
+        fx.ledger.forget(uid);
+        fx.inbox.forget(uid);
+    }
     Ok(Dispatch::Done)
 }

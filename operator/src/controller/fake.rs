@@ -79,6 +79,22 @@ impl Objects {
         Ok(object.clone())
     }
 
+    /// Removes the stored object if its version is still `based_on` (none: any); one
+    /// already gone is no error.
+    fn remove(&self, key: Key, based_on: Option<&str>) -> Result<(), BackendError> {
+        let mut objects = lock(&self.by_key);
+        let label = format!("{}/{}", key.1, key.2);
+        let Some(object) = objects.get(&key) else {
+            return Ok(());
+        };
+        let current = object["metadata"]["resourceVersion"].as_str();
+        if based_on.is_some_and(|v| Some(v) != current) {
+            return Err(Box::new(FakeError::Conflict(label)));
+        }
+        objects.remove(&key);
+        Ok(())
+    }
+
     fn next_version(&self) -> String {
         (self.version.fetch_add(1, Ordering::SeqCst) + 1).to_string()
     }
@@ -309,6 +325,13 @@ impl Backend for FakeCluster {
         self.write::<K>(meta, |o| {
             o["metadata"]["finalizers"] = serde_json::json!(finalizers)
         })
+    }
+
+    async fn delete<K: Stored>(&self, meta: &ObjectMeta) -> Result<(), BackendError> {
+        self.objects.remove(
+            Objects::key(&K::kind(&()), meta),
+            meta.resource_version.as_deref(),
+        )
     }
 
     /// One write, as the embedded store's transaction.

@@ -439,6 +439,25 @@ impl ObjectStore {
         self.write_async(move |tx| delete_key(tx, &key)).await
     }
 
+    /// [`ObjectStore::delete_async`] conditional on the object's resourceVersion (a newer
+    /// one: a conflict).
+    pub async fn delete_at_version_async(
+        &self,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        expected_version: Option<&str>,
+    ) -> Result<Deleted, StoreError> {
+        let key = Key::new(kind, namespace, name)?;
+        let expected = expected_version.map(str::to_owned);
+        self.write_async(move |tx| {
+            let current = tx.load_existing(&key)?;
+            Tx::check_version(&key, &current, expected.as_deref())?;
+            tx.delete_tree(&key, current, false)
+        })
+        .await
+    }
+
     /// The last resourceVersion handed out (0 for a new store).
     pub fn current_version(&self) -> Result<u64, StoreError> {
         let txn = self.begin_read()?;

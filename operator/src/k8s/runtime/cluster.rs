@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
 
@@ -169,6 +169,24 @@ impl Backend for Shared {
             )
             .await?;
         Ok(self.remember_write(meta, written))
+    }
+
+    async fn delete<K: Stored>(&self, meta: &ObjectMeta) -> Result<(), BackendError> {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: meta.resource_version.clone(),
+                uid: meta.uid.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        match api::<K>(&self.client, meta)
+            .delete(meta.name.as_deref().unwrap_or_default(), &params)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

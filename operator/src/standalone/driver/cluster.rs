@@ -158,6 +158,23 @@ impl Backend for Driver {
         Ok(version_of(&written))
     }
 
+    async fn delete<K: Stored>(&self, meta: &ObjectMeta) -> Result<(), BackendError> {
+        let name = ObjectName::from_meta(meta);
+        match self
+            .store
+            .delete_at_version_async(
+                &K::kind(&()),
+                &name.namespace,
+                &name.name,
+                meta.resource_version.as_deref(),
+            )
+            .await
+        {
+            Ok(_) | Err(StoreError::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// One store transaction.
     async fn set_finalizers_and_status<K: Stored>(
         &self,
