@@ -63,6 +63,13 @@ const REDB_CACHE_BYTES: usize = 8 * 1024 * 1024;
 const OBJECTS: TableDefinition<&str, &[u8]> = TableDefinition::new("objects");
 /// Store-wide counters; holds [`VERSION_KEY`].
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// Which objects name which owner: `<owner uid>\0<Kind/namespace/name>`, so a deletion's
+/// cascade reads the owner's children instead of every object. An entry may outlive the
+/// reference (an object that dropped an owner): the cascade checks each child it finds.
+const OWNED: TableDefinition<&str, ()> = TableDefinition::new("owned");
+/// Key in [`META`] set once [`OWNED`] holds every object's owners (a store written before
+/// the table existed gets it built when opened).
+const OWNED_BUILT_KEY: &str = "ownedIndexBuilt";
 /// Key of the global resourceVersion counter in [`META`].
 const VERSION_KEY: &str = "resourceVersion";
 /// Key in [`META`] the durable commit writes, so that it always has something to commit.
@@ -962,6 +969,42 @@ mod tests {
             t2["metadata"]["uid"]
         );
         assert_eq!(store.list("Task", None).unwrap().len(), 1);
+    }
+
+    /// A store written before the owner index existed gets it built when opened, so its
+    /// deletions still cascade.
+    #[test]
+    fn a_store_without_the_owner_index_gets_it_when_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = ObjectStore::open(dir.path()).unwrap();
+            let job = store
+                .apply(json!({
+                    "apiVersion": "propeller.propeller.absmach.eu/v1",
+                    "kind": "PropellerJob",
+                    "metadata": {"name": "job", "namespace": "iot"},
+                    "spec": {},
+                }))
+                .unwrap()
+                .object;
+            store
+                .create_child(owned_by(task("iot", "job-t1", json!({})), &job))
+                .unwrap();
+        }
+        // As an earlier version left it: no index, no mark.
+        {
+            let db = redb::Database::open(dir.path().join(DB_FILE)).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.delete_table(OWNED).unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .remove(OWNED_BUILT_KEY)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let store = ObjectStore::open(dir.path()).unwrap();
+        store.delete("PropellerJob", "iot", "job").unwrap();
+        assert_eq!(store.get("Task", "iot", "job-t1").unwrap(), None);
     }
 
     #[test]

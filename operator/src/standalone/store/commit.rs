@@ -15,7 +15,7 @@ use crate::standalone::store::key::Key;
 use crate::standalone::store::recovery::lost_cause;
 use crate::standalone::store::tx::{Announced, Tx};
 
-use super::{lock, ObjectStore, META, OBJECTS, SYNCED_KEY, VERSION_KEY};
+use super::{lock, ObjectStore, META, OBJECTS, OWNED, SYNCED_KEY, VERSION_KEY};
 
 pub(super) struct Inner {
     /// The redb handle; `None` after an I/O failure until it is reopened. Transactions hold
@@ -213,6 +213,7 @@ impl ObjectStore {
             let start = meta.get(VERSION_KEY)?.map(|v| v.value()).unwrap_or(0);
             let mut tx = Tx {
                 objects: txn.open_table(OBJECTS)?,
+                owned: txn.open_table(OWNED)?,
                 version: start,
                 changes: Vec::new(),
             };

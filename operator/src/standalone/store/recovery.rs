@@ -6,9 +6,13 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 
-use redb::{Database, ReadableDatabase};
+use redb::{Database, ReadableDatabase, ReadableTable as _};
 
-use super::{lock, ObjectStore, StoreError, META, OBJECTS, REDB_CACHE_BYTES};
+use super::object::owner_uids;
+use super::tx::owned_entry;
+use super::{
+    lock, ObjectStore, StoreError, META, OBJECTS, OWNED, OWNED_BUILT_KEY, REDB_CACHE_BYTES,
+};
 
 impl StoreError {
     /// Sorts a redb failure: out of space, other I/O (after which redb refuses every use of
@@ -117,8 +121,19 @@ pub(super) fn open_database(path: &Path) -> Result<Database, StoreError> {
     // Create the tables up front so that reads never meet a missing table.
     let txn = db.begin_write()?;
     {
-        txn.open_table(OBJECTS)?;
-        txn.open_table(META)?;
+        let objects = txn.open_table(OBJECTS)?;
+        let mut meta = txn.open_table(META)?;
+        let mut owned = txn.open_table(OWNED)?;
+        if meta.get(OWNED_BUILT_KEY)?.is_none() {
+            for entry in objects.iter()? {
+                let (key, bytes) = entry?;
+                let obj: serde_json::Value = serde_json::from_slice(bytes.value())?;
+                for owner in owner_uids(&obj) {
+                    owned.insert(owned_entry(owner, key.value()).as_str(), ())?;
+                }
+            }
+            meta.insert(OWNED_BUILT_KEY, 1)?;
+        }
     }
     txn.commit()?;
     Ok(db)

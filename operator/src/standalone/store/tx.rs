@@ -1,7 +1,7 @@
 //! One write transaction with the API server's semantics: create, apply, status,
 //! finalizers, deletion with its cascade.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use redb::ReadableTable as _;
 use serde_json::Value;
@@ -20,6 +20,8 @@ use super::{NOT_DESIRED_STATE, SERVER_FIELDS};
 /// changes to announce once the commit has succeeded.
 pub(super) struct Tx<'t> {
     pub(super) objects: redb::Table<'t, &'static str, &'static [u8]>,
+    /// The owner index (`super::OWNED`).
+    pub(super) owned: redb::Table<'t, &'static str, ()>,
     pub(super) version: u64,
     pub(super) changes: Announced,
 }
@@ -44,8 +46,12 @@ impl Tx<'_> {
     ) -> Result<(), StoreError> {
         self.stamp(obj);
         let bytes = serde_json::to_vec(obj)?;
-        self.objects
-            .insert(key.encoded().as_str(), bytes.as_slice())?;
+        let encoded = key.encoded();
+        self.objects.insert(encoded.as_str(), bytes.as_slice())?;
+        for owner in owner_uids(obj) {
+            self.owned
+                .insert(owned_entry(owner, &encoded).as_str(), ())?;
+        }
         self.changes
             .push((key.change(change, self.version), Some(obj.clone())));
         Ok(())
@@ -54,7 +60,11 @@ impl Tx<'_> {
     /// Removes the object (no cascade), stamping its last state with a new version.
     pub(super) fn remove(&mut self, key: &Key, mut obj: Value) -> Result<Value, StoreError> {
         self.stamp(&mut obj);
-        self.objects.remove(key.encoded().as_str())?;
+        let encoded = key.encoded();
+        self.objects.remove(encoded.as_str())?;
+        for owner in owner_uids(&obj) {
+            self.owned.remove(owned_entry(owner, &encoded).as_str())?;
+        }
         self.changes
             .push((key.change(ChangeKind::Deleted, self.version), None));
         Ok(obj)
@@ -283,22 +293,19 @@ impl Tx<'_> {
             return Ok(first);
         };
         let mut queue = VecDeque::from([uid(removed).to_owned()]);
-        let mut index: Option<HashMap<String, Vec<Key>>> = None;
         while let Some(owner) = queue.pop_front() {
             if owner.is_empty() {
                 continue;
             }
-            if index.is_none() {
-                index = Some(self.owner_index()?);
-            }
-            let Some(children) = index.as_mut().and_then(|i| i.remove(&owner)) else {
-                continue;
-            };
-            for child_key in children {
-                // Already gone when several owners of it were removed in this cascade.
+            for child_key in self.take_children(&owner)? {
+                // Already gone when several owners of it were removed in this cascade, or
+                // no longer naming this owner.
                 let Some(child) = self.load(&child_key)? else {
                     continue;
                 };
+                if !owner_uids(&child).any(|o| o == owner) {
+                    continue;
+                }
                 if let Deleted::Removed(child) = self.delete_one(&child_key, child)? {
                     queue.push_back(uid(&child).to_owned());
                 }
@@ -307,19 +314,27 @@ impl Tx<'_> {
         Ok(first)
     }
 
-    /// Owner uid → keys of the objects that name it in `ownerReferences`.
-    pub(super) fn owner_index(&self) -> Result<HashMap<String, Vec<Key>>, StoreError> {
-        let mut index: HashMap<String, Vec<Key>> = HashMap::new();
-        for entry in self.objects.iter()? {
-            let (key, bytes) = entry?;
-            let obj: Value = serde_json::from_slice(bytes.value())?;
-            let Some(key) = Key::decode(key.value()) else {
-                continue;
-            };
-            for owner in owner_uids(&obj) {
-                index.entry(owner.to_owned()).or_default().push(key.clone());
+    /// The keys the owner index lists under `owner`, their entries removed.
+    fn take_children(&mut self, owner: &str) -> Result<Vec<Key>, StoreError> {
+        let from = owned_entry(owner, "");
+        let to = format!("{owner}\u{1}");
+        let mut entries = Vec::new();
+        for entry in self.owned.range(from.as_str()..to.as_str())? {
+            let (entry, _) = entry?;
+            entries.push(entry.value().to_owned());
+        }
+        let mut children = Vec::new();
+        for entry in entries {
+            self.owned.remove(entry.as_str())?;
+            if let Some(key) = entry.split_once('\0').and_then(|(_, k)| Key::decode(k)) {
+                children.push(key);
             }
         }
-        Ok(index)
+        Ok(children)
     }
+}
+
+/// The owner index's entry of object `key` (encoded) under `owner`'s uid.
+pub(super) fn owned_entry(owner: &str, key: &str) -> String {
+    format!("{owner}\0{key}")
 }
