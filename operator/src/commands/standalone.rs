@@ -190,7 +190,7 @@ pub async fn run(cmd: StandaloneCommand) -> anyhow::Result<()> {
             .max(cmd.reconcile.liveliness_interval),
         logs: cmd.reconcile.logs(),
     };
-    let events_log = Arc::new(EventLog::new());
+    let events_log = EventLog::attach(&store);
     let controller_metrics = Arc::new(ControllerMetrics::default());
     // Standalone always runs the controllers.
     controller_metrics.leader.set(1);

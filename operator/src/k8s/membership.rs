@@ -244,6 +244,10 @@ pub async fn run(
     let mut check = tokio::time::interval(CHECK_EVERY);
     let mut sightings = Sightings::default();
     let mut cleaned = Instant::now();
+    // When this replica last could not act: its sightings of the others are only as recent
+    // as its own link to the API server, so it judges no one departed until it has been
+    // acting (renewing, watching) for as long as that judgement takes.
+    let mut last_fenced = Instant::now();
     let mut stop = std::pin::pin!(stop);
     info!(member = %settings.identity, group = %settings.group, "joining the group");
     loop {
@@ -259,7 +263,11 @@ pub async fn run(
         let now = Instant::now();
         observe_leases(&store, &mut sightings, now);
         let live = sightings.live(now);
-        let target = target_view(&settings.identity, &live, shard.is_fenced(now));
+        let is_fenced = shard.is_fenced(now);
+        if is_fenced {
+            last_fenced = now;
+        }
+        let target = target_view(&settings.identity, &live, is_fenced);
         if target != shard.acting() {
             if target.is_empty() {
                 warn!(member = %settings.identity, "membership not renewed in time: fenced, acting on nothing until it is");
@@ -273,7 +281,9 @@ pub async fn run(
             .get(&settings.identity)
             .map(|s| s.announced.clone());
         shard.observe(live, own.as_ref(), Instant::now());
-        if now.saturating_duration_since(cleaned) >= settings.lease_duration {
+        let judged_long_enough =
+            now.saturating_duration_since(last_fenced) >= settings.lease_duration * DEPARTED_AFTER;
+        if judged_long_enough && now.saturating_duration_since(cleaned) >= settings.lease_duration {
             cleaned = now;
             remove_departed(&api, &store, &sightings, now).await;
         }
