@@ -1,8 +1,8 @@
 //! What the broker reported about tasks, held until a status write includes it.
 //!
-//! Results are never dropped because a Task is not (yet) in a driver's cache: they wait here,
+//! Results are not dropped because a Task is not (yet) in a driver's cache: they wait here,
 //! keyed by the task id on the wire (the Task's UID), until a reconcile writes them into the
-//! status and consumes them. Task metrics keep only the latest sample, since only the latest
+//! status and consumes them, or for [`UNKNOWN_REPORTS_KEPT`] when no Task has that UID. Task metrics keep only the latest sample, since only the latest
 //! is shown. The dispatch ledger remembers which runs this process already started, so a
 //! retried reconcile never publishes a start twice.
 
@@ -14,6 +14,11 @@ use chrono::{DateTime, Utc};
 
 use crate::crd::common::MetricsSample;
 use crate::decision::task::ReportedResult;
+
+/// How long a report waits for a task this process does not know before it is dropped:
+/// with sharded watches a replica hears every namespace's reports but caches only its own,
+/// a result can come for a task deleted meanwhile, and a device can name any task id.
+pub const UNKNOWN_REPORTS_KEPT: Duration = Duration::from_secs(300);
 
 /// Results kept per task before further ones are refused (a device flooding one task id).
 pub const MAX_PENDING_RESULTS_PER_TASK: usize = 256;
@@ -105,6 +110,18 @@ impl TaskInbox {
     /// Drops everything pending for a task that no longer exists.
     pub fn forget(&self, uid: &str) {
         self.lock().remove(uid);
+    }
+
+    /// [`TaskInbox::prune_unknown`] with the age every driver uses, saying in the log when
+    /// something went.
+    pub fn prune_unknown_reports(&self, known: impl Fn(&str) -> bool) {
+        let dropped = self.prune_unknown(UNKNOWN_REPORTS_KEPT, known);
+        if dropped > 0 {
+            tracing::info!(
+                tasks = dropped,
+                "dropped reports kept for tasks this process does not know (deleted, never created, or another replica's)"
+            );
+        }
     }
 
     /// Drops the reports waiting longer than `age` for a task `known` does not know, and

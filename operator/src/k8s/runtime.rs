@@ -62,9 +62,6 @@ pub use crate::controller::ReconcileError;
 
 /// How often an object is looked at again with no event at all.
 pub const RESYNC: Duration = Duration::from_secs(300);
-/// How long, with sharded watches, a report waits for its Task to appear in this replica's
-/// share before it is taken for another replica's (`TaskInbox::prune_unknown`).
-const FOREIGN_REPORTS_KEPT: Duration = Duration::from_secs(300);
 /// How long the controllers may finish their reconciles after the stop signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -365,21 +362,18 @@ pub async fn run(
     };
     let gauges = {
         let shared = shared.clone();
-        let sharded = rt.sharded_watches.is_some();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
             loop {
                 tick.tick().await;
                 count_phases(&shared);
                 prune_echoes(&shared);
-                if sharded {
-                    let index = shared.task_index.read();
-                    shared
-                        .common
-                        .state
-                        .inbox
-                        .prune_unknown(FOREIGN_REPORTS_KEPT, |uid| index.by_uid(uid).is_some());
-                }
+                let index = shared.task_index.read();
+                shared
+                    .common
+                    .state
+                    .inbox
+                    .prune_unknown_reports(|uid| index.by_uid(uid).is_some());
             }
         })
     };

@@ -184,6 +184,10 @@ impl Driver {
                 },
                 _ = credential_tick.tick() => {
                     self.common.wake_held(&*self);
+                    self.common
+                        .state
+                        .inbox
+                        .prune_unknown_reports(|uid| self.cache.task_by_uid(uid).is_some());
                     let secrets = self
                         .secrets_changed
                         .swap(false, AtomicOrdering::Relaxed);
