@@ -30,9 +30,13 @@ if ! "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get install -y -qq python3-matplotlib >/dev/null
 fi
-RUST_LOG=warn,rumqttd=off start_standalone "$BIN/propeller" "$WORK/data" "$WORK/standalone.log" \
+RUST_LOG=${LONG_RUN_RUST_LOG:-warn,rumqttd=off} start_standalone "$BIN/propeller" "$WORK/data" "$WORK/standalone.log" \
   --liveliness-interval 10s --last-seen-threshold 30s --status-flush-interval 5s
 PIDS+=("$STANDALONE_PID")
+status=0
 "$PYTHON" scripts/faults/long_run.py "$API" "$WORK" "$MQTT" "$BIN" "$N" "$STANDALONE_PID" \
   "${LONG_RUN_MINUTES:-120}" "${LONG_RUN_RATE:-20}" "${LONG_RUN_SAMPLE_SECS:-60}" \
-  "${LONG_RUN_PLOT:-docs/src/images/long-run.png}"
+  "${LONG_RUN_PLOT:-docs/src/images/long-run.png}" || status=$?
+# LONG_RUN_LOGS: a directory to keep propeller's and the agents' logs in.
+if [ -n "${LONG_RUN_LOGS:-}" ]; then cp "$WORK/standalone.log" "$LONG_RUN_LOGS/"; fi
+exit "$status"
