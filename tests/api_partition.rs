@@ -25,7 +25,7 @@ use support::fault_proxy::FaultProxy;
 use support::kube::{
     api_addr, apply, cluster, http_body, http_status, mqtt_port, operator_command, through_proxy,
 };
-use support::{device_agent, device_manifest, nap_module, Running, ADD_WASM};
+use support::{device_agent, device_manifest, nap_task_manifest, Running, ADD_WASM};
 
 /// The leader Lease's duration here: the leader must stop acting within two thirds of it.
 const LEASE_SECS: u64 = 6;
@@ -197,13 +197,6 @@ impl Cut {
     }
 }
 
-fn nap_task(i: usize, ms: u64) -> String {
-    format!(
-        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: nap-{i}\nspec:\n  name: nap-{i}\n  functionName: nap\n  file: {}\n  inputs: [{ms}, {i}]\n",
-        nap_module()
-    )
-}
-
 fn add_task(prefix: &str, i: usize) -> String {
     format!(
         "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: {prefix}-{i}\nspec:\n  name: {prefix}-{i}\n  functionName: add\n  file: {ADD_WASM}\n  inputs: [{i}, 1]\n"
@@ -222,7 +215,7 @@ fn a_leader_cut_off_from_the_api_server_stops_acting_keeps_what_devices_report_a
     let naps = 8;
     let span = partition.as_millis() as u64 - 6_000;
     let manifest = (0..naps)
-        .map(|i| nap_task(i, 4_000 + span * i as u64 / naps as u64))
+        .map(|i| nap_task_manifest(i as u64, 4_000 + span * i as u64 / naps as u64))
         .collect::<Vec<_>>()
         .join("---\n");
     apply(&cut.cp, NS, &manifest);

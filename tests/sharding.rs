@@ -1039,13 +1039,7 @@ fn replicas_cut_off_from_the_api_server_stop_acting_and_finish_everything_after_
     let naps = 8;
     let span = partition.as_millis() as u64 - 6_000;
     let manifest = (0..naps)
-        .map(|i| {
-            format!(
-                "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: nap-{i}\nspec:\n  name: nap-{i}\n  functionName: nap\n  file: {}\n  inputs: [{}, {i}]\n",
-                support::nap_module(),
-                4_000 + span * i / naps
-            )
-        })
+        .map(|i| support::nap_task_manifest(i, 4_000 + span * i / naps))
         .collect::<Vec<_>>()
         .join("---\n");
     apply(cp, NS, &manifest);

@@ -608,6 +608,14 @@ pub fn nap_module() -> String {
     base64::engine::general_purpose::STANDARD.encode(wasm)
 }
 
+/// Task `nap-{i}` sleeping `ms` milliseconds on [`nap_module`], its result `i + 1000`.
+pub fn nap_task_manifest(i: u64, ms: u64) -> String {
+    format!(
+        "apiVersion: propeller.propeller.absmach.eu/v1\nkind: Task\nmetadata:\n  name: nap-{i}\nspec:\n  name: nap-{i}\n  functionName: nap\n  file: {}\n  inputs: [{ms}, {i}]\n",
+        nap_module()
+    )
+}
+
 /// A module whose `print(count, gap_ms)` writes `line 0` … `line {count-1}` to stdout,
 /// `gap_ms` apart, then `line {count}` to stderr, and returns `count`.
 pub fn printer_module() -> String {

@@ -560,6 +560,15 @@ mod tests {
         obj["metadata"]["generation"].as_i64().unwrap()
     }
 
+    fn job(ns: &str, name: &str) -> Value {
+        json!({
+            "apiVersion": "propeller.propeller.absmach.eu/v1",
+            "kind": "PropellerJob",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {},
+        })
+    }
+
     fn owned_by(mut obj: Value, owner: &Value) -> Value {
         obj["metadata"]["ownerReferences"] = json!([{
             "apiVersion": owner["apiVersion"],
@@ -893,15 +902,7 @@ mod tests {
     #[test]
     fn removal_cascades_to_owned_objects_over_two_levels() {
         let (_dir, store) = store();
-        let job = store
-            .apply(json!({
-                "apiVersion": "propeller.propeller.absmach.eu/v1",
-                "kind": "PropellerJob",
-                "metadata": {"name": "job", "namespace": "iot"},
-                "spec": {},
-            }))
-            .unwrap()
-            .object;
+        let job = store.apply(job("iot", "job")).unwrap().object;
         let t1 = store
             .create_child(owned_by(task("iot", "job-t1", json!({})), &job))
             .unwrap();
@@ -978,15 +979,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = ObjectStore::open(dir.path()).unwrap();
-            let job = store
-                .apply(json!({
-                    "apiVersion": "propeller.propeller.absmach.eu/v1",
-                    "kind": "PropellerJob",
-                    "metadata": {"name": "job", "namespace": "iot"},
-                    "spec": {},
-                }))
-                .unwrap()
-                .object;
+            let job = store.apply(job("iot", "job")).unwrap().object;
             store
                 .create_child(owned_by(task("iot", "job-t1", json!({})), &job))
                 .unwrap();
