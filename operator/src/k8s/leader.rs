@@ -204,23 +204,14 @@ pub async fn hold(
     let every = renew_every(settings.lease_duration);
     let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut check = tokio::time::interval(CHECK_EVERY);
-    let mut was_fenced = false;
+    // Apart from the renewals: one in flight waits up to `every` for its answer, long enough
+    // for a whole fence to begin and end unsaid. Dropped (so aborted) when this returns.
+    let mut fence_watch = tokio::task::JoinSet::new();
+    fence_watch.spawn(say_fence_changes(shard.clone(), settings.name.clone()));
     let mut stop = std::pin::pin!(stop);
     loop {
         tokio::select! {
             _ = renew.tick() => {}
-            _ = check.tick() => {
-                let fenced = shard.fence_reason(Instant::now());
-                if let (Some(reason), false) = (&fenced, was_fenced) {
-                    warn!(lease = %settings.name, %reason, "leader Lease not renewed in time: fenced");
-                }
-                if fenced.is_none() && was_fenced {
-                    info!(lease = %settings.name, "leader Lease renewed again: acting");
-                }
-                was_fenced = fenced.is_some();
-                continue;
-            }
             _ = &mut stop => break,
         }
         let sent = Instant::now();
@@ -275,6 +266,24 @@ pub async fn hold(
     }
     release(&api, &settings, &lease).await;
     Ok(())
+}
+
+/// Logs (and sets on `/metrics`) each time the fence begins, with its reason, and ends,
+/// looking every [`CHECK_EVERY`].
+async fn say_fence_changes(shard: Arc<Ownership>, lease: String) {
+    let mut check = tokio::time::interval(CHECK_EVERY);
+    let mut was_fenced = false;
+    loop {
+        check.tick().await;
+        let fenced = shard.fence_reason(Instant::now());
+        if let (Some(reason), false) = (&fenced, was_fenced) {
+            warn!(%lease, %reason, "leader Lease not renewed in time: fenced");
+        }
+        if fenced.is_none() && was_fenced {
+            info!(%lease, "leader Lease renewed again: acting");
+        }
+        was_fenced = fenced.is_some();
+    }
 }
 
 /// Clears the holder so a candidate takes the Lease at once (best effort: otherwise it
