@@ -10,10 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MDBOOK_VERSION=0.4.52
 LINKCHECK_VERSION=0.7.7
+install=(cargo install --locked --debug --target-dir target/book-tools)
 if ! mdbook --version 2>/dev/null | grep -q "v$MDBOOK_VERSION"; then
-  cargo install --locked --debug --target-dir target/book-tools mdbook --version "$MDBOOK_VERSION" --no-default-features --features search
+  "${install[@]}" mdbook --version "$MDBOOK_VERSION" --no-default-features --features search
 fi
 if ! mdbook-linkcheck --version 2>/dev/null | grep -q "$LINKCHECK_VERSION"; then
-  cargo install --locked --debug --target-dir target/book-tools mdbook-linkcheck --version "$LINKCHECK_VERSION"
+  "${install[@]}" mdbook-linkcheck --version "$LINKCHECK_VERSION"
 fi
 mdbook build docs
