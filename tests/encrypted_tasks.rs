@@ -2,6 +2,9 @@
 //! `sample` verifier, `../shared/kbs`, over TLS with a test CA): a module encrypted with
 //! `propeller encrypt`, its key put in the KBS, real agents (one attesting with the sample
 //! attester, one with no KBS), `propeller standalone`. Every failure a user can meet is named in the task's error.
+//! And an image whose layer Confidential Containers' own tools encrypted
+//! (`tests/fixtures/ocicrypt-add`, made by `scripts/make-ocicrypt-fixture.sh` with skopeo and
+//! coco_keyprovider), pulled from a real registry.
 
 mod support;
 
@@ -289,6 +292,123 @@ fn encrypted_modules_run_only_with_the_key_a_real_kbs_releases_after_attestation
     println!("{out}");
 }
 
+/// The image skopeo and coco_keyprovider encrypted, and its key-encryption key.
+fn ocicrypt_fixture() -> (std::path::PathBuf, Vec<u8>) {
+    use base64::Engine;
+    let dir = support::repo_root().join("tests/fixtures/ocicrypt-add");
+    let kek = std::fs::read_to_string(dir.join("kek.b64")).expect("the fixture's key");
+    let kek = base64::engine::general_purpose::STANDARD
+        .decode(kek.trim())
+        .expect("base64 key");
+    (dir, kek)
+}
+
+/// The add module in the fixture's layer (as scripts/make-ocicrypt-fixture.sh writes it).
+const FIXTURE_MODULE: &str = "AGFzbQEAAAABBwFgAn9/AX8DAgEABwcBA2FkZAAACgkBBwAgACABags=";
+
+/// The key id the fixture's layer names (see scripts/make-ocicrypt-fixture.sh).
+const OCICRYPT_KEY: &str = "default/key/ocicrypt-add";
+
+#[test]
+fn an_image_encrypted_by_confidential_containers_tools_runs_from_a_registry() {
+    let Some(mut kbs) = Kbs::start() else {
+        return;
+    };
+    let Some(registry) = support::registry::Registry::start(None) else {
+        return;
+    };
+    let (fixture, kek) = ocicrypt_fixture();
+    registry.push_layout("wasm/add:encrypted", &fixture, "add");
+    kbs.put(OCICRYPT_KEY, &kek);
+    kbs.put("default/key/other", &[0x5a; 32]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let work = dir.path();
+    let (_server, api, port) =
+        start_standalone(work, &["--registry-plain-http", registry.host.as_str()]);
+    apply_text(
+        &api,
+        work,
+        "tee.yaml",
+        &support::device_manifest("tee", &port),
+    );
+    let ca_file = kbs.ca_file.display().to_string();
+    let agent = support::device_agent_with(
+        "tee",
+        &port,
+        &work.join("tee-state"),
+        &[
+            ("PROPLET_KBS_URI", kbs.url.as_str()),
+            ("PROPLET_KBS_CA_FILE", ca_file.as_str()),
+            ("PROPLET_ATTESTER", "sample"),
+        ],
+    );
+    wait_for_phase(&api, work, "tee", "Running");
+    let image = format!("{}/wasm/add:encrypted", registry.host);
+    let apply = |name: &str, resource: &str| {
+        apply_text(
+            &api,
+            work,
+            &format!("{name}.yaml"),
+            &encrypted_task(name, &image, resource, ""),
+        );
+    };
+
+    apply("coco", OCICRYPT_KEY);
+    let status = finished(&api, work, "coco");
+    assert_eq!(status["phase"], "completed", "{status:#}");
+    assert_eq!(status["results"], "42");
+    assert!(
+        agent
+            .stderr_so_far()
+            .iter()
+            .any(|l| l.contains("ocicrypt layer") && l.contains("decrypted in memory")),
+        "the agent did not say it opened an ocicrypt layer"
+    );
+
+    // The layer names its key: a task that expects another is told which.
+    apply("other-path", "default/key/other");
+    failed_with(
+        &api,
+        work,
+        "other-path",
+        "set kbsResourcePath: default/key/ocicrypt-add",
+    );
+    // Another key at the layer's key id: the wrapped key does not open.
+    kbs.put(OCICRYPT_KEY, &[0x33; 32]);
+    apply("wrong-kek", OCICRYPT_KEY);
+    failed_with(&api, work, "wrong-kek", "does not unwrap");
+    apply_text(
+        &api,
+        work,
+        "unmarked.yaml",
+        &format!(
+            "{MANIFEST_HEAD}metadata:\n  name: unmarked\nspec:\n  name: unmarked\n  functionName: add\n  imageUrl: {image}\n  inputs: [1, 2]\n"
+        ),
+    );
+    failed_with(
+        &api,
+        work,
+        "unmarked",
+        "encrypted (ocicrypt): set `encrypted: true` and kbsResourcePath: default/key/ocicrypt-add",
+    );
+
+    // Propeller's image cache and the agent's state hold the ciphertext at most.
+    drop(agent);
+    use base64::Engine;
+    let module = base64::engine::general_purpose::STANDARD
+        .decode(FIXTURE_MODULE)
+        .expect("base64");
+    let code = &module[module.len() - 16..];
+    for (path, bytes) in files_under(work) {
+        assert!(
+            !contains(&bytes, code),
+            "{} holds the module",
+            path.display()
+        );
+        assert!(!contains(&bytes, &kek), "{} holds the key", path.display());
+    }
+}
+
 /// The median of `values` (sorted here).
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -354,7 +474,8 @@ fn bench_what_the_kbs_exchange_adds() {
 }
 
 /// The same module on `propeller run` against a real API server: the agent's attester
-/// reaches the Proplet's status, the encrypted task completes to 42, and a wrong key fails
+/// reaches the Proplet's status, the encrypted task completes to 42 (propeller's format, and
+/// the image Confidential Containers' tools encrypted, from a registry), and a wrong key fails
 /// the task with its cause in the status and a `Failed` Event.
 #[test]
 fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
@@ -369,13 +490,21 @@ fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     let Some((cp, kubeconfig)) = cluster(Options::default()) else {
         return;
     };
+    let Some(registry) = support::registry::Registry::start(None) else {
+        return;
+    };
     let (_plain, key, sealed) = encrypt_module(cp.scratch());
     kbs.put("default/key/add", &key);
     kbs.put("default/key/other", &[0x5a; 32]);
     let (addr, serving) = serve_file(sealed);
     let url = format!("http://{addr}/add.wasm.enc");
+    let (fixture, kek) = ocicrypt_fixture();
+    registry.push_layout("wasm/add:encrypted", &fixture, "add");
+    kbs.put(OCICRYPT_KEY, &kek);
 
-    let operator = support::Running::spawn(operator_command(&kubeconfig, free_port()));
+    let mut command = operator_command(&kubeconfig, free_port());
+    command.args(["--registry-plain-http", registry.host.as_str()]);
+    let operator = support::Running::spawn(command);
     let mqtt = mqtt_port(&operator);
     let ns = "sealed";
     cp.kubectl_ok(&["create", "namespace", ns]);
@@ -403,6 +532,10 @@ fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     apply(&cp, ns, &encrypted_task("add", &url, "default/key/add", ""));
     let done = wait_phase(&cp, ns, "task", "add", "completed");
     assert_eq!(done["status"]["results"], "42", "{done:#}");
+    let image = format!("{}/wasm/add:encrypted", registry.host);
+    apply(&cp, ns, &encrypted_task("coco", &image, OCICRYPT_KEY, ""));
+    let done = wait_phase(&cp, ns, "task", "coco", "completed");
+    assert_eq!(done["status"]["results"], "42", "{done:#}");
 
     apply(
         &cp,
@@ -413,6 +546,8 @@ fn an_encrypted_task_runs_through_the_operator_on_a_real_api_server() {
     let error = failed["status"]["error"].as_str().unwrap_or_default();
     assert!(error.contains("authentication tag mismatch"), "{error}");
     wait_event_reason(&cp, ns, "wrong-key", "Failed");
-    println!("kubernetes: encrypted add completed with 42; wrong-key failed: {error}");
+    println!(
+        "kubernetes: encrypted add completed with 42 in both formats; wrong-key failed: {error}"
+    );
     serving.store(true, std::sync::atomic::Ordering::Relaxed);
 }

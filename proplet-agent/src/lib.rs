@@ -11,6 +11,7 @@ pub mod finished;
 pub mod hal;
 pub mod http_server;
 pub mod kbs;
+pub mod ocicrypt;
 pub mod outgoing_http;
 pub mod sandbox;
 pub mod spool;

@@ -185,19 +185,65 @@ impl Registry {
         };
         let layers = vec![ImageLayer::new(bytes.to_vec(), layer_type.into(), None)];
         let manifest = OciImageManifest::build(&layers, &config, None);
+        self.push_manifest(&reference, &layers, config, manifest)
+    }
+
+    /// Pushes `layers`, `config` and `manifest` as `reference`; returns the digest the
+    /// registry gives the manifest back under.
+    fn push_manifest(
+        &self,
+        reference: &Reference,
+        layers: &[ImageLayer],
+        config: Config,
+        manifest: OciImageManifest,
+    ) -> String {
         let auth = self.auth();
         runtime().block_on(async {
             let client = self.client();
             client
-                .push(&reference, &layers, config, &auth, Some(manifest))
+                .push(reference, layers, config, &auth, Some(manifest))
                 .await
                 .expect("push");
             let (_, digest) = client
-                .pull_image_manifest(&reference, &auth)
+                .pull_image_manifest(reference, &auth)
                 .await
                 .expect("pull back the manifest");
             digest
         })
+    }
+
+    /// Pushes the image of OCI layout `dir` tagged `tag` (its `index.json` entry named so) as
+    /// `repo_tag`, with the layers' media types and annotations as they are; returns the
+    /// manifest digest.
+    pub fn push_layout(&self, repo_tag: &str, dir: &Path, tag: &str) -> String {
+        let read = |digest: &str| {
+            let hex = digest.trim_start_matches("sha256:");
+            std::fs::read(dir.join("blobs/sha256").join(hex)).expect("a blob of the layout")
+        };
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("index.json")).expect("index.json"))
+                .expect("index.json is JSON");
+        let entry = index["manifests"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| m["annotations"]["org.opencontainers.image.ref.name"] == tag)
+            .expect("the tag in index.json");
+        let manifest: OciImageManifest =
+            serde_json::from_slice(&read(entry["digest"].as_str().expect("digest")))
+                .expect("an OCI manifest");
+        let config = Config::new(
+            read(&manifest.config.digest),
+            manifest.config.media_type.clone(),
+            None,
+        );
+        let layers: Vec<ImageLayer> = manifest
+            .layers
+            .iter()
+            .map(|l| ImageLayer::new(read(&l.digest), l.media_type.clone(), l.annotations.clone()))
+            .collect();
+        let reference: Reference = format!("{}/{repo_tag}", self.host).parse().expect("ref");
+        self.push_manifest(&reference, &layers, config, manifest)
     }
 }
 

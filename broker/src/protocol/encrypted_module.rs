@@ -1,4 +1,6 @@
-//! Propeller's encrypted-module format: a Wasm module or component sealed with AES-256-GCM
+//! Encrypted modules as devices receive them, in one of two versions after a common magic.
+//!
+//! Version 1 is propeller's own format: a Wasm module or component sealed with AES-256-GCM
 //! under a 32-byte key that a Key Broker Service releases only to devices that pass
 //! attestation (the task's `kbsResourcePath`).
 //!
@@ -12,8 +14,19 @@
 //! ```
 //!
 //! The 21-byte header is the additional authenticated data: a changed version or nonce fails
-//! the tag like a changed ciphertext. `propeller encrypt` writes this format; the agent reads
-//! it.
+//! the tag like a changed ciphertext. `propeller encrypt` writes this format.
+//!
+//! Version 2 carries an OCI layer encrypted by ocicrypt (Confidential Containers' tools) as
+//! the registry holds it, with what its manifest says of it: propeller frames it, the agent
+//! unwraps its key and decrypts it.
+//!
+//! ```text
+//! 0       8     magic
+//! 8       1     format version, 2 = ocicrypt layer
+//! 9       4     m, the descriptor's length (big-endian)
+//! 13      m     the layer's descriptor: JSON {"mediaType": …, "annotations": {…}}
+//! 13+m    n     the encrypted layer
+//! ```
 
 use aes_gcm::aead::{Aead, KeyInit, Payload};
 use aes_gcm::{Aes256Gcm, Nonce};
@@ -21,8 +34,10 @@ use zeroize::Zeroizing;
 
 /// The first bytes of every encrypted module.
 pub const MAGIC: [u8; 8] = *b"\0pwenc\r\n";
-/// The only format version: AES-256-GCM.
+/// Format version 1: propeller's AES-256-GCM module.
 pub const VERSION_AES_256_GCM: u8 = 1;
+/// Format version 2: an ocicrypt-encrypted OCI layer with its descriptor.
+pub const VERSION_OCICRYPT_LAYER: u8 = 2;
 /// The key length the format needs.
 pub const KEY_LEN: usize = 32;
 const NONCE_LEN: usize = 12;
@@ -39,7 +54,7 @@ pub enum ModuleCryptoError {
     #[error("the module is not encrypted (it lacks the encrypted-module header); encrypt it with `propeller encrypt`, or drop `encrypted: true` from the task")]
     NotEncrypted,
     /// A version this build does not read.
-    #[error("encrypted-module format version {0} is not known to this proplet (it reads version 1); update proplet")]
+    #[error("encrypted-module format version {0} is not known to this proplet (it reads versions 1 and 2); update proplet")]
     UnknownVersion(u8),
     /// Shorter than a header and a tag.
     #[error("the encrypted module is truncated ({0} bytes)")]
@@ -50,6 +65,72 @@ pub enum ModuleCryptoError {
     /// The tag does not match: another key, or altered bytes.
     #[error("the module does not decrypt with the key from the Key Broker Service (authentication tag mismatch): the key at kbsResourcePath is not the one it was encrypted with, or the module was altered")]
     WrongKey,
+    /// A version 2 descriptor that is not the JSON propeller writes.
+    #[error("the encrypted layer's descriptor is damaged: {0}")]
+    BadDescriptor(String),
+}
+
+/// What an OCI manifest says of an encrypted layer: enough for a device to decrypt it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LayerDescriptor {
+    /// The layer's media type, e.g. `application/vnd.oci.image.layer.v1.tar+gzip+encrypted`.
+    pub media_type: String,
+    /// The layer's annotations, where ocicrypt puts the wrapped keys and cipher options.
+    #[serde(default)]
+    pub annotations: std::collections::BTreeMap<String, String>,
+}
+
+/// An encrypted module taken apart by version.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EncryptedModule<'a> {
+    /// Version 1, to [`open`] with the key at the task's `kbsResourcePath`.
+    Sealed(&'a [u8]),
+    /// Version 2: an ocicrypt layer and its descriptor.
+    OcicryptLayer {
+        /// The media type and annotations from the manifest.
+        descriptor: LayerDescriptor,
+        /// The layer's bytes as the registry holds them.
+        layer: &'a [u8],
+    },
+}
+
+/// Frames an ocicrypt-encrypted layer with its descriptor (version 2).
+pub fn frame_ocicrypt_layer(descriptor: &LayerDescriptor, layer: &[u8]) -> Vec<u8> {
+    let json = serde_json::to_vec(descriptor).unwrap_or_default();
+    let mut framed = Vec::with_capacity(MAGIC.len() + 5 + json.len() + layer.len());
+    framed.extend_from_slice(&MAGIC);
+    framed.push(VERSION_OCICRYPT_LAYER);
+    framed.extend_from_slice(&u32::try_from(json.len()).unwrap_or(u32::MAX).to_be_bytes());
+    framed.extend_from_slice(&json);
+    framed.extend_from_slice(layer);
+    framed
+}
+
+/// Reads the version of an encrypted module and, for version 2, its descriptor.
+pub fn parse(bytes: &[u8]) -> Result<EncryptedModule<'_>, ModuleCryptoError> {
+    if !is_encrypted(bytes) {
+        return Err(ModuleCryptoError::NotEncrypted);
+    }
+    match bytes.get(MAGIC.len()).copied() {
+        Some(VERSION_AES_256_GCM) => Ok(EncryptedModule::Sealed(bytes)),
+        Some(VERSION_OCICRYPT_LAYER) => {
+            let rest = &bytes[MAGIC.len() + 1..];
+            let (len, rest) = rest
+                .split_first_chunk::<4>()
+                .ok_or(ModuleCryptoError::Truncated(bytes.len()))?;
+            let len = usize::try_from(u32::from_be_bytes(*len)).unwrap_or(usize::MAX);
+            if rest.len() < len {
+                return Err(ModuleCryptoError::Truncated(bytes.len()));
+            }
+            let (json, layer) = rest.split_at(len);
+            let descriptor = serde_json::from_slice(json)
+                .map_err(|e| ModuleCryptoError::BadDescriptor(e.to_string()))?;
+            Ok(EncryptedModule::OcicryptLayer { descriptor, layer })
+        }
+        Some(other) => Err(ModuleCryptoError::UnknownVersion(other)),
+        None => Err(ModuleCryptoError::Truncated(bytes.len())),
+    }
 }
 
 /// Whether `bytes` start like an encrypted module.
@@ -155,10 +236,40 @@ mod tests {
             open(&key, &sealed[..HEADER_LEN + 3]),
             Err(ModuleCryptoError::Truncated(HEADER_LEN + 3))
         );
-        sealed[MAGIC.len()] = 2;
+        sealed[MAGIC.len()] = 3;
         assert_eq!(
             open(&key, &sealed),
-            Err(ModuleCryptoError::UnknownVersion(2))
+            Err(ModuleCryptoError::UnknownVersion(3))
         );
+        assert_eq!(parse(&sealed), Err(ModuleCryptoError::UnknownVersion(3)));
+    }
+
+    #[test]
+    fn an_ocicrypt_layer_travels_with_its_descriptor() {
+        let descriptor = LayerDescriptor {
+            media_type: "application/vnd.oci.image.layer.v1.tar+gzip+encrypted".into(),
+            annotations: [("org.opencontainers.image.enc.pubopts".into(), "e30=".into())].into(),
+        };
+        let framed = frame_ocicrypt_layer(&descriptor, b"ciphertext");
+        assert!(is_encrypted(&framed));
+        assert_eq!(
+            parse(&framed),
+            Ok(EncryptedModule::OcicryptLayer {
+                descriptor: descriptor.clone(),
+                layer: b"ciphertext"
+            })
+        );
+        assert!(matches!(
+            parse(&framed[..framed.len() - 11]),
+            Err(ModuleCryptoError::Truncated(_))
+        ));
+        assert!(matches!(
+            parse(&framed[..12]),
+            Err(ModuleCryptoError::Truncated(_))
+        ));
+        let key = [7u8; 32];
+        let sealed = seal(&key, MODULE).unwrap();
+        assert_eq!(parse(&sealed), Ok(EncryptedModule::Sealed(&sealed)));
+        assert_eq!(parse(MODULE), Err(ModuleCryptoError::NotEncrypted));
     }
 }

@@ -1,6 +1,7 @@
 //! Finding the Wasm binary in a manifest: the CNCF Wasm OCI artifact layout (`wkg`, wasmCloud,
 //! `oras` with a Wasm media type), the older `wasm-to-oci` layout, and a plain single-layer
-//! artifact whose one layer turns out to be a Wasm binary.
+//! artifact whose one layer turns out to be a Wasm binary, or a one-layer image whose layer
+//! ocicrypt encrypted (Confidential Containers' tools), passed on to the device to decrypt.
 
 use oci_client::manifest::{ImageIndexEntry, OciDescriptor, OciImageManifest};
 
@@ -10,6 +11,14 @@ pub const WASM_LAYER_MEDIA_TYPES: [&str; 3] = [
     oci_client::manifest::WASM_LAYER_MEDIA_TYPE,
     "application/vnd.module.wasm.content.layer.v1+wasm",
 ];
+
+/// The suffix ocicrypt adds to an encrypted layer's media type.
+const ENCRYPTED_SUFFIX: &str = "+encrypted";
+
+/// Whether ocicrypt encrypted `layer` (propeller cannot read it; the device decrypts it).
+pub fn is_encrypted_layer(layer: &OciDescriptor) -> bool {
+    layer.media_type.ends_with(ENCRYPTED_SUFFIX)
+}
 
 /// The first bytes of every Wasm module and component.
 const WASM_MAGIC: &[u8; 4] = b"\0asm";
@@ -25,6 +34,10 @@ pub fn wasm_layer(manifest: &OciImageManifest) -> Result<&OciDescriptor, String>
         ([one], _) => Ok(one),
         ([], [only]) => Ok(only),
         ([], []) => Err("the manifest has no layers".into()),
+        ([], layers) if layers.iter().any(is_encrypted_layer) => Err(format!(
+            "the image has {} layers, some encrypted; an encrypted module must be an image of one layer holding its .wasm file",
+            layers.len()
+        )),
         ([], layers) => Err(format!(
             "the manifest has {} layers and none is a Wasm layer (types: {})",
             layers.len(),
@@ -120,6 +133,18 @@ mod tests {
         let spin = manifest(vec![layer("application/wasm"), layer("application/wasm")]);
         assert!(wasm_layer(&spin).is_err());
         assert!(wasm_layer(&manifest(vec![])).is_err());
+    }
+
+    #[test]
+    fn an_encrypted_layer_is_taken_only_alone() {
+        let encrypted = layer("application/vnd.oci.image.layer.v1.tar+gzip+encrypted");
+        assert!(is_encrypted_layer(&encrypted));
+        assert!(!is_encrypted_layer(&layer("application/wasm")));
+        let one = manifest(vec![encrypted.clone()]);
+        assert!(wasm_layer(&one).is_ok_and(is_encrypted_layer));
+        let image = manifest(vec![encrypted.clone(), encrypted]);
+        let err = wasm_layer(&image).err().unwrap_or_default();
+        assert!(err.contains("one layer holding its .wasm"), "{err}");
     }
 
     #[test]

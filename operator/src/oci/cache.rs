@@ -169,18 +169,32 @@ impl BlobCache {
         Ok(())
     }
 
-    /// Records that devices asking for `name` get the blob `layer_digest`.
-    pub fn remember(&self, name: &str, layer_digest: &str) -> Result<(), CacheError> {
+    /// Records that devices asking for `name` get the blob `layer_digest`, framed with
+    /// `framing` (one line: an encrypted layer's descriptor) when there is one.
+    pub fn remember(
+        &self,
+        name: &str,
+        layer_digest: &str,
+        framing: Option<&str>,
+    ) -> Result<(), CacheError> {
         hex_of(layer_digest)?;
         let path = self.name_path(name);
-        fs::write(&path, layer_digest).map_err(io_at(&path))
+        let record = match framing {
+            Some(line) => format!("{layer_digest}\n{}", line.replace('\n', " ")),
+            None => layer_digest.to_owned(),
+        };
+        fs::write(&path, record).map_err(io_at(&path))
     }
 
-    /// The layer digest recorded for `name`.
-    pub fn lookup(&self, name: &str) -> Option<String> {
-        let digest = fs::read_to_string(self.name_path(name)).ok()?;
-        hex_of(digest.trim()).ok()?;
-        Some(digest.trim().to_owned())
+    /// The layer digest recorded for `name`, and its framing if it has one.
+    pub fn lookup(&self, name: &str) -> Option<(String, Option<String>)> {
+        let record = fs::read_to_string(self.name_path(name)).ok()?;
+        let (digest, framing) = match record.split_once('\n') {
+            Some((digest, framing)) => (digest.trim(), Some(framing.trim().to_owned())),
+            None => (record.trim(), None),
+        };
+        hex_of(digest).ok()?;
+        Some((digest.to_owned(), framing.filter(|f| !f.is_empty())))
     }
 }
 
@@ -220,8 +234,16 @@ mod tests {
             Some(&b"\0asm\x01\0\0\0"[..])
         );
         assert_eq!(cache.head(&digest, 4)?.as_deref(), Some(&b"\0asm"[..]));
-        cache.remember("reg/app@sha256:abc", &digest)?;
-        assert_eq!(cache.lookup("reg/app@sha256:abc"), Some(digest));
+        cache.remember("reg/app@sha256:abc", &digest, None)?;
+        assert_eq!(
+            cache.lookup("reg/app@sha256:abc"),
+            Some((digest.clone(), None))
+        );
+        cache.remember("reg/enc@sha256:abc", &digest, Some("{\"mediaType\":\"x\"}"))?;
+        assert_eq!(
+            cache.lookup("reg/enc@sha256:abc"),
+            Some((digest, Some("{\"mediaType\":\"x\"}".into())))
+        );
         assert_eq!(cache.lookup("reg/other@sha256:abc"), None);
         assert!(matches!(cache.get("md5:00"), Err(CacheError::Digest(_))));
         Ok(())

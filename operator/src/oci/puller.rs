@@ -15,9 +15,10 @@ use oci_client::errors::{OciDistributionError, OciErrorCode};
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
+use propeller_broker::protocol::encrypted_module::{frame_ocicrypt_layer, LayerDescriptor};
 use tokio::io::AsyncWrite;
 
-use super::artifact::{is_wasm, not_wasm_reason, wasm_layer, wasm_platform};
+use super::artifact::{is_encrypted_layer, is_wasm, not_wasm_reason, wasm_layer, wasm_platform};
 use super::cache::{sha256_hex, BlobCache, CacheError};
 use super::credentials::RegistryLogins;
 use super::metrics::ImageMetrics;
@@ -277,6 +278,8 @@ impl ImagePuller {
             .await
             .map_err(|e| ImageError::Cache(e.to_string()))??;
         match head {
+            // Ciphertext: whether it holds Wasm only the device that decrypts it can tell.
+            Some(_) if is_encrypted_layer(&layer) => {}
             Some(head) if is_wasm(&head) => {}
             Some(head) => {
                 return Err(ImageError::NotWasm {
@@ -299,9 +302,12 @@ impl ImagePuller {
         .whole();
         let cache = self.cache.clone();
         let (key, layer_digest) = (pinned.clone(), layer.digest.clone());
-        tokio::task::spawn_blocking(move || cache.remember(&key, &layer_digest))
-            .await
-            .map_err(|e| ImageError::Cache(e.to_string()))??;
+        let framing = framing_of(&layer);
+        tokio::task::spawn_blocking(move || {
+            cache.remember(&key, &layer_digest, framing.as_deref())
+        })
+        .await
+        .map_err(|e| ImageError::Cache(e.to_string()))??;
         lock(&self.origins).insert(pinned.clone(), (reference, layer.clone(), auth));
         Ok(ResolvedImage {
             pinned,
@@ -392,18 +398,25 @@ impl ImagePuller {
         let cache = self.cache.clone();
         let key = name.to_owned();
         let cached = tokio::task::spawn_blocking(move || -> Result<_, CacheError> {
-            let Some(digest) = cache.lookup(&key) else {
+            let Some((digest, framing)) = cache.lookup(&key) else {
                 return Ok(None);
             };
-            Ok(Some((cache.get(&digest)?, digest)))
+            Ok(Some((cache.get(&digest)?, digest, framing)))
         })
         .await
         .map_err(|e| ImageError::Cache(e.to_string()))??;
-        let Some((bytes, digest)) = cached else {
+        let Some((bytes, digest, framing)) = cached else {
             return Ok(None);
         };
+        let framed = |layer: Vec<u8>| match framing.as_deref().map(serde_json::from_str) {
+            Some(Ok(descriptor)) => Ok(frame_ocicrypt_layer(&descriptor, &layer)),
+            Some(Err(e)) => Err(ImageError::Cache(format!(
+                "the recorded descriptor of {name}'s encrypted layer is damaged: {e}"
+            ))),
+            None => Ok(layer),
+        };
         if let Some(bytes) = bytes {
-            return Ok(Some(bytes));
+            return framed(bytes).map(Some);
         }
         let origin = lock(&self.origins).get(name).cloned();
         let (reference, layer, auth) = match origin {
@@ -427,11 +440,27 @@ impl ImagePuller {
             .await;
         self.ensure_layer(&client, &reference, &layer).await?;
         let cache = self.cache.clone();
-        tokio::task::spawn_blocking(move || cache.get(&digest))
+        let bytes = tokio::task::spawn_blocking(move || cache.get(&digest))
             .await
-            .map_err(|e| ImageError::Cache(e.to_string()))?
-            .map_err(ImageError::from)
+            .map_err(|e| ImageError::Cache(e.to_string()))??;
+        bytes.map(framed).transpose()
     }
+}
+
+/// The descriptor devices need to decrypt `layer` (one JSON line), if ocicrypt encrypted it.
+fn framing_of(layer: &OciDescriptor) -> Option<String> {
+    is_encrypted_layer(layer).then(|| {
+        let descriptor = LayerDescriptor {
+            media_type: layer.media_type.clone(),
+            annotations: layer
+                .annotations
+                .iter()
+                .flatten()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        };
+        serde_json::to_string(&descriptor).unwrap_or_default()
+    })
 }
 
 /// Maps oci-client's errors onto what a user can act on.

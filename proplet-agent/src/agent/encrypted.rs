@@ -1,15 +1,16 @@
 //! Encrypted tasks: the module's key from the Key Broker Service after attestation, the
-//! module opened in memory only. The plaintext is never written to disk nor kept in a module
+//! module (propeller's format, or an ocicrypt layer framed by propeller) opened in memory only. The plaintext is never written to disk nor kept in a module
 //! cache, and both it and the key are wiped from memory once compiled.
 
 use anyhow::Context;
-use propeller_broker::protocol::encrypted_module;
+use propeller_broker::protocol::encrypted_module::{self, EncryptedModule};
 use propeller_broker::protocol::StartRequest;
 use tracing::{info, warn};
 use zeroize::Zeroizing;
 
 use crate::config::Config;
 use crate::kbs::{self, KbsClient};
+use crate::ocicrypt;
 
 use super::Agent;
 
@@ -66,6 +67,14 @@ impl Agent {
         fetched: Vec<u8>,
     ) -> Result<Zeroizing<Vec<u8>>, String> {
         if !request.encrypted {
+            if let Ok(EncryptedModule::OcicryptLayer { descriptor, .. }) =
+                encrypted_module::parse(&fetched)
+            {
+                let path = ocicrypt::key_packet(&descriptor)
+                    .and_then(|p| p.resource_path())
+                    .unwrap_or_else(|_| "REPOSITORY/TYPE/TAG".into());
+                return Err(format!("the image's layer is encrypted (ocicrypt): set `encrypted: true` and kbsResourcePath: {path} on the task"));
+            }
             if encrypted_module::is_encrypted(&fetched) {
                 return Err("the module is encrypted (it has the encrypted-module header): set `encrypted: true` and kbsResourcePath on the task".into());
             }
@@ -76,20 +85,44 @@ impl Agent {
             return Err("this proplet cannot run encrypted tasks".into());
         };
         // A plain module marked encrypted is refused before the key is asked for.
-        if !encrypted_module::is_encrypted(&fetched) {
-            return Err(encrypted_module::ModuleCryptoError::NotEncrypted.to_string());
-        }
+        let module = encrypted_module::parse(&fetched).map_err(|e| e.to_string())?;
+        // An ocicrypt layer names its key itself; it must be the one the task expects.
+        let layer_key = match &module {
+            EncryptedModule::Sealed(_) => None,
+            EncryptedModule::OcicryptLayer { descriptor, .. } => {
+                let packet = ocicrypt::key_packet(descriptor).map_err(|e| e.to_string())?;
+                let named = packet.resource_path().map_err(|e| e.to_string())?;
+                if named != path {
+                    return Err(format!(
+                        "the image's layer is encrypted under the key at {named} (its kid {}), but the task's kbsResourcePath is {path}: set kbsResourcePath: {named}",
+                        packet.kid
+                    ));
+                }
+                Some(packet)
+            }
+        };
         let started = std::time::Instant::now();
         let key = client
             .resource(path)
             .await
             .map_err(|e| format!("the module's key: {e}"))?;
         let exchange = started.elapsed();
-        let plaintext = encrypted_module::open(&key, &fetched).map_err(|e| e.to_string())?;
+        let plaintext = match (&module, &layer_key) {
+            (EncryptedModule::OcicryptLayer { descriptor, layer }, Some(packet)) => {
+                ocicrypt::decrypt_module(descriptor, packet, &key, layer)
+                    .map_err(|e| e.to_string())?
+            }
+            _ => encrypted_module::open(&key, &fetched).map_err(|e| e.to_string())?,
+        };
         drop(key);
         info!(
             task_id = request.id,
             kbs_resource_path = path,
+            format = if layer_key.is_some() {
+                "ocicrypt layer"
+            } else {
+                "propeller"
+            },
             key_exchange_ms = exchange.as_secs_f64() * 1e3,
             "module decrypted in memory with the key from the Key Broker Service"
         );
