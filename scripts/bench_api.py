@@ -6,6 +6,7 @@ which `scripts/lib/harness.sh` installs)."""
 import http.client
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -255,3 +256,21 @@ def start_agent(bin_dir, name, mqtt_port, state_dir, rust_log="info", log_path=N
     out = open(log_path, "a") if log_path else subprocess.DEVNULL
     return subprocess.Popen([os.path.join(bin_dir, "proplet")], env=env, stdout=out,
                             stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
+
+
+def perf_record(pid, name):
+    """Samples `pid` into $BENCH_PERF/NAME.data until perf_done; None without BENCH_PERF."""
+    out = os.environ.get("BENCH_PERF")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    graph = ["--call-graph", os.environ["BENCH_PERF_CALLGRAPH"]] if os.environ.get("BENCH_PERF_CALLGRAPH") else []
+    return subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "499", "-p", str(pid), *graph,
+                             "-o", os.path.join(out, f"{name}.data")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def perf_done(recorder):
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=120)

@@ -1,10 +1,13 @@
 """The heartbeat-scale benchmark: N heartbeating proplets on `propeller standalone`.
 
 Run by `scripts/bench-heartbeats.sh`, which starts the processes and passes their ports and pids;
-see that script for what is measured."""
-import os, statistics, sys, time
+see that script for what is measured.
+
+BENCH_PERF=DIR: `perf record` samples propeller for 40 s of the steady window (from 10 s after
+all are Running) into DIR/steady.data; BENCH_PERF_CALLGRAPH=dwarf adds call graphs."""
+import os, statistics, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import Api, Sampler, fleet_metrics, heartbeat_load, rss_mib, store_fleet
+from bench_api import Api, Sampler, fleet_metrics, heartbeat_load, perf_done, perf_record, rss_mib, store_fleet
 api_port, work, mqtt, bin_dir, n, pid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 SILENT = min(1000, n)
 THRESHOLD, FLUSH = 30, 5
@@ -22,6 +25,21 @@ print(f"{n} Proplets and Secrets stored and reconciled in {time.time() - t:.1f} 
 sampler = Sampler(pid, metrics, 0.5)
 samples = sampler.samples  # (time, cpu seconds, rss MiB, metrics)
 
+
+
+def profile_steady():
+    """Samples the steady window once every proplet is Running (with BENCH_PERF)."""
+    deadline = time.time() + 300
+    while metrics()["running"] < n and time.time() < deadline:
+        time.sleep(1)
+    time.sleep(10)
+    recorder = perf_record(int(pid), "steady")
+    time.sleep(40)
+    perf_done(recorder)
+
+
+if os.environ.get("BENCH_PERF"):
+    threading.Thread(target=profile_steady, daemon=True).start()
 events = heartbeat_load(bin_dir, mqtt, n, SILENT, THRESHOLD)
 sampler.stop()
 if "done" not in events:

@@ -26,7 +26,6 @@ build with debug info, such as PROPELLER_BIN=target/debug/propeller).
 """
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -37,7 +36,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_api import children_of, cpu_or_zero, free_port, parse_metrics, pick, rss_mib  # noqa: E402
+from bench_api import children_of, cpu_or_zero, free_port, parse_metrics, perf_done, perf_record, pick, rss_mib  # noqa: E402
 from bench_kube import GROUP, Kube, add_task  # noqa: E402
 
 
@@ -123,24 +122,6 @@ def requests_by_kind():
             key = f'{labels.get("verb")} {labels.get("resource")}/{labels.get("subresource", "")} {labels.get("code")}'
             counts[key] = counts.get(key, 0) + value
     return counts
-
-
-def perf_record(pid, name):
-    """Samples `pid` into $BENCH_PERF/NAME.data until perf_done; None without BENCH_PERF."""
-    out = os.environ.get("BENCH_PERF")
-    if not out:
-        return None
-    os.makedirs(out, exist_ok=True)
-    graph = ["--call-graph", os.environ["BENCH_PERF_CALLGRAPH"]] if os.environ.get("BENCH_PERF_CALLGRAPH") else []
-    return subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "499", "-p", str(pid), *graph,
-                             "-o", os.path.join(out, f"{name}.data")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def perf_done(recorder):
-    if recorder is not None:
-        recorder.send_signal(signal.SIGINT)
-        recorder.wait(timeout=120)
 
 
 def mqtt_accepts(port, user, password):

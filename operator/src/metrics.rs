@@ -230,40 +230,49 @@ impl ControllerMetrics {
         proplets: impl IntoIterator<Item = &'a crate::crd::proplet::Proplet>,
         tasks: impl IntoIterator<Item = &'a crate::crd::task::Task>,
     ) {
-        let mut by_phase = std::collections::BTreeMap::new();
+        use crate::crd::proplet::PropletPhase;
+        use crate::crd::task::TaskPhase;
+        const PROPLET_PHASES: [PropletPhase; 3] = [
+            PropletPhase::Initializing,
+            PropletPhase::Running,
+            PropletPhase::Offline,
+        ];
+        // Counted by position, without a string per object: this runs over the whole fleet
+        // at every scrape (standalone) or gauge tick (Kubernetes mode).
+        let mut counts = [0i64; PROPLET_PHASES.len()];
         for p in proplets {
             let phase = p.status.as_ref().map(|s| s.phase).unwrap_or_default();
-            *by_phase.entry(phase.to_string()).or_insert(0) += 1;
+            if let Some(i) = PROPLET_PHASES.iter().position(|x| *x == phase) {
+                counts[i] += 1;
+            }
         }
         Self::set_phases(
             &self.proplets,
-            ["Initializing", "Running", "Offline"],
-            &by_phase,
+            PROPLET_PHASES.iter().map(|p| p.to_string()).zip(counts),
         );
-        let mut by_phase = std::collections::BTreeMap::new();
+        let mut counts = [0i64; TaskPhase::ALL.len()];
         for t in tasks {
             let phase = t.status.as_ref().map(|s| s.phase).unwrap_or_default();
-            *by_phase.entry(phase.as_str().to_owned()).or_insert(0) += 1;
+            if let Some(i) = TaskPhase::ALL.iter().position(|x| *x == phase) {
+                counts[i] += 1;
+            }
         }
         Self::set_phases(
             &self.tasks,
-            crate::crd::task::TaskPhase::ALL.iter().map(|p| p.as_str()),
-            &by_phase,
+            TaskPhase::ALL
+                .iter()
+                .map(|p| p.as_str().to_owned())
+                .zip(counts),
         );
     }
 
-    /// Replaces a per-phase gauge family's values with `counts`.
-    pub fn set_phases<'a>(
+    /// Sets a per-phase gauge family's values to `counts` (phase, count).
+    pub fn set_phases(
         family: &Family<PhaseLabels, Gauge>,
-        all_phases: impl IntoIterator<Item = &'a str>,
-        counts: &std::collections::BTreeMap<String, i64>,
+        counts: impl IntoIterator<Item = (String, i64)>,
     ) {
-        for phase in all_phases {
-            family
-                .get_or_create(&PhaseLabels {
-                    phase: phase.to_owned(),
-                })
-                .set(counts.get(phase).copied().unwrap_or(0));
+        for (phase, count) in counts {
+            family.get_or_create(&PhaseLabels { phase }).set(count);
         }
     }
 }

@@ -150,12 +150,15 @@ impl Common {
 
     /// Sets the per-phase gauges, and with sharing the objects this replica owns, from the
     /// cached `proplets` and `tasks`.
-    pub fn count_phases(&self, proplets: &[Arc<Proplet>], tasks: &[Arc<Task>]) {
-        self.metrics
-            .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
+    pub fn count_phases<'a>(
+        &self,
+        proplets: impl Iterator<Item = &'a Proplet> + Clone,
+        tasks: impl Iterator<Item = &'a Task> + Clone,
+    ) {
+        self.metrics.count_phases(proplets.clone(), tasks.clone());
         if let Some(shard) = self.shard.get() {
-            shard.count_owned("Proplet", proplets.iter().map(|p| ObjectName::of(&**p)));
-            shard.count_owned("Task", tasks.iter().map(|t| ObjectName::of(&**t)));
+            shard.count_owned("Proplet", proplets.map(ObjectName::of));
+            shard.count_owned("Task", tasks.map(ObjectName::of));
         }
     }
 

@@ -8,6 +8,7 @@
 //! the new view is acted on and announced. A replica that has not renewed its membership in
 //! time is fenced: it takes no turn, and the API client refuses its writes.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,10 @@ struct Picture {
     settled: bool,
     peers: Vec<Peer>,
 }
+
+/// How many keys' ownership [`Ownership::owns`] remembers under one picture before it starts
+/// over (keys of objects deleted since the picture changed stay in until then).
+const REMEMBERED_KEYS: usize = 250_000;
 
 /// Labels of the per-kind meters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -126,6 +131,10 @@ pub struct Ownership {
     shard_by: ShardBy,
     acting: tokio::sync::RwLock<View>,
     picture: RwLock<Picture>,
+    /// Whether this replica may act on each key under the current picture: [`may_act`]
+    /// hashes the key once per member of every announced view, and the gauges ask for every
+    /// cached object every few seconds. Emptied whenever the picture changes.
+    remembered: Mutex<HashMap<String, bool>>,
     renewed: Mutex<Option<Instant>>,
     /// Why the last renewal failed, until one succeeds (for `/readyz`).
     renewal_error: Mutex<Option<String>>,
@@ -153,6 +162,7 @@ impl Ownership {
             shard_by,
             acting: tokio::sync::RwLock::new(View::default()),
             picture: RwLock::new(Picture::default()),
+            remembered: Mutex::new(HashMap::new()),
             renewed: Mutex::new(None),
             renewal_error: Mutex::new(None),
             fence_limit: fence_limit(lease_duration),
@@ -264,16 +274,29 @@ impl Ownership {
     /// Whether this replica owns `kind` `name` now (for counting; a reconcile takes a
     /// [`Turn`] instead).
     pub fn owns(&self, kind: &str, name: &ObjectName) -> bool {
+        if self.is_fenced(Instant::now()) {
+            return false;
+        }
         let key = self.shard_by.key(kind, &name.namespace, &name.name);
+        // Held while remembering, so the answer is the picture's it was computed from: a
+        // change of picture empties the memory under the write lock.
         let picture = self.read_picture();
-        !self.is_fenced(Instant::now())
-            && may_act(
-                &key,
-                &self.me,
-                &picture.acting,
-                picture.settled,
-                &picture.peers,
-            )
+        let mut remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(owned) = remembered.get(&key) {
+            return *owned;
+        }
+        let owned = may_act(
+            &key,
+            &self.me,
+            &picture.acting,
+            picture.settled,
+            &picture.peers,
+        );
+        if remembered.len() >= REMEMBERED_KEYS {
+            remembered.clear();
+        }
+        remembered.insert(key, owned);
+        owned
     }
 
     /// The turn to reconcile `kind` `name`, if this replica may act on it now; `None` (and
@@ -301,6 +324,7 @@ impl Ownership {
         let mut acting = self.acting.write().await;
         *acting = view.clone();
         let mut picture = self.write_picture();
+        self.forget_owners();
         picture.acting = view.clone();
         // Not settled until the announcement of this view has come back on the watch.
         picture.settled = false;
@@ -329,6 +353,7 @@ impl Ownership {
         if picture.settled == settled && picture.peers == peers {
             return;
         }
+        self.forget_owners();
         picture.settled = settled;
         picture.peers = peers;
         drop(picture);
@@ -380,6 +405,15 @@ impl Ownership {
 
     fn write_picture(&self) -> std::sync::RwLockWriteGuard<'_, Picture> {
         self.picture.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets what [`Ownership::owns`] remembered; called with the picture's write lock
+    /// held, as the picture changes.
+    fn forget_owners(&self) {
+        self.remembered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 }
 
@@ -502,5 +536,36 @@ mod tests {
                 .is_ok(),
             "a change of peers reshuffles"
         );
+    }
+
+    #[tokio::test]
+    async fn what_is_owned_follows_each_change_of_view_and_of_peers() {
+        let now = Instant::now();
+        let a = Ownership::new("a", Duration::from_secs(15), ShardBy::Object);
+        a.renewed(now).await;
+        let alone = View::new(["a"]);
+        a.switch(alone.clone()).await;
+        a.observe(Vec::new(), Some(&alone), now);
+        let names = names(200);
+        assert!(names.iter().all(|n| a.owns("Task", n)), "alone, a owns all");
+        // b joins: a's view gives b about half, asked again after a was asked under the old
+        // view (the answers it remembered are not reused).
+        let both = View::new(["a", "b"]);
+        a.switch(both.clone()).await;
+        a.observe(Vec::new(), Some(&both), now);
+        let now_owned: Vec<bool> = names.iter().map(|n| a.owns("Task", n)).collect();
+        let expected: Vec<bool> = names
+            .iter()
+            .map(|n| both.owner(&ShardBy::Object.key("Task", &n.namespace, &n.name)) == Some("a"))
+            .collect();
+        assert_eq!(now_owned, expected);
+        assert!(now_owned.iter().any(|o| !o), "b took some");
+        // b still announces the old view ["b"]: a keeps off what b claims there (everything).
+        let peer = Peer {
+            id: "b".into(),
+            announced: View::new(["b"]),
+        };
+        a.observe(vec![peer], Some(&both), now);
+        assert!(names.iter().all(|n| !a.owns("Task", n)));
     }
 }

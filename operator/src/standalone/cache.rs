@@ -11,7 +11,7 @@
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::runtime::reflector::store::Writer;
@@ -245,6 +245,21 @@ fn decode<K: DeserializeOwned>(object: &Value) -> Option<K> {
     }
 }
 
+/// A read of the cache (see [`ObjectCache::view`]).
+pub struct CacheView<'a>(RwLockReadGuard<'a, Cached>);
+
+impl CacheView<'_> {
+    /// Every Proplet, by namespace then name.
+    pub fn proplets(&self) -> impl Iterator<Item = &Proplet> + Clone {
+        self.0.proplets.values().map(|p| &**p)
+    }
+
+    /// Every Task, by namespace then name.
+    pub fn tasks(&self) -> impl Iterator<Item = &Task> + Clone {
+        self.0.tasks.values().map(|t| &**t)
+    }
+}
+
 impl ObjectCache {
     /// A cache of `store`'s Proplets and Tasks, kept current from now on.
     pub fn attach(store: &ObjectStore) -> Result<Arc<Self>, StoreError> {
@@ -282,7 +297,7 @@ impl ObjectCache {
         self.inner.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Cached> {
+    fn read(&self) -> RwLockReadGuard<'_, Cached> {
         self.inner.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -345,6 +360,12 @@ impl ObjectCache {
             _ => cached.unindexed.get(kind).map(|store| store.owners(&key)),
         }
         .unwrap_or_default()
+    }
+
+    /// The cached Proplets and Tasks, read in place while the view is held (writers wait):
+    /// for a pass over the whole fleet that copies nothing.
+    pub fn view(&self) -> CacheView<'_> {
+        CacheView(self.read())
     }
 
     /// Every Proplet, by namespace then name.

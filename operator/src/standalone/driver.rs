@@ -137,8 +137,8 @@ impl Driver {
 
     /// Sets the per-phase gauges of Proplets and Tasks from the cache (on each scrape).
     pub fn count_phases(&self) {
-        self.common
-            .count_phases(&self.cache.proplets(), &self.cache.tasks());
+        let view = self.cache.view();
+        self.common.count_phases(view.proplets(), view.tasks());
     }
 
     /// Runs the reconcilers until `shutdown` resolves, then lets the ones in flight finish.

@@ -76,6 +76,7 @@ pub fn prune_echoes(ctx: &Shared) {
 
 /// Sets the per-phase gauges from the caches.
 pub fn count_phases(ctx: &Shared) {
+    let (proplets, tasks) = (ctx.proplets.state(), ctx.tasks.state());
     ctx.common
-        .count_phases(&ctx.proplets.state(), &ctx.tasks.state());
+        .count_phases(proplets.iter().map(|p| &**p), tasks.iter().map(|t| &**t));
 }
